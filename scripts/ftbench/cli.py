@@ -34,7 +34,14 @@ def train(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", required=True, help="prepared data folder")
     parser.add_argument("--out", required=True, help="metrics.json to write; steps.parquet goes beside it")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--time-limit-s", type=float, default=None,
+        help="the job's wall-clock limit; training stops early (status timeout) leaving a margin to save results",
+    )
     args = parser.parse_args(argv)
+    import signal
+    import time
+
     import pandas as pd
     import torch
 
@@ -43,7 +50,14 @@ def train(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = json.loads(args.spec)
-    metrics, steps = trainer.train_run(spec, args.data)
+    stop = trainer.StopSignal()
+    if args.time_limit_s:
+        # Keep 10% (at least 60 s, at most half) for evaluation and writing, so a run near its walltime still
+        # records what it measured instead of being killed with nothing.
+        margin = min(max(60.0, 0.1 * args.time_limit_s), 0.5 * args.time_limit_s)
+        stop.deadline = time.monotonic() + args.time_limit_s - margin
+    signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "terminate_requested", True))
+    metrics, steps = trainer.train_run(spec, args.data, stop)
     out = Path(args.out)
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=[
         "step", "measured", "step_time_s", "samples", "tokens", "padded_tokens", "loss", "lr"]))

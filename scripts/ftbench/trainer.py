@@ -177,11 +177,29 @@ def make_scheduler(optimizer, spec: dict, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_run(spec: dict, data_dir: str | Path) -> tuple[dict, list[dict]]:
+@dataclass
+class StopSignal:
+    """When the loop must stop early: a wall-clock deadline (the job's time limit minus a margin for
+    evaluation and writing results) or a termination request (SIGTERM from the scheduler)."""
+
+    deadline: float | None = None  # time.monotonic() value
+    terminate_requested: bool = False
+
+    def reason(self, typical_step_s: float) -> str | None:
+        if self.terminate_requested:
+            return "terminated by the scheduler (SIGTERM)"
+        # Stop if another step might not finish before the deadline.
+        if self.deadline is not None and time.monotonic() + 2 * typical_step_s >= self.deadline:
+            return "stopped before the job's time limit"
+        return None
+
+
+def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None) -> tuple[dict, list[dict]]:
     """Run one configuration; return (metrics, step records). Expected failures become a status.
 
     Unexpected exceptions propagate: the job fails with its traceback rather than writing a fake row.
     """
+    stop = stop or StopSignal()
     started = time.perf_counter()
     metrics: dict = {"run_id": spec["run_id"], "status": "ok", "status_reason": None}
     steps: list[dict] = []
@@ -194,7 +212,7 @@ def train_run(spec: dict, data_dir: str | Path) -> tuple[dict, list[dict]]:
         metrics["world_size"] = world_size
         modeling.check_supported(spec, device)
         manifest = data.verify(data_dir)
-        steps = _train(spec, data_dir, manifest, device, world_size, metrics)
+        steps = _train(spec, data_dir, manifest, device, world_size, metrics, stop)
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
     except torch.OutOfMemoryError as exc:
@@ -204,7 +222,7 @@ def train_run(spec: dict, data_dir: str | Path) -> tuple[dict, list[dict]]:
     return metrics, steps
 
 
-def _train(spec, data_dir, manifest, device, world_size, metrics) -> list[dict]:
+def _train(spec, data_dir, manifest, device, world_size, metrics, stop: StopSignal) -> list[dict]:
     set_seed(spec["seed"])
     load_started = time.perf_counter()
     train_split = data.load_split(data_dir, "train", manifest)
@@ -237,6 +255,11 @@ def _train(spec, data_dir, manifest, device, world_size, metrics) -> list[dict]:
     for step, indices in enumerate(batch_order(len(train_split), spec["batch_size"], total_steps, spec["seed"])):
         if step == spec["warmup_steps"]:
             measurement.window_start = step_start
+        typical = measurement.steps[-1]["step_time_s"] if measurement.steps else 0.0
+        stop_reason = stop.reason(typical)
+        if stop_reason:
+            metrics.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
+            break
         batch = collate(train_split, indices, pad_id)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=use_autocast):
             output = model(
