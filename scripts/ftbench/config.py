@@ -88,6 +88,8 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
         expected = " or ".join(expected) if isinstance(expected, list) else expected
         return f"config key {path}: expected {expected}, got {type(error.instance).__name__} {error.instance!r}"
     if kind in ("minItems", "minProperties"):
+        if error.validator_value > 1:
+            return f"config key {path}: needs at least {error.validator_value} entries, got {len(error.instance)}"
         return f"config key {path}: must not be empty"
     if kind == "required":
         return f"config key {path}: {error.message}"
@@ -101,8 +103,28 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
     if kind == "propertyNames":
         return f"config key {path}: name {error.instance!r} must be letters, digits, '_' or '.'"
     if kind == "oneOf":
-        return f"config key {path}: {error.instance!r} is not a valid value here"
+        allowed = " or ".join(describe_allowed(option) for option in error.validator_value)
+        return f"config key {path}: {error.instance!r} is not allowed; expected {allowed}"
     return f"config key {path}: {' '.join(error.message.split())}"
+
+
+def describe_allowed(schema: dict) -> str:
+    """A short phrase for what one (sub)schema accepts, e.g. ``null`` or ``integer >= 1``."""
+    if "const" in schema:
+        return repr(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(repr(value) for value in schema["enum"])
+    kind = schema.get("type", "value")
+    text = " or ".join(kind) if isinstance(kind, list) else kind
+    if kind == "array":
+        text = "a non-empty list" if schema.get("minItems", 0) >= 1 else "a list"
+        item_type = schema.get("items", {}).get("type")
+        if item_type:
+            text += f" of {item_type}s"
+    for key, symbol in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<")):
+        if key in schema:
+            text += f" {symbol} {schema[key]}"
+    return text
 
 
 def check_references(config: dict) -> None:
@@ -113,15 +135,15 @@ def check_references(config: dict) -> None:
     models = config["models"]
     datasets = config["datasets"]
     for where, settings in _settings_blocks(config):
-        for name in _as_list(settings.get("model")):
+        for key, name in _indexed(settings.get("model"), f"{where}.model"):
             if name not in models:
                 raise ConfigError(
-                    f"config key {where}.model: unknown model {name!r}; defined models: {', '.join(sorted(models))}"
+                    f"config key {key}: unknown model {name!r}; defined models: {', '.join(sorted(models))}"
                 )
-        for name in _as_list(settings.get("dataset")):
+        for key, name in _indexed(settings.get("dataset"), f"{where}.dataset"):
             if name not in datasets:
                 raise ConfigError(
-                    f"config key {where}.dataset: unknown dataset {name!r}; defined datasets: {', '.join(sorted(datasets))}"
+                    f"config key {key}: unknown dataset {name!r}; defined datasets: {', '.join(sorted(datasets))}"
                 )
     for name, model in models.items():
         sources.check_source(model["source"], f"models.{name}.source", role="model")
@@ -140,7 +162,8 @@ def check_references(config: dict) -> None:
         limit = sources.model_max_seq_len(models[run["model"]])
         if limit is not None and run["seq_len"] > limit:
             raise ConfigError(
-                f"config key matrix.seq_len: {run['seq_len']} exceeds model {run['model']!r} maximum of {limit} positions"
+                f"config key {_seq_len_key(config, run['seq_len'])}: {run['seq_len']} exceeds model "
+                f"{run['model']!r} maximum of {limit} positions; expected a value <= {limit}"
             )
 
 
@@ -154,7 +177,19 @@ def _settings_blocks(config: dict):
         yield f"overrides[{index}].set", entry["set"]
 
 
-def _as_list(value: Any) -> list:
+def _indexed(value: Any, key: str) -> list[tuple[str, Any]]:
+    """(key path, value) pairs: ``matrix.model[1]`` for a list (an axis), the key itself for one value."""
     if value is None:
         return []
-    return value if isinstance(value, list) else [value]
+    if isinstance(value, list):
+        return [(f"{key}[{index}]", item) for index, item in enumerate(value)]
+    return [(key, value)]
+
+
+def _seq_len_key(config: dict, value: int) -> str:
+    """The config key a too-long seq_len came from (matrix axis, include, override or defaults)."""
+    for where, settings in _settings_blocks(config):
+        for key, item in _indexed(settings.get("seq_len"), f"{where}.seq_len"):
+            if item == value:
+                return key
+    return "defaults.seq_len"
