@@ -32,39 +32,111 @@ def train(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train and measure one run.")
     parser.add_argument("--spec", required=True, help="JSON run spec")
     parser.add_argument("--data", required=True, help="prepared data folder")
-    parser.add_argument("--out", required=True, help="metrics.json to write; steps.parquet goes beside it")
+    parser.add_argument("--out", help="metrics.json to write; steps.parquet goes beside it")
+    parser.add_argument("--rank-dir", help="(DDP worker started by torchrun) folder for this rank's result")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument(
         "--time-limit-s", type=float, default=None,
         help="the job's wall-clock limit; training stops early (status timeout) leaving a margin to save results",
     )
     args = parser.parse_args(argv)
+    if not (args.out or args.rank_dir):
+        parser.error("one of --out or --rank-dir is required")
+    spec = json.loads(args.spec)
+    stop = _stop_signal(args.time_limit_s)
+    if args.rank_dir:
+        _train_rank(spec, args, stop)
+        return
+
+    import pandas as pd
+
+    from . import atomic, environment, launch, trainer
+
+    slots = launch.GpuSlots()
+    assigned = launch.assign_gpus(spec["num_gpus"] if spec["device"] != "cpu" else 0, slots)
+    if assigned is not None:
+        print(f"using GPUs {assigned}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if spec["parallel"] == "ddp":
+        metrics, steps = _train_ddp(spec, args)
+    else:
+        metrics, steps = trainer.train_run(spec, args.data, stop)
+    out = Path(args.out)
+    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
+    # metrics.json is written last: its presence means the run's results are complete.
+    atomic.write_json(out, {"spec": spec, "metrics": metrics, "environment": environment.capture()})
+    slots.release()
+    summary = {key: metrics.get(key) for key in ("status", "status_reason", "tokens_per_s", "eval_accuracy")}
+    print(f"{spec['run_id']}: {summary}")
+
+
+def _stop_signal(time_limit_s: float | None):
     import signal
     import time
 
-    import pandas as pd
+    from .trainer import StopSignal
+
+    stop = StopSignal()
+    if time_limit_s:
+        # Keep 10% (at least 60 s, at most half) for evaluation and writing, so a run near its
+        # walltime still records what it measured instead of being killed with nothing.
+        margin = min(max(60.0, 0.1 * time_limit_s), 0.5 * time_limit_s)
+        stop.deadline = time.monotonic() + time_limit_s - margin
+    signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "terminate_requested", True))
+    return stop
+
+
+def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
+    """Launcher side of a DDP run: check it can run, start torchrun, merge the ranks' results."""
+    import shutil
+
+    from . import launch, modeling, trainer
+    from .errors import UnsupportedConfiguration
+
+    try:
+        device, _ = trainer.choose_device(spec, trainer.Distributed())
+        modeling.check_supported(spec, device)
+    except UnsupportedConfiguration as exc:
+        return {"run_id": spec["run_id"], "status": "unsupported", "status_reason": str(exc)}, []
+    rank_dir = Path(args.out).parent / "ranks"
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    rank_dir.mkdir(parents=True)
+    code = launch.run_ddp(spec, args.data, rank_dir, args.threads, args.time_limit_s)
+    results = launch.read_rank_results(rank_dir)
+    devices = trainer.devices_in_run(spec)
+    if len(results) < devices:
+        # A rank died without writing its result (killed, segfault): no honest row can be made.
+        raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
+    return launch.merge_ranks(results, devices)
+
+
+def _train_rank(spec: dict, args, stop) -> None:
+    """One DDP rank (started by torchrun): train, then write rank<R>.json."""
+    import datetime
+    import os
+
     import torch
 
-    from . import atomic, environment, trainer
+    from . import atomic, trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = json.loads(args.spec)
-    stop = trainer.StopSignal()
-    if args.time_limit_s:
-        # Keep 10% (at least 60 s, at most half) for evaluation and writing, so a run near its walltime still
-        # records what it measured instead of being killed with nothing.
-        margin = min(max(60.0, 0.1 * args.time_limit_s), 0.5 * args.time_limit_s)
-        stop.deadline = time.monotonic() + args.time_limit_s - margin
-    signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "terminate_requested", True))
-    metrics, steps = trainer.train_run(spec, args.data, stop)
-    out = Path(args.out)
-    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=[
-        "step", "measured", "step_time_s", "samples", "tokens", "padded_tokens", "loss", "lr"]))
-    # metrics.json is written last: its presence means the run's results are complete.
-    atomic.write_json(out, {"spec": spec, "metrics": metrics, "environment": environment.capture()})
-    summary = {key: metrics.get(key) for key in ("status", "status_reason", "tokens_per_s", "eval_accuracy")}
-    print(f"{spec['run_id']}: {summary}")
+    dist = trainer.Distributed.from_env()
+    use_cuda = spec["device"] != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(dist.local_rank)
+    # A bounded timeout: a rank stuck in a collective (a peer died) fails instead of hanging the job.
+    timeout = datetime.timedelta(seconds=float(os.environ.get("FTBENCH_DDP_TIMEOUT_S", 600)))
+    torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    try:
+        metrics, steps = trainer.train_run(spec, args.data, stop, dist)
+    finally:
+        torch.distributed.destroy_process_group()
+    metrics["rank"] = dist.rank
+    atomic.write_json(Path(args.rank_dir) / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps})
 
 
 def collect(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "status": ("string", "ok | oom | diverged | timeout | unsupported | failed"),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
     "model": ("string", "model name from the config"),
+    "task": ("string", "classification | causal_lm | seq2seq"),
     "dataset": ("string", "dataset name from the config"),
     "method": ("string", "full | lora | qlora"),
     "precision": ("string", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)"),
@@ -20,8 +21,14 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "lora_rank": ("Int64", "LoRA rank r; null for full fine-tuning"),
     "lora_alpha": ("Float64", "LoRA scaling alpha; null for full fine-tuning"),
     "learning_rate": ("Float64", "peak learning rate"),
-    "optimizer": ("string", "optimizer name"),
+    "optimizer": ("string", "adamw | adamw_8bit | paged_adamw_8bit | sgd"),
+    "grad_accum_steps": ("Int64", "micro-batches per optimizer step"),
     "gradient_checkpointing": ("boolean", "activation recomputation on"),
+    "compile": ("boolean", "torch.compile on"),
+    "attn_implementation": ("string", "attention kernel asked for (sdpa | eager); null: the model's default"),
+    "qlora_quant_type": ("string", "nf4 | fp4 (QLoRA only)"),
+    "qlora_double_quant": ("boolean", "QLoRA double quantisation of the quantisation constants"),
+    "qlora_compute_dtype": ("string", "QLoRA compute dtype; null: the run's precision"),
     "num_gpus": ("Int64", "GPUs the run asked for (0: CPU)"),
     "parallel": ("string", "single | dp | ddp"),
     "repeat": ("Int64", "repeat index of this configuration (0-based)"),
@@ -60,15 +67,28 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "peak_memory_mb": ("Float64", "the run's memory figure: CUDA reserved on GPU, peak RSS on CPU"),
     # quality
     "final_train_loss": ("Float64", "training loss of the last step"),
-    "eval_accuracy": ("Float64", "accuracy on the eval split"),
-    "eval_loss": ("Float64", "mean loss on the eval split"),
+    "eval_accuracy": ("Float64", "classification accuracy on the eval split"),
+    "eval_loss": ("Float64", "mean loss on the eval split (per sample for classification, per target token for LMs)"),
+    "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq"),
+    "eval_token_accuracy": ("Float64", "next-token (causal_lm) or target-token (seq2seq) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
     # time
     "load_time_s": ("Float64", "seconds to read data and build the model"),
+    "first_step_s": ("Float64", "seconds of the first step (warmup; includes compilation and lazy init)"),
+    "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
     "eval_time_s": ("Float64", "seconds of evaluation"),
     "wall_time_s": ("Float64", "seconds of the whole training job"),
 }
+
+
+# Columns copied from the run spec as they are.
+SPEC_COLUMNS = (
+    "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
+    "learning_rate", "optimizer", "grad_accum_steps", "gradient_checkpointing", "compile",
+    "attn_implementation", "qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype",
+    "num_gpus", "parallel", "repeat", "seed",
+)
 
 
 def row_from_result(result: dict) -> dict:
@@ -76,10 +96,8 @@ def row_from_result(result: dict) -> dict:
     spec = result["spec"]
     env = result.get("environment", {})
     libraries = env.get("libraries", {})
-    row = {key: spec.get(key) for key in (
-        "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
-        "learning_rate", "optimizer", "gradient_checkpointing", "num_gpus", "parallel", "repeat", "seed",
-    )}
+    row = {key: spec.get(key) for key in SPEC_COLUMNS}
+    row["task"] = spec["model_def"].get("task", "classification")
     row.update({key: value for key, value in result["metrics"].items() if key in COLUMNS})
     row.update(
         host=env.get("host"),

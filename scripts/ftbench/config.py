@@ -159,12 +159,37 @@ def check_references(config: dict) -> None:
     if not runs:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
     for run in runs:
+        check_run(run)
         limit = sources.model_max_seq_len(models[run["model"]])
         if limit is not None and run["seq_len"] > limit:
             raise ConfigError(
                 f"config key {_seq_len_key(config, run['seq_len'])}: {run['seq_len']} exceeds model "
                 f"{run['model']!r} maximum of {limit} positions; expected a value <= {limit}"
             )
+
+
+def check_run(run: dict) -> None:
+    """Combinations that the schema allows key by key but that cannot work together."""
+    from .tasks import TASKS, model_task
+
+    task = model_task(run["model_def"])
+    dataset_def = run["dataset_def"]
+    where = f"datasets.{run['dataset']}"
+    if dataset_def["source"]["kind"] != "synthetic":
+        for key in ("text_column", *TASKS[task].needs):
+            if key not in dataset_def:
+                raise ConfigError(f"config key {where}.{key}: required to train model {run['model']!r} ({task})")
+    if run["max_steps"] is not None and run["warmup_steps"] >= run["max_steps"]:
+        raise ConfigError(
+            f"config key warmup_steps: {run['warmup_steps']} leaves nothing to measure in run {run['run_id']} "
+            f"(max_steps {run['max_steps']}); expected warmup_steps < max_steps"
+        )
+    if run["compile"] and run["warmup_steps"] < 1:
+        raise ConfigError(
+            f"config key warmup_steps: run {run['run_id']} compiles; expected warmup_steps >= 1 so compilation is not measured"
+        )
+    if run["parallel"] in ("dp", "ddp") and run["num_gpus"] < 2 and run["device"] != "cpu":
+        raise ConfigError(f"config key num_gpus: run {run['run_id']} uses parallel {run['parallel']!r}; expected num_gpus >= 2")
 
 
 def _settings_blocks(config: dict):

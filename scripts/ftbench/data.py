@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import atomic, sources
+from . import atomic, sources, tasks
 from .errors import ConfigError, ManifestError, SourceError
+from .modeling import load_tokenizer, tokenizer_source
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -30,26 +30,35 @@ SPLITS = ("train", "eval")
 # Reading the raw dataset
 
 
-def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The train and eval examples as DataFrames with columns ``text`` and ``label`` (original values)."""
-    tables = _load_source_tables(dataset_def)
+def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str = "classification"):
+    """The train and eval examples as DataFrames with column ``text``, plus ``label`` (classification,
+    original values) or ``target`` (seq2seq)."""
     where = f"datasets.{dataset_name}"
-    text_col, label_col = dataset_def["text_column"], dataset_def["label_column"]
+    columns = {"text": ("text_column", dataset_def["text_column"])}
+    if task == "classification":
+        columns["label"] = ("label_column", dataset_def.get("label_column"))
+    if task == "seq2seq":
+        columns["target"] = ("target_column", dataset_def.get("target_column"))
+    for role, column in columns.values():
+        if column is None:
+            raise ConfigError(f"config key {where}.{role}: required for a {task} model")
+
+    tables = _load_source_tables(dataset_def)
     for split_name, frame in tables.items():
-        for role, column in (("text_column", text_col), ("label_column", label_col)):
+        for role, column in columns.values():
             if column not in frame.columns:
                 raise ConfigError(
                     f"config key {where}.{role}: column {column!r} not in split {split_name!r}; "
                     f"columns are {', '.join(map(str, frame.columns))}"
                 )
     tables = {
-        name: frame[[text_col, label_col]].rename(columns={text_col: "text", label_col: "label"})
+        name: frame[[column for _, column in columns.values()]].set_axis(list(columns), axis=1)
         for name, frame in tables.items()
     }
-    labels = dataset_def.get("labels")
+    labels = dataset_def.get("labels") if task == "classification" else None
     tables = {name: _clean(frame, labels, dataset_def.get("deduplicate", True)) for name, frame in tables.items()}
 
-    if "train_size" in dataset_def or "eval_split" not in dataset_def:
+    if "eval_split" not in dataset_def:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
         train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
         eval_size = dataset_def.get("eval_size", len(frame) - train_size)
@@ -68,29 +77,46 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset") -> tuple[p
 
 
 def _load_source_tables(dataset_def: dict) -> dict[str, pd.DataFrame]:
-    import datasets  # heavy import, only where data is really read
-
     source = dataset_def["source"]
-    if source["kind"] == "hub":
-        loaded = datasets.load_dataset(source["name"], source.get("subset"), revision=source.get("revision"))
-    else:
+    if source["kind"] != "hub":
         location = Path(sources.resolve_location(source))
         if not location.exists():
             raise SourceError(f"dataset source {location} does not exist")
         data_format = sources.dataset_format(location, dataset_def.get("format"))
         if data_format is not None:
-            loaded = datasets.load_dataset(data_format, data_files=str(location))
-        elif (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
-            loaded = datasets.load_from_disk(str(location))  # a datasets.save_to_disk folder
-        else:
-            loaded = datasets.load_dataset(str(location))  # a folder of data files, hub layout
+            # Plain files are read with pandas (compression inferred from the suffix): no extra
+            # dependency on training nodes, and the same frames `datasets` would give.
+            return {"train": _read_file(location, data_format)}
+
+    import datasets  # hub names, save_to_disk folders and hub-layout folders
+
+    if source["kind"] == "hub":
+        loaded = datasets.load_dataset(source["name"], source.get("subset"), revision=source.get("revision"))
+    elif (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
+        loaded = datasets.load_from_disk(str(location))
+    else:
+        loaded = datasets.load_dataset(str(location))
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     return {name: split.to_pandas() for name, split in loaded.items()}
 
 
+def _read_file(location: Path, data_format: str) -> pd.DataFrame:
+    if data_format == "csv":
+        separator = "\t" if ".tsv" in location.suffixes else ","
+        return pd.read_csv(location, sep=separator)
+    if data_format == "json":
+        # One JSON document (an array of records) or JSON Lines (one object a line). Try the whole
+        # document first: read as lines, a one-line array parses "successfully" into one column per record.
+        try:
+            return pd.read_json(location)
+        except ValueError:
+            return pd.read_json(location, lines=True)
+    return pd.read_parquet(location)
+
+
 def _clean(frame: pd.DataFrame, labels: list | None, deduplicate: bool) -> pd.DataFrame:
-    frame = frame.dropna(subset=["text", "label"])
+    frame = frame.dropna()
     frame = frame[frame["text"].astype(str).str.strip() != ""]
     if labels is not None:
         frame = frame[frame["label"].isin(labels)]
@@ -111,6 +137,8 @@ def stratified_split(frame: pd.DataFrame, train_size: int, eval_size: int, seed:
 
 
 def _take_stratified(frame: pd.DataFrame, count: int) -> pd.DataFrame:
+    if "label" not in frame.columns:
+        return frame.head(count)  # no classes to balance: the shuffled order is the split
     shares = frame["label"].value_counts(normalize=True, sort=False)
     exact = shares * count
     quotas = np.floor(exact).astype(int)
@@ -133,48 +161,84 @@ def prepare(
     shard_size_mb: float = 128,
 ) -> dict:
     """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
-    from .modeling import load_tokenizer
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, evaluation = load_raw_splits(dataset_def, dataset_name)
-    label_names = dataset_def.get("labels") or sorted(pd.concat([train["label"], evaluation["label"]]).unique().tolist())
-    label_ids = {name: index for index, name in enumerate(label_names)}
-    unknown = set(evaluation["label"]) - set(label_ids)
-    if unknown:
-        raise ConfigError(
-            f"config key datasets.{dataset_name}.labels: eval split has labels {sorted(map(str, unknown))} not in train"
-        )
-
+    task = tasks.model_task(model_def)
     tokenizer = load_tokenizer(model_def)
+    if dataset_def["source"]["kind"] == "synthetic":
+        split_tables, label_names = synthetic_tables(dataset_def, task, seq_len, len(tokenizer))
+    else:
+        split_tables, label_names = _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len)
+
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "dataset": dataset_name,
+        "task": task,
         "source_fingerprint": sources.fingerprint(dataset_def["source"]),
-        "tokenizer": model_def["source"].get("tokenizer", model_def["source"]),
+        "tokenizer": tokenizer_source(model_def),
         "tokenizer_class": type(tokenizer).__name__,
-        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
         "seq_len": seq_len,
-        "label_names": [str(name) for name in label_names],
+        "label_names": label_names,
         "shard_size_mb": shard_size_mb,
         "splits": {},
     }
-    for split_name, frame in zip(SPLITS, (train, evaluation)):
-        encoded = tokenizer(frame["text"].astype(str).tolist(), truncation=True, max_length=seq_len)
-        table = pa.table(
-            {
-                "input_ids": pa.array(encoded["input_ids"], type=pa.list_(pa.int32())),
-                "length": pa.array([len(ids) for ids in encoded["input_ids"]], type=pa.int32()),
-                "label": pa.array([label_ids[value] for value in frame["label"]], type=pa.int64()),
-            }
-        )
+    for split_name, table in split_tables.items():
         manifest["splits"][split_name] = {
             "rows": table.num_rows,
-            "tokens": int(pa.compute.sum(table["length"]).as_py() or 0),
+            "tokens": tasks.real_tokens_in(table),
             "shards": write_shards(table, out_dir, split_name, shard_size_mb),
         }
     atomic.write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
+
+
+def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
+    train, evaluation = load_raw_splits(dataset_def, dataset_name, task)
+    label_ids = None
+    label_names = None
+    if task == "classification":
+        label_names = dataset_def.get("labels") or sorted(pd.concat([train["label"], evaluation["label"]]).unique().tolist())
+        label_ids = {name: index for index, name in enumerate(label_names)}
+        unknown = set(evaluation["label"]) - set(label_ids)
+        if unknown:
+            raise ConfigError(
+                f"config key datasets.{dataset_name}.labels: eval split has labels {sorted(map(str, unknown))} not in train"
+            )
+        label_names = [str(name) for name in label_names]
+    tables = {}
+    for split_name, frame in zip(SPLITS, (train, evaluation)):
+        input_ids = tokenizer(frame["text"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
+        labels = [label_ids[value] for value in frame["label"]] if label_ids else None
+        targets = None
+        if task == "seq2seq":
+            targets = tokenizer(text_target=frame["target"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
+        tables[split_name] = tasks.to_table(task, input_ids, labels, targets)
+    return tables, label_names
+
+
+def synthetic_tables(dataset_def: dict, task: str, seq_len: int, vocab_size: int):
+    """Random full-length token sequences, for throughput and memory runs where quality is irrelevant.
+
+    Every sequence is exactly ``seq_len`` tokens, so there is no padding and the token count per step is
+    fixed (batch x seq_len), which makes runs of different shapes directly comparable.
+    """
+    source = dataset_def["source"]
+    rng = np.random.default_rng(dataset_def.get("split_seed", 0))
+    sizes = {"train": dataset_def.get("train_size", 1024), "eval": dataset_def.get("eval_size", 128)}
+    num_labels = source.get("num_labels", 2)
+    low = min(100, vocab_size // 2)  # skip the special tokens at the start of most vocabularies
+    tables = {}
+    for split_name, rows in sizes.items():
+        ids = rng.integers(low, vocab_size, size=(rows, seq_len), dtype=np.int64).tolist()
+        labels = rng.integers(0, num_labels, size=rows).tolist() if task == "classification" else None
+        targets = None
+        if task == "seq2seq":
+            target_len = source.get("target_len", max(1, seq_len // 4))
+            targets = rng.integers(low, vocab_size, size=(rows, target_len), dtype=np.int64).tolist()
+        tables[split_name] = tasks.to_table(task, ids, labels, targets)
+    label_names = [str(index) for index in range(num_labels)] if task == "classification" else None
+    return tables, label_names
 
 
 def write_shards(table: pa.Table, out_dir: Path, split_name: str, shard_size_mb: float) -> list[dict]:
@@ -233,24 +297,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     return manifest
 
 
-@dataclass
-class TokenisedSplit:
-    """A split in memory: unpadded token id arrays and integer labels."""
-
-    input_ids: list[np.ndarray]
-    labels: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.fromiter((len(ids) for ids in self.input_ids), dtype=np.int64, count=len(self.input_ids))
-
-
-def load_split(data_dir: str | Path, split_name: str, manifest: dict) -> TokenisedSplit:
+def load_split(data_dir: str | Path, split_name: str, manifest: dict) -> tasks.TokenisedSplit:
     data_dir = Path(data_dir)
     tables = [pq.read_table(data_dir / shard["file"]) for shard in manifest["splits"][split_name]["shards"]]
-    table = pa.concat_tables(tables)
-    ids = [np.asarray(row, dtype=np.int64) for row in table["input_ids"].to_pylist()]
-    return TokenisedSplit(input_ids=ids, labels=table["label"].to_numpy().astype(np.int64))
+    return tasks.from_table(pa.concat_tables(tables))

@@ -27,7 +27,14 @@ RUN_DEFAULTS: dict[str, Any] = {
     "learning_rate": 5e-4,
     "lr_warmup_steps": 0,
     "weight_decay": 0.0,
-    "optimizer": "adamw",
+    "optimizer": "adamw",  # adamw (fused on CUDA) | adamw_8bit | paged_adamw_8bit (bitsandbytes) | sgd
+    "grad_accum_steps": 1,
+    "compile": False,
+    "attn_implementation": None,  # None: the model's default (sdpa where supported)
+    "qlora_quant_type": "nf4",
+    "qlora_double_quant": True,
+    "qlora_compute_dtype": None,  # None: the run's precision
+    "device": "auto",  # auto: the GPUs asked for, or the CPU for a 1-GPU run on a machine without one
     "epochs": 1,
     "max_steps": None,
     "warmup_steps": 3,
@@ -40,6 +47,7 @@ RUN_DEFAULTS: dict[str, Any] = {
 }
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+QLORA_KEYS = ("qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype")
 
 # Bumping this changes every run id: do it when the meaning of a spec key changes.
 SPEC_VERSION = 1
@@ -83,6 +91,9 @@ def normalise_settings(settings: dict) -> dict:
             settings[key] = None
     elif settings["lora_alpha"] is None:
         settings["lora_alpha"] = 2 * settings["lora_rank"]
+    if settings["method"] != "qlora":
+        for key in QLORA_KEYS:
+            settings[key] = None
     if settings["max_steps"] is not None:
         settings["epochs"] = None  # max_steps wins; epochs no longer matters
     if settings["parallel"] == "single":
@@ -112,7 +123,17 @@ def readable_name(settings: dict, repeat: int, repeats: int) -> str:
     parts = [settings["model"], settings["dataset"], settings["method"]]
     if settings["method"] != "full":
         parts.append(f"r{settings['lora_rank']}")
+    if settings["method"] == "qlora" and settings["qlora_quant_type"] != "nf4":
+        parts.append(settings["qlora_quant_type"])
     parts += [settings["precision"], f"b{settings['batch_size']}", f"s{settings['seq_len']}"]
+    if settings["grad_accum_steps"] > 1:
+        parts.append(f"ga{settings['grad_accum_steps']}")
+    if settings["optimizer"] != "adamw":
+        parts.append(settings["optimizer"])
+    if settings["gradient_checkpointing"]:
+        parts.append("gc")
+    if settings["compile"]:
+        parts.append("compiled")
     if settings["parallel"] != "single":
         parts.append(f"{settings['parallel']}{settings['num_gpus']}")
     if repeats > 1:
@@ -125,6 +146,7 @@ def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
     tokenizer_source = model_def["source"].get("tokenizer", model_def["source"])
     key = {
         "dataset": dataset_def,
+        "task": model_def.get("task", "classification"),
         "tokenizer": tokenizer_source,
         "seq_len": seq_len,
         "shard_size_mb": shard_size_mb(config),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import sources
+from . import sources, tasks
 from .errors import SourceError, UnsupportedConfiguration
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -27,16 +27,28 @@ def tokenizer_source(model_def: dict) -> dict:
     return source["tokenizer"] if source["kind"] == "config" else source
 
 
+def _pretrained_args(source: dict) -> tuple[str, dict]:
+    """(location, extra from_pretrained kwargs) of a checkpoint source; GGUF files dequantise on load."""
+    location = sources.resolve_location(source)
+    if source["kind"] != "hub" and not Path(location).exists():
+        raise SourceError(f"model source {location} does not exist")
+    extra = {"gguf_file": source["gguf_file"]} if source.get("gguf_file") else {}
+    if source.get("revision"):
+        extra["revision"] = source["revision"]
+    return location, extra
+
+
 def load_tokenizer(model_def: dict):
     from transformers import AutoTokenizer
 
-    location = sources.resolve_location(tokenizer_source(model_def))
+    location, extra = _pretrained_args(tokenizer_source(model_def))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-    except OSError as exc:
+        tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+    except (OSError, ValueError) as exc:
         raise SourceError(f"tokenizer {location}: cannot be loaded ({' '.join(str(exc).split())[:300]})") from None
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token  # decoder tokenizers ship without a pad token
+    if tokenizer.pad_token_id is None:
+        # Decoder tokenizers ship without a pad token; padded positions are masked out anyway.
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
 
 
@@ -67,24 +79,31 @@ def check_supported(spec: dict, device: torch.device) -> None:
     """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run."""
     if spec["precision"] == "fp16" and device.type == "cpu":
         raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
-    if spec["method"] == "qlora" and not bitsandbytes_available():
-        raise UnsupportedConfiguration("qlora needs the bitsandbytes package, which is not installed")
-    if spec["parallel"] == "ddp":
-        raise UnsupportedConfiguration("parallel mode ddp needs the torchrun launcher, which this version does not start yet")
+    needs_bnb = spec["method"] == "qlora" or spec["optimizer"] in BNB_OPTIMIZERS
+    if needs_bnb and not bitsandbytes_available():
+        raise UnsupportedConfiguration(f"{spec['method']}/{spec['optimizer']} needs the bitsandbytes package, which is not installed")
+    if spec["optimizer"] == "paged_adamw_8bit" and device.type != "cuda":
+        raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
     if spec["precision"] == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
+    if spec["compile"] and spec["parallel"] == "dp":
+        raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
+    if spec["method"] == "qlora" and spec["model_def"]["source"]["kind"] == "config":
+        raise UnsupportedConfiguration("qlora quantises pretrained weights; a randomly initialised config model has none")
 
 
-def build_model(spec: dict, num_labels: int, device: torch.device) -> BuiltModel:
-    from transformers import AutoModelForSequenceClassification
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
+
+def build_model(spec: dict, num_labels: int | None, device: torch.device) -> BuiltModel:
+    """The model for one run, on ``device``, with adapters and checkpointing applied."""
     model_def = spec["model_def"]
     source = model_def["source"]
-    kwargs = {"num_labels": num_labels}
-    if spec["method"] == "qlora":
-        kwargs["quantization_config"] = _bnb_config(spec)
-        # bitsandbytes quantises while loading, on the device it loads to.
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    task = tasks.TASKS[tasks.model_task(model_def)]
+    model_class = task.model_class()
+    kwargs = {"num_labels": num_labels} if task.name == "classification" else {}
+    if spec["attn_implementation"]:
+        kwargs["attn_implementation"] = spec["attn_implementation"]
 
     if source["kind"] == "config":
         import transformers
@@ -92,57 +111,58 @@ def build_model(spec: dict, num_labels: int, device: torch.device) -> BuiltModel
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        config = config_class(**source.get("overrides", {}), num_labels=num_labels)
-        if spec["method"] == "qlora":
-            raise UnsupportedConfiguration("qlora on a randomly initialised config model is not supported; save it first")
-        model = AutoModelForSequenceClassification.from_config(config)
+        config = config_class(**source.get("overrides", {}), **kwargs)
+        model = model_class.from_config(config)
     else:
-        location = sources.resolve_location(source)
-        if source["kind"] != "hub" and not Path(location).exists():
-            raise SourceError(f"model source {location} does not exist")
-        model = AutoModelForSequenceClassification.from_pretrained(location, **kwargs)
+        location, extra = _pretrained_args(source)
+        if spec["method"] == "qlora":
+            kwargs["quantization_config"] = _bnb_config(spec)
+            # bitsandbytes quantises while loading, onto the device it loads to.
+            kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+        model = model_class.from_pretrained(location, **extra, **kwargs)
     if model.config.pad_token_id is None:
-        model.config.pad_token_id = _pad_id(model_def)
+        model.config.pad_token_id = load_tokenizer(model_def).pad_token_id
 
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if spec["method"] == "qlora":
         from peft import prepare_model_for_kbit_training
 
+        # Casts norms and the head to fp32 and enables input gradients, which 4-bit training needs.
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=spec["gradient_checkpointing"],
-            gradient_checkpointing_kwargs={"use_reentrant": False},
+            model, use_gradient_checkpointing=spec["gradient_checkpointing"], **checkpointing
         )
     elif spec["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(**checkpointing)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # the KV cache only serves generation and costs memory in training
 
     if spec["method"] in ("lora", "qlora"):
-        model = _add_lora(model, spec)
+        model = _add_lora(model, spec, task)
     if spec["method"] != "qlora":
         model = model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
 
 
-def _pad_id(model_def: dict) -> int | None:
-    return load_tokenizer(model_def).pad_token_id
-
-
 def _bnb_config(spec: dict):
     from transformers import BitsAndBytesConfig
 
+    compute = spec["qlora_compute_dtype"] or spec["precision"]
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=DTYPES[spec["precision"]],
+        bnb_4bit_quant_type=spec["qlora_quant_type"],
+        bnb_4bit_use_double_quant=spec["qlora_double_quant"],
+        bnb_4bit_compute_dtype=DTYPES[compute],
         llm_int8_skip_modules=CLASSIFIER_HEADS,
     )
 
 
-def _add_lora(model, spec: dict):
+def _add_lora(model, spec: dict, task: tasks.Task):
     from peft import LoraConfig, TaskType, get_peft_model
 
     config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,  # keeps the new classification head trainable (modules_to_save)
+        # The task type makes peft keep a new classification head trainable (modules_to_save).
+        task_type=getattr(TaskType, task.peft_task_type),
         r=spec["lora_rank"],
         lora_alpha=spec["lora_alpha"],
         lora_dropout=spec["lora_dropout"],

@@ -58,7 +58,7 @@ def resolve_location(source: dict) -> str:
     raise SourceError(f"a {kind!r} source has no location")
 
 
-REQUIRED_FIELDS = {"hub": ("name",), "path": ("path",), "package": ("package",), "config": ("architecture",)}
+REQUIRED_FIELDS = {"hub": ("name",), "path": ("path",), "package": ("package",), "config": ("architecture",), "synthetic": ()}
 
 
 def check_source(source: dict, where: str, role: str) -> None:
@@ -74,6 +74,10 @@ def check_source(source: dict, where: str, role: str) -> None:
             raise ConfigError(f"config key {where}.tokenizer: a model built from a config needs a tokenizer source")
         check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
         return
+    if kind == "synthetic":
+        if role != "dataset":
+            raise ConfigError(f"config key {where}.kind: 'synthetic' makes random token data; a model needs hub, path, package or config")
+        return
     if kind == "hub":
         return  # reachability depends on the network and cache; the job reports it
     try:
@@ -82,6 +86,10 @@ def check_source(source: dict, where: str, role: str) -> None:
         raise ConfigError(f"config key {where}.package: {exc}") from None
     if not location.exists():
         raise ConfigError(f"config key {where}.path: {location} does not exist")
+    if source.get("gguf_file"):
+        if not (location / source["gguf_file"]).is_file():
+            raise ConfigError(f"config key {where}.gguf_file: {location / source['gguf_file']} does not exist")
+        return
     if role == "model" and location.is_dir() and not (location / "config.json").is_file():
         raise ConfigError(f"config key {where}.path: {location} has no config.json; expected a model checkpoint folder")
 
@@ -107,8 +115,8 @@ def fingerprint(source: dict) -> str:
     """
     if source["kind"] == "hub":
         return f"hub:{source['name']}@{source.get('revision', 'default')}"
-    if source["kind"] == "config":
-        return "config:" + hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+    if source["kind"] in ("config", "synthetic"):
+        return f"{source['kind']}:" + hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
     location = Path(resolve_location(source))
     digest = hashlib.sha256()
     files = [location] if location.is_file() else sorted(p for p in location.rglob("*") if p.is_file())

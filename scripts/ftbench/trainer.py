@@ -1,16 +1,23 @@
 """One training run: a plain PyTorch loop with a warmup window and a measured window.
 
 How the numbers are taken (so they can be trusted):
-- the first ``warmup_steps`` steps (allocator growth, autotuning, lazy init) are run but not measured;
+- the first ``warmup_steps`` optimizer steps (allocator growth, autotuning, torch.compile) are run but
+  not measured;
 - the device is synchronised before every clock read, so a step's time includes its GPU work;
-- tokens are the real (unpadded) tokens of each batch, counted from the stored sequence lengths;
-- throughput is measured-window tokens / measured-window seconds; global (all devices) and per-device
-  throughput are stored apart.
+- tokens are the real (unpadded) tokens of every micro-batch of a step (gradient accumulation counted);
+- throughput is measured-window tokens / measured-window seconds; global (all devices of the run) and
+  per-device throughput are stored apart.
+
+Parallel modes: ``single`` (one device), ``dp`` (torch.nn.DataParallel: one process splits each batch
+over the GPUs), ``ddp`` (DistributedDataParallel: one process per device, started by torchrun; see
+``launch.py``). ``batch_size`` is always per device, so the global batch is batch_size x devices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import resource
 import time
@@ -20,161 +27,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, environment, modeling
+from . import data, environment, modeling, tasks
 from .errors import UnsupportedConfiguration
 
 STATUSES = ("ok", "oom", "diverged", "timeout", "unsupported", "failed")
+STEP_FIELDS = ["step", "measured", "step_time_s", "samples", "tokens", "padded_tokens", "loss", "lr"]
 
 
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    real_tokens: int  # tokens without padding
-    padded_tokens: int  # tokens including padding (batch x longest sequence)
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in a torchrun group (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Distributed":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
 
     @property
-    def samples(self) -> int:
-        return int(self.labels.shape[0])
-
-
-def collate(split: data.TokenisedSplit, indices: np.ndarray, pad_token_id: int) -> Batch:
-    """Pad a batch to its longest sequence; count real tokens before padding is added."""
-    sequences = [split.input_ids[i] for i in indices]
-    lengths = [len(seq) for seq in sequences]
-    longest = max(lengths)
-    input_ids = np.full((len(sequences), longest), pad_token_id, dtype=np.int64)
-    attention_mask = np.zeros((len(sequences), longest), dtype=np.int64)
-    for row, seq in enumerate(sequences):
-        input_ids[row, : len(seq)] = seq
-        attention_mask[row, : len(seq)] = 1
-    return Batch(
-        input_ids=torch.from_numpy(input_ids),
-        attention_mask=torch.from_numpy(attention_mask),
-        labels=torch.from_numpy(split.labels[indices]),
-        real_tokens=int(sum(lengths)),
-        padded_tokens=int(longest * len(sequences)),
-    )
-
-
-def batch_order(num_examples: int, batch_size: int, total_steps: int, seed: int):
-    """Yield index arrays for ``total_steps`` full batches, reshuffling each epoch (seeded).
-
-    The last incomplete batch of an epoch is dropped so every measured step has the same batch size.
-    """
-    rng = np.random.default_rng(seed)
-    steps_done = 0
-    while steps_done < total_steps:
-        order = rng.permutation(num_examples)
-        for start in range(0, num_examples - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
-            steps_done += 1
-            if steps_done == total_steps:
-                return
-
-
-def plan_steps(spec: dict, num_train: int) -> int:
-    steps_per_epoch = num_train // spec["batch_size"]
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch_size {spec['batch_size']} is larger than the {num_train} training examples")
-    if spec["max_steps"] is not None:
-        return spec["max_steps"]
-    return max(1, math.ceil(spec["epochs"] * steps_per_epoch))
-
-
-def choose_device(spec: dict) -> tuple[torch.device, str | None]:
-    """The device to train on and, if it differs from what was asked, why."""
-    wanted = spec["num_gpus"]
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if wanted == 0:
-        return torch.device("cpu"), None
-    if available >= wanted:
-        return torch.device("cuda", 0), None
-    if wanted == 1 and available == 0:
-        # The laptop case: a run written for one GPU still gives numbers, clearly marked as CPU numbers.
-        return torch.device("cpu"), "no CUDA device visible; ran on the CPU"
-    raise UnsupportedConfiguration(f"run asks for {wanted} GPUs but {available} are visible")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux: the process's high-water resident memory since it started.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-@dataclass
-class Measurement:
-    """Per-step records and the figures derived from the measured window."""
-
-    warmup_steps: int
-    steps: list[dict] = field(default_factory=list)
-    window_start: float | None = None
-    window_end: float | None = None
-
-    def record(self, step: int, seconds: float, batch: Batch, loss: float, lr: float) -> None:
-        self.steps.append(
-            {
-                "step": step,
-                "measured": step >= self.warmup_steps,
-                "step_time_s": seconds,
-                "samples": batch.samples,
-                "tokens": batch.real_tokens,
-                "padded_tokens": batch.padded_tokens,
-                "loss": loss,
-                "lr": lr,
-            }
-        )
-
-    def summary(self, world_size: int) -> dict:
-        measured = [s for s in self.steps if s["measured"]]
-        if not measured or self.window_start is None or self.window_end is None:
-            return {"measured_steps": 0}
-        seconds = self.window_end - self.window_start
-        tokens = sum(s["tokens"] for s in measured)
-        samples = sum(s["samples"] for s in measured)
-        padded = sum(s["padded_tokens"] for s in measured)
-        times = np.array([s["step_time_s"] for s in measured])
-        return {
-            "measured_steps": len(measured),
-            "measured_time_s": seconds,
-            "measured_tokens": tokens,
-            "samples_per_s": samples / seconds,
-            "tokens_per_s": tokens / seconds,
-            "tokens_per_s_per_device": tokens / seconds / world_size,
-            "padding_fraction": 1 - tokens / padded if padded else 0.0,
-            "step_time_median_s": float(np.median(times)),
-            "step_time_p90_s": float(np.percentile(times, 90)),
-        }
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def make_optimizer(spec: dict, params):
-    params = [p for p in params if p.requires_grad]
-    if spec["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=spec["learning_rate"], momentum=0.9, weight_decay=spec["weight_decay"])
-    return torch.optim.AdamW(params, lr=spec["learning_rate"], weight_decay=spec["weight_decay"])
-
-
-def make_scheduler(optimizer, spec: dict, total_steps: int):
-    """Linear warmup over ``lr_warmup_steps``, then linear decay to zero."""
-    warmup = spec["lr_warmup_steps"]
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def active(self) -> bool:
+        return self.world_size > 1
 
 
 @dataclass
@@ -194,25 +68,143 @@ class StopSignal:
         return None
 
 
-def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None) -> tuple[dict, list[dict]]:
-    """Run one configuration; return (metrics, step records). Expected failures become a status.
+def devices_in_run(spec: dict) -> int:
+    """Devices that train together: all GPUs of a dp/ddp run, else one."""
+    return max(1, spec["num_gpus"]) if spec["parallel"] in ("dp", "ddp") else 1
 
-    Unexpected exceptions propagate: the job fails with its traceback rather than writing a fake row.
+
+def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
+    """Yield ``count`` index arrays of ``global_batch`` examples, reshuffled each epoch (seeded, so every
+    DDP rank sees the same order and takes its own slice).
+
+    The last incomplete batch of an epoch is dropped so every measured step has the same shape.
+    """
+    rng = np.random.default_rng(seed)
+    produced = 0
+    while produced < count:
+        order = rng.permutation(num_examples)
+        for start in range(0, num_examples - global_batch + 1, global_batch):
+            yield order[start : start + global_batch]
+            produced += 1
+            if produced == count:
+                return
+
+
+def plan_steps(spec: dict, num_train: int) -> int:
+    """Optimizer steps of the run: max_steps, or epochs over the training split."""
+    examples_per_step = spec["batch_size"] * devices_in_run(spec) * spec["grad_accum_steps"]
+    steps_per_epoch = num_train // examples_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"one optimizer step needs {examples_per_step} examples (batch_size x devices x grad_accum_steps) "
+            f"but the training split has {num_train}"
+        )
+    if spec["max_steps"] is not None:
+        return spec["max_steps"]
+    return max(1, math.ceil(spec["epochs"] * steps_per_epoch))
+
+
+def choose_device(spec: dict, dist: Distributed) -> tuple[torch.device, str | None]:
+    """The device this process trains on and, if it differs from what was asked, why."""
+    wanted = spec["num_gpus"]
+    if spec["device"] == "cpu" or wanted == 0:
+        return torch.device("cpu"), None
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available >= wanted:
+        return torch.device("cuda", dist.local_rank), None
+    if wanted == 1 and available == 0 and spec["device"] == "auto":
+        # The laptop case: a run written for one GPU still gives numbers, clearly marked as CPU numbers.
+        return torch.device("cpu"), "no CUDA device visible; ran on the CPU"
+    raise UnsupportedConfiguration(f"run asks for {wanted} GPUs but {available} are visible")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux: the process's high-water resident memory since it started.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summarise(steps: list[dict], window_s: float | None, devices: int) -> dict:
+    """Throughput and step-time figures of the measured window. ``steps`` hold global counts."""
+    measured = [s for s in steps if s["measured"]]
+    if not measured or not window_s:
+        return {"measured_steps": 0}
+    tokens = sum(s["tokens"] for s in measured)
+    samples = sum(s["samples"] for s in measured)
+    padded = sum(s["padded_tokens"] for s in measured)
+    times = np.array([s["step_time_s"] for s in measured])
+    return {
+        "measured_steps": len(measured),
+        "measured_time_s": window_s,
+        "measured_tokens": tokens,
+        "samples_per_s": samples / window_s,
+        "tokens_per_s": tokens / window_s,
+        "tokens_per_s_per_device": tokens / window_s / devices,
+        "padding_fraction": 1 - tokens / padded if padded else 0.0,
+        "step_time_median_s": float(np.median(times)),
+        "step_time_p90_s": float(np.percentile(times, 90)),
+    }
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(spec: dict, model: torch.nn.Module, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr, decay = spec["learning_rate"], spec["weight_decay"]
+    name = spec["optimizer"]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=decay)
+    if name in modeling.BNB_OPTIMIZERS:
+        import bitsandbytes as bnb
+
+        optimizer_class = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return optimizer_class(params, lr=lr, weight_decay=decay)
+    # The fused CUDA kernel updates all parameters in one launch; it needs every parameter on the GPU.
+    fused = device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused or None)
+
+
+def make_scheduler(optimizer, spec: dict, total_steps: int):
+    """Linear warmup over ``lr_warmup_steps``, then linear decay to zero."""
+    warmup = spec["lr_warmup_steps"]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
+              dist: Distributed | None = None) -> tuple[dict, list[dict]]:
+    """Run one configuration (this process's part of it); return (metrics, step records).
+
+    Expected failures become a status (unsupported, oom, diverged, timeout). Unexpected exceptions
+    propagate: the job fails with its traceback rather than writing a fake row.
     """
     stop = stop or StopSignal()
+    dist = dist or Distributed()
     started = time.perf_counter()
     metrics: dict = {"run_id": spec["run_id"], "status": "ok", "status_reason": None}
     steps: list[dict] = []
     try:
-        device, note = choose_device(spec)
+        device, note = choose_device(spec, dist)
         metrics["status_reason"] = note
         metrics["device"] = device.type
         metrics["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else environment.cpu_model()
-        world_size = spec["num_gpus"] if spec["parallel"] == "dp" and device.type == "cuda" else 1
-        metrics["world_size"] = world_size
+        metrics["world_size"] = devices_in_run(spec) if (device.type == "cuda" or dist.active) else 1
         modeling.check_supported(spec, device)
         manifest = data.verify(data_dir)
-        steps = _train(spec, data_dir, manifest, device, world_size, metrics, stop)
+        steps = _train(spec, data_dir, manifest, device, dist, metrics, stop)
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
     except torch.OutOfMemoryError as exc:
@@ -222,101 +214,146 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None) 
     return metrics, steps
 
 
-def _train(spec, data_dir, manifest, device, world_size, metrics, stop: StopSignal) -> list[dict]:
+def _prepare_model(spec, manifest, device, dist):
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device)
+    model = built.model
+    if spec["parallel"] == "dp" and device.type == "cuda" and devices_in_run(spec) > 1:
+        model = torch.nn.DataParallel(model, device_ids=list(range(devices_in_run(spec))))
+    if dist.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if spec["compile"]:
+        model = torch.compile(model)
+    return built, model
+
+
+def _stop_reason(stop: StopSignal, typical_step_s: float, dist: Distributed, device: torch.device) -> str | None:
+    """Every rank must stop at the same step, or the others would wait forever in the next all-reduce."""
+    reason = stop.reason(typical_step_s)
+    if not dist.active:
+        return reason
+    flag = torch.tensor([1.0 if reason else 0.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return reason or ("another rank stopped" if flag.item() > 0 else None)
+
+
+def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) -> list[dict]:
     set_seed(spec["seed"])
+    task = manifest["task"]
     load_started = time.perf_counter()
     train_split = data.load_split(data_dir, "train", manifest)
     eval_split = data.load_split(data_dir, "eval", manifest)
-    built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=device)
-    model = built.model
-    if world_size > 1:
-        model = torch.nn.DataParallel(model, device_ids=list(range(world_size)))
+    built, model = _prepare_model(spec, manifest, device, dist)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
     metrics["load_time_s"] = time.perf_counter() - load_started
 
+    devices = devices_in_run(spec)
+    accum = spec["grad_accum_steps"]
     total_steps = plan_steps(spec, len(train_split))
     if spec["warmup_steps"] >= total_steps:
         raise ValueError(f"warmup_steps ({spec['warmup_steps']}) must be smaller than the run's {total_steps} steps")
-    optimizer = make_optimizer(spec, model.parameters())
+    optimizer = make_optimizer(spec, model, device)
     scheduler = make_scheduler(optimizer, spec, total_steps)
-    autocast_dtype = modeling.DTYPES[spec["precision"]]
-    use_autocast = spec["precision"] != "fp32"
+    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32")
     # GradScaler keeps small fp16 gradients from flushing to zero; bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
     pad_id = manifest["pad_token_id"]
+    # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
+    share = spec["batch_size"] * (devices // dist.world_size)
+    order = batch_order(len(train_split), spec["batch_size"] * devices, total_steps * accum, spec["seed"])
 
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    measurement = Measurement(warmup_steps=spec["warmup_steps"])
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)
+    steps: list[dict] = []
+    window_start = window_end = None
     model.train()
     train_started = time.perf_counter()
     synchronize(device)
     step_start = time.perf_counter()
-    for step, indices in enumerate(batch_order(len(train_split), spec["batch_size"], total_steps, spec["seed"])):
+    for step in range(total_steps):
         if step == spec["warmup_steps"]:
-            measurement.window_start = step_start
-        typical = measurement.steps[-1]["step_time_s"] if measurement.steps else 0.0
-        stop_reason = stop.reason(typical)
+            window_start = step_start
+        stop_reason = _stop_reason(stop, steps[-1]["step_time_s"] if steps else 0.0, dist, device)
         if stop_reason:
             metrics.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
-        batch = collate(train_split, indices, pad_id)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=use_autocast):
-            output = model(
-                input_ids=batch.input_ids.to(device, non_blocking=True),
-                attention_mask=batch.attention_mask.to(device, non_blocking=True),
-                labels=batch.labels.to(device, non_blocking=True),
-            )
-        loss = output.loss.mean()  # DataParallel returns one loss per device
-        scaler.scale(loss).backward()
-        loss_value = loss.item()  # synchronises; needed to stop before a NaN reaches the weights
+        record = {"step": step, "measured": step >= spec["warmup_steps"], "samples": 0, "tokens": 0, "padded_tokens": 0}
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
+            batch = tasks.collate(task, train_split, indices, pad_id).to(device)
+            # Gradients are all-reduced only on the last micro-batch of a step.
+            no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
+            with no_sync:
+                with torch.autocast(**autocast):
+                    output = model(**batch.inputs)
+                loss = output.loss.mean() / accum  # mean: DataParallel returns one loss per GPU
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+            record["samples"] += batch.samples
+            record["tokens"] += batch.real_tokens
+            record["padded_tokens"] += batch.padded_tokens
+        loss_value = loss_sum.item()  # synchronises; needed to stop before a NaN reaches the weights
         if not math.isfinite(loss_value):
             metrics.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
             optimizer.zero_grad(set_to_none=True)
             break
         scaler.step(optimizer)
         scaler.update()
-        lr = scheduler.get_last_lr()[0]
+        record["lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         step_end = time.perf_counter()
-        measurement.record(step, step_end - step_start, batch, loss_value, lr)
-        measurement.window_end = step_end
+        record.update(step_time_s=step_end - step_start, loss=loss_value)
+        steps.append(record)
+        window_end = step_end
         step_start = step_end
-    metrics["train_time_s"] = time.perf_counter() - train_started
-    metrics.update(total_steps=total_steps, warmup_steps=spec["warmup_steps"])
-    metrics.update(measurement.summary(world_size))
-    if measurement.steps:
-        metrics["final_train_loss"] = measurement.steps[-1]["loss"]
-    if device.type == "cuda":
-        metrics["peak_memory_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        metrics["peak_memory_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
 
-    if metrics["status"] == "ok":
+    metrics["train_time_s"] = time.perf_counter() - train_started
+    metrics.update(total_steps=total_steps, warmup_steps=spec["warmup_steps"], grad_accum_steps=accum)
+    window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
+    metrics["window_s"] = window_s
+    # This process's counts; a DDP launcher sums ranks (launch.merge_ranks) and recomputes the summary.
+    metrics.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
+    if steps:
+        metrics["final_train_loss"] = steps[-1]["loss"]
+        metrics["first_step_s"] = steps[0]["step_time_s"]
+        if spec["compile"] and metrics.get("step_time_median_s"):
+            # Compilation happens inside the first step; its excess over a normal step estimates it.
+            metrics["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - metrics["step_time_median_s"])
+    if device.type == "cuda":
+        used = range(devices) if spec["parallel"] == "dp" else [device.index]
+        metrics["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in used) / 2**20
+        metrics["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in used) / 2**20
+
+    if metrics["status"] == "ok" and dist.rank == 0:
         eval_started = time.perf_counter()
-        metrics.update(evaluate(model, eval_split, spec, device, pad_id))
+        metrics.update(evaluate(_unwrap(model), eval_split, spec, task, device, pad_id))
         metrics["eval_time_s"] = time.perf_counter() - eval_started
-    return measurement.steps
+    return steps
+
+
+def _unwrap(model):
+    """The plain model under torch.compile / DataParallel / DDP wrappers (evaluation runs on one device)."""
+    model = getattr(model, "_orig_mod", model)
+    while isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model
 
 
 @torch.no_grad()
-def evaluate(model, split: data.TokenisedSplit, spec: dict, device: torch.device, pad_id: int) -> dict:
+def evaluate(model, split: tasks.TokenisedSplit, spec: dict, task: str, device: torch.device, pad_id: int) -> dict:
     model.eval()
     count = len(split) if spec["max_eval_samples"] is None else min(len(split), spec["max_eval_samples"])
-    correct = 0
-    loss_sum = 0.0
+    scores = tasks.EvalAccumulator(task)
     for start in range(0, count, spec["eval_batch_size"]):
         indices = np.arange(start, min(start + spec["eval_batch_size"], count))
-        batch = collate(split, indices, pad_id)
+        batch = tasks.collate(task, split, indices, pad_id).to(device)
         with torch.autocast(device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32"):
-            output = model(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                labels=batch.labels.to(device),
-            )
-        labels = batch.labels.to(device)
-        loss_sum += float(output.loss.mean()) * len(indices)
-        correct += int((output.logits.argmax(dim=-1) == labels).sum())
+            output = model(**batch.inputs)
+        scores.add(output, batch)
     model.train()
-    return {"eval_samples": count, "eval_accuracy": correct / count, "eval_loss": loss_sum / count}
+    return {"eval_samples": count, **scores.result()}

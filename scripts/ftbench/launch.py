@@ -1,0 +1,157 @@
+"""Starting a run's processes: GPU slots for local jobs, torchrun for DDP, and merging DDP ranks.
+
+DDP runs are started by the training job itself (``torchrun --standalone``, one process per device), so
+the same rule works locally and inside one SLURM allocation. Each rank writes its own result file; the
+launcher merges them after torchrun returns. No collective runs after training, so a rank that failed
+cannot leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .trainer import STEP_FIELDS, summarise
+
+# Worse statuses win when ranks disagree: the run is only as good as its worst rank.
+STATUS_PRIORITY = ["failed", "oom", "diverged", "timeout", "unsupported", "ok"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU slots: distinct CUDA_VISIBLE_DEVICES for local jobs running at the same time
+
+
+def visible_gpu_count() -> int:
+    """GPUs on this machine, read through NVML so CUDA is not initialised in this process."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library or no driver: no GPUs to share  # noqa: BLE001
+        return 0
+
+
+class GpuSlots:
+    """Holds exclusive locks on N of the machine's GPUs for the life of the job.
+
+    Snakemake's ``resources: gpu=N`` (with ``--resources gpu=<total>``) bounds how many GPUs concurrent
+    jobs use in total; these file locks decide *which* GPUs each job gets. Under SLURM (or when the user
+    set CUDA_VISIBLE_DEVICES) the scheduler already chose, and nothing is locked.
+    """
+
+    def __init__(self, lock_dir: str | Path | None = None):
+        self.lock_dir = Path(lock_dir or Path(tempfile.gettempdir()) / f"ftbench-gpu-locks-{os.getuid()}")
+        self.handles = []
+
+    def acquire(self, count: int, total: int, poll_s: float = 2.0, log=print) -> list[int]:
+        if count > total:
+            return []
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        waited = False
+        while True:
+            held = []
+            for index in range(total):
+                handle = open(self.lock_dir / f"gpu{index}.lock", "w")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    continue
+                held.append((index, handle))
+                if len(held) == count:
+                    self.handles = [h for _, h in held]
+                    return [i for i, _ in held]
+            for _, handle in held:
+                handle.close()  # closing releases the lock
+            if not waited:
+                log(f"waiting for {count} free GPU(s); pass --resources gpu=<total> to snakemake to avoid waiting")
+                waited = True
+            time.sleep(poll_s)
+
+    def release(self) -> None:
+        for handle in self.handles:
+            handle.close()
+        self.handles = []
+
+
+def assign_gpus(num_gpus: int, slots: GpuSlots) -> str | None:
+    """Set CUDA_VISIBLE_DEVICES for this job when running locally; return what was set."""
+    if num_gpus == 0 or "CUDA_VISIBLE_DEVICES" in os.environ or os.environ.get("SLURM_JOB_ID"):
+        return None
+    total = visible_gpu_count()
+    chosen = slots.acquire(num_gpus, total) if total else []
+    if not chosen:
+        return None  # fewer GPUs than asked: the run reports itself unsupported
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, chosen))
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP
+
+
+def ddp_command(processes: int, worker_args: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+        str(Path(__file__).resolve().parents[1] / "train.py"), *worker_args,
+    ]
+
+
+def run_ddp(spec: dict, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
+    """Start one process per device with torchrun; each writes ``rank_dir/rank<R>.json``."""
+    processes = max(1, spec["num_gpus"])
+    args = ["--spec", json.dumps(spec), "--data", data_dir, "--rank-dir", str(rank_dir)]
+    if threads:
+        args += ["--threads", str(max(1, threads // processes))]
+    if time_limit_s:
+        args += ["--time-limit-s", str(time_limit_s)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
+    return subprocess.run(ddp_command(processes, args), env=env, check=False).returncode
+
+
+def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict]]:
+    """One run's metrics and step records from its ranks: counts summed, times and memory maxed."""
+    rank_results = sorted(rank_results, key=lambda r: r["rank"])
+    metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base
+    worst = min((r["metrics"]["status"] for r in rank_results), key=STATUS_PRIORITY.index)
+    if worst != metrics["status"]:
+        culprit = next(r for r in rank_results if r["metrics"]["status"] == worst)
+        metrics["status"] = worst
+        metrics["status_reason"] = f"rank {culprit['rank']}: {culprit['metrics'].get('status_reason')}"
+    for key in ("peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "wall_time_s", "train_time_s"):
+        values = [r["metrics"][key] for r in rank_results if r["metrics"].get(key) is not None]
+        if values:
+            metrics[key] = max(values)
+    metrics["per_rank"] = [
+        {key: r["metrics"].get(key) for key in ("tokens_per_s", "peak_memory_reserved_mb", "status", "device_name")}
+        for r in rank_results
+    ]
+
+    # Steps: the same optimizer step on every rank; a step lasts as long as its slowest rank.
+    by_step: dict[int, dict] = {}
+    for result in rank_results:
+        for record in result["steps"]:
+            merged = by_step.setdefault(record["step"], {**record, "samples": 0, "tokens": 0, "padded_tokens": 0, "step_time_s": 0.0})
+            for count in ("samples", "tokens", "padded_tokens"):
+                merged[count] += record[count]
+            merged["step_time_s"] = max(merged["step_time_s"], record["step_time_s"])
+    steps = [by_step[key] for key in sorted(by_step)]
+    windows = [r["metrics"].get("window_s") for r in rank_results]
+    window_s = max(windows) if all(windows) else None
+    metrics["window_s"] = window_s
+    metrics.update(summarise(steps, window_s, devices))
+    return metrics, [{field: step.get(field) for field in STEP_FIELDS} for step in steps]
+
+
+def read_rank_results(rank_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(rank_dir.glob("rank*.json"))]

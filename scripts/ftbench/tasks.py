@@ -1,0 +1,191 @@
+"""What differs between model families: how examples are tokenised, batched, scored.
+
+- classification: an encoder (BERT-like) with a new classification head; loss = cross-entropy over
+  classes; quality = accuracy.
+- causal_lm: a decoder (Llama-like); loss = next-token cross-entropy over the real tokens; quality =
+  eval loss, perplexity and next-token accuracy.
+- seq2seq: an encoder-decoder (T5-like); loss = cross-entropy over the target tokens.
+
+Token counting convention (used for every throughput figure): the real, unpadded tokens the model
+processes in a step, i.e. input tokens, plus target tokens for seq2seq (the decoder processes them too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+IGNORE_INDEX = -100  # positions the loss skips (padding)
+
+
+@dataclass
+class TokenisedSplit:
+    """A split in memory: unpadded token id arrays, plus class labels or target ids."""
+
+    input_ids: list[np.ndarray]
+    labels: np.ndarray | None = None  # class ids (classification)
+    target_ids: list[np.ndarray] | None = None  # decoder targets (seq2seq)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Batch:
+    inputs: dict[str, torch.Tensor]  # keyword arguments of the model's forward
+    samples: int
+    real_tokens: int  # tokens without padding (see the module docstring)
+    padded_tokens: int  # positions processed including padding
+
+    def to(self, device: torch.device) -> "Batch":
+        moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
+        return Batch(moved, self.samples, self.real_tokens, self.padded_tokens)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    auto_model: str  # transformers Auto class
+    peft_task_type: str  # peft TaskType member
+    needs: tuple[str, ...]  # dataset keys this task requires
+
+    def model_class(self):
+        import transformers
+
+        return getattr(transformers, self.auto_model)
+
+
+TASKS = {
+    "classification": Task("classification", "AutoModelForSequenceClassification", "SEQ_CLS", ("label_column",)),
+    "causal_lm": Task("causal_lm", "AutoModelForCausalLM", "CAUSAL_LM", ()),
+    "seq2seq": Task("seq2seq", "AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", ("target_column",)),
+}
+
+
+def model_task(model_def: dict) -> str:
+    return model_def.get("task", "classification")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenising into Arrow tables (what prepare_data stores)
+
+
+def _id_lists(values: list[list[int]]) -> pa.Array:
+    return pa.array(values, type=pa.list_(pa.int32()))
+
+
+def to_table(task: str, input_ids: list[list[int]], labels: list[int] | None = None,
+             target_ids: list[list[int]] | None = None) -> pa.Table:
+    columns: dict[str, Any] = {
+        "input_ids": _id_lists(input_ids),
+        "length": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
+    }
+    if task == "classification":
+        columns["label"] = pa.array(labels, type=pa.int64())
+    if task == "seq2seq":
+        columns["target_ids"] = _id_lists(target_ids)
+        columns["target_length"] = pa.array([len(ids) for ids in target_ids], type=pa.int32())
+    return pa.table(columns)
+
+
+def real_tokens_in(table: pa.Table) -> int:
+    total = pc.sum(table["length"]).as_py() or 0
+    if "target_length" in table.column_names:
+        total += pc.sum(table["target_length"]).as_py() or 0
+    return int(total)
+
+
+def from_table(table: pa.Table) -> TokenisedSplit:
+    def arrays(column: str) -> list[np.ndarray]:
+        return [np.asarray(row, dtype=np.int64) for row in table[column].to_pylist()]
+
+    return TokenisedSplit(
+        input_ids=arrays("input_ids"),
+        labels=table["label"].to_numpy().astype(np.int64) if "label" in table.column_names else None,
+        target_ids=arrays("target_ids") if "target_ids" in table.column_names else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batching
+
+
+def _pad(sequences: list[np.ndarray], value: int) -> tuple[np.ndarray, np.ndarray]:
+    """(padded ids, attention mask) padded on the right to the longest sequence."""
+    longest = max(len(seq) for seq in sequences)
+    ids = np.full((len(sequences), longest), value, dtype=np.int64)
+    mask = np.zeros((len(sequences), longest), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def collate(task: str, split: TokenisedSplit, indices: np.ndarray, pad_token_id: int) -> Batch:
+    """Pad a batch to its longest sequence; count real tokens before padding is added."""
+    sequences = [split.input_ids[i] for i in indices]
+    ids, mask = _pad(sequences, pad_token_id)
+    real = int(mask.sum())
+    padded = int(mask.size)
+    inputs = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+    if task == "classification":
+        inputs["labels"] = torch.from_numpy(split.labels[indices])
+    elif task == "causal_lm":
+        # The model shifts labels by one inside; padded positions are ignored by the loss.
+        inputs["labels"] = torch.from_numpy(np.where(mask == 1, ids, IGNORE_INDEX))
+    elif task == "seq2seq":
+        targets, target_mask = _pad([split.target_ids[i] for i in indices], pad_token_id)
+        inputs["labels"] = torch.from_numpy(np.where(target_mask == 1, targets, IGNORE_INDEX))
+        real += int(target_mask.sum())
+        padded += int(target_mask.size)
+    return Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=padded)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scoring
+
+
+class EvalAccumulator:
+    """Sums over eval batches; ``result`` gives the task's quality figures."""
+
+    def __init__(self, task: str):
+        self.task = task
+        self.loss_sum = 0.0  # classification: per sample; LM tasks: per target token
+        self.count = 0
+        self.correct = 0
+
+    def add(self, output, batch: Batch) -> None:
+        labels = batch.inputs["labels"]
+        logits = output.logits
+        if self.task == "classification":
+            self.loss_sum += float(output.loss.mean()) * batch.samples
+            self.count += batch.samples
+            self.correct += int((logits.argmax(dim=-1) == labels).sum())
+            return
+        if self.task == "causal_lm":
+            logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t+1
+        scored = labels != IGNORE_INDEX
+        tokens = int(scored.sum())
+        losses = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        self.loss_sum += float(losses)
+        self.count += tokens
+        self.correct += int(((logits.argmax(dim=-1) == labels) & scored).sum())
+
+    def result(self) -> dict:
+        if self.count == 0:
+            return {}
+        loss = self.loss_sum / self.count
+        if self.task == "classification":
+            return {"eval_loss": loss, "eval_accuracy": self.correct / self.count}
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": float(np.exp(min(loss, 50.0))),
+            "eval_token_accuracy": self.correct / self.count,
+        }
