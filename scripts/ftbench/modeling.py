@@ -7,6 +7,7 @@ training does); QLoRA's 4-bit base weights compute in the run's dtype.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +18,10 @@ from .errors import SourceError, UnsupportedConfiguration
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Heads created fresh for the task: they must stay trainable and out of 4-bit quantisation
-# (a quantised new head has no quantisation state and its forward pass fails).
-CLASSIFIER_HEADS = ["classifier", "pooler", "score"]
+# Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
+# (its forward pass fails), and quantising the LM head hurts quality for little memory. Naming any
+# skip list replaces transformers' default (which skips lm_head), so lm_head is listed too.
+OUTPUT_HEADS = ["classifier", "pooler", "score", "lm_head"]
 
 
 def tokenizer_source(model_def: dict) -> dict:
@@ -88,8 +90,6 @@ def check_supported(spec: dict, device: torch.device) -> None:
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
     if spec["compile"] and spec["parallel"] == "dp":
         raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
-    if spec["method"] == "qlora" and spec["model_def"]["source"]["kind"] == "config":
-        raise UnsupportedConfiguration("qlora quantises pretrained weights; a randomly initialised config model has none")
 
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
@@ -105,21 +105,30 @@ def build_model(spec: dict, num_labels: int | None, device: torch.device) -> Bui
     if spec["attn_implementation"]:
         kwargs["attn_implementation"] = spec["attn_implementation"]
 
+    quantised = {}
+    if spec["method"] == "qlora":
+        # bitsandbytes quantises while loading, onto the device it loads to.
+        quantised = {
+            "quantization_config": _bnb_config(spec),
+            "device_map": {"": device.index if device.type == "cuda" else "cpu"},
+        }
     if source["kind"] == "config":
         import transformers
 
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        config = config_class(**source.get("overrides", {}), **kwargs)
-        model = model_class.from_config(config)
+        model = model_class.from_config(config_class(**source.get("overrides", {}), **kwargs))
+        if quantised:
+            # Quantisation happens on load: save the random weights and load them back quantised, so a
+            # Llama-shaped model with no checkpoint can still be measured under QLoRA.
+            with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
+                model.save_pretrained(folder)
+                del model
+                model = model_class.from_pretrained(folder, **kwargs, **quantised)
     else:
         location, extra = _pretrained_args(source)
-        if spec["method"] == "qlora":
-            kwargs["quantization_config"] = _bnb_config(spec)
-            # bitsandbytes quantises while loading, onto the device it loads to.
-            kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
-        model = model_class.from_pretrained(location, **extra, **kwargs)
+        model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(model_def).pad_token_id
 
@@ -153,7 +162,7 @@ def _bnb_config(spec: dict):
         bnb_4bit_quant_type=spec["qlora_quant_type"],
         bnb_4bit_use_double_quant=spec["qlora_double_quant"],
         bnb_4bit_compute_dtype=DTYPES[compute],
-        llm_int8_skip_modules=CLASSIFIER_HEADS,
+        llm_int8_skip_modules=OUTPUT_HEADS,
     )
 
 
