@@ -9,7 +9,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The embedded default experiment, unless one is given with --configfile. (Snakemake would otherwise
+# deep-merge the two, leaking the default's axes into the user's experiment.)
+if not workflow.config_settings.configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"

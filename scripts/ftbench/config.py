@@ -175,6 +175,12 @@ def check_run(run: dict) -> None:
     task = model_task(run["model_def"])
     dataset_def = run["dataset_def"]
     where = f"datasets.{run['dataset']}"
+    model_source = run["model_def"]["source"]
+    if dataset_def["source"]["kind"] != "synthetic" and model_source["kind"] == "config" and "tokenizer" not in model_source:
+        raise ConfigError(
+            f"config key models.{run['model']}.source.tokenizer: required to tokenise dataset {run['dataset']!r} "
+            "(without a tokenizer a config model trains on synthetic data only)"
+        )
     if dataset_def["source"]["kind"] != "synthetic":
         for key in ("text_column", *TASKS[task].needs):
             if key not in dataset_def:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from . import atomic, sources, tasks
 from .errors import ConfigError, ManifestError, SourceError
-from .modeling import load_tokenizer, tokenizer_source
+from .modeling import SYNTHETIC_PAD_ID, config_vocab_size, load_tokenizer, tokenizer_source
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -166,7 +166,10 @@ def prepare(
     task = tasks.model_task(model_def)
     tokenizer = load_tokenizer(model_def)
     if dataset_def["source"]["kind"] == "synthetic":
-        split_tables, label_names = synthetic_tables(dataset_def, task, seq_len, len(tokenizer))
+        vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
+        if vocab_size is None:
+            raise ConfigError(f"config key datasets.{dataset_name}: synthetic data needs the model's vocab_size or a tokenizer")
+        split_tables, label_names = synthetic_tables(dataset_def, task, seq_len, vocab_size)
     else:
         split_tables, label_names = _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len)
 
@@ -176,8 +179,8 @@ def prepare(
         "task": task,
         "source_fingerprint": sources.fingerprint(dataset_def["source"]),
         "tokenizer": tokenizer_source(model_def),
-        "tokenizer_class": type(tokenizer).__name__,
-        "pad_token_id": tokenizer.pad_token_id,
+        "tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else None,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID,
         "seq_len": seq_len,
         "label_names": label_names,
         "shard_size_mb": shard_size_mb,

@@ -143,7 +143,9 @@ def readable_name(settings: dict, repeat: int, repeats: int) -> str:
 
 def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, config: dict) -> str:
     """One prepared dataset per (dataset, tokenizer, sequence length): shared by every run that needs it."""
-    tokenizer_source = model_def["source"].get("tokenizer", model_def["source"])
+    source = model_def["source"]
+    # A config-built model without a tokenizer: its architecture (vocab size) defines the token data.
+    tokenizer_source = source.get("tokenizer", source) if source["kind"] == "config" else source
     key = {
         "dataset": dataset_def,
         "task": model_def.get("task", "classification"),

@@ -16,6 +16,10 @@ import torch
 from . import sources, tasks
 from .errors import SourceError, UnsupportedConfiguration
 
+# Pad id for synthetic data of a model without a tokenizer: synthetic sequences are never padded, so
+# any id below the random-token range works.
+SYNTHETIC_PAD_ID = 0
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
@@ -24,9 +28,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_HEADS = ["classifier", "pooler", "score", "lm_head"]
 
 
-def tokenizer_source(model_def: dict) -> dict:
+def tokenizer_source(model_def: dict) -> dict | None:
+    """The tokenizer's source: the checkpoint's own, or for a config-built model the one it names (or none)."""
     source = model_def["source"]
-    return source["tokenizer"] if source["kind"] == "config" else source
+    return source.get("tokenizer") if source["kind"] == "config" else source
+
+
+def config_vocab_size(model_def: dict) -> int | None:
+    return model_def["source"].get("overrides", {}).get("vocab_size") if model_def["source"]["kind"] == "config" else None
 
 
 def _pretrained_args(source: dict) -> tuple[str, dict]:
@@ -41,8 +50,11 @@ def _pretrained_args(source: dict) -> tuple[str, dict]:
 
 
 def load_tokenizer(model_def: dict):
+    """The model's tokenizer, or None for a config-built model without one (synthetic data only)."""
     from transformers import AutoTokenizer
 
+    if tokenizer_source(model_def) is None:
+        return None
     location, extra = _pretrained_args(tokenizer_source(model_def))
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
@@ -130,7 +142,8 @@ def build_model(spec: dict, num_labels: int | None, device: torch.device) -> Bui
         location, extra = _pretrained_args(source)
         model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
     if model.config.pad_token_id is None:
-        model.config.pad_token_id = load_tokenizer(model_def).pad_token_id
+        tokenizer = load_tokenizer(model_def)
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
 
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if spec["method"] == "qlora":

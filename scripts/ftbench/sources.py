@@ -70,9 +70,9 @@ def check_source(source: dict, where: str, role: str) -> None:
     if kind == "config":
         if role != "model":
             raise ConfigError(f"config key {where}.kind: 'config' builds a model; a dataset needs hub, path or package")
-        if "tokenizer" not in source:
-            raise ConfigError(f"config key {where}.tokenizer: a model built from a config needs a tokenizer source")
-        check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
+        # Without a tokenizer a config model can still train on synthetic token data.
+        if "tokenizer" in source:
+            check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
         return
     if kind == "synthetic":
         if role != "dataset":
