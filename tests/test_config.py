@@ -98,6 +98,9 @@ CASES = [
     ("minilm-seq-len-above-512", ("matrix",), {"model": ["minilm"], "dataset": ["tiny"], "seq_len": [128, 1024]},
      "matrix.seq_len[1]", ["1024", "'minilm'", "512"]),
     ("tiny-seq-len-in-defaults", ("defaults", "seq_len"), 256, "defaults.seq_len", ["256", "128"]),
+    ("warmup-not-below-max-steps", ("defaults", "warmup_steps"), 6, "defaults.warmup_steps", ["warmup_steps < max_steps"]),
+    ("warmup-axis-not-below-max-steps", ("matrix", "warmup_steps"), [2, 6], "matrix.warmup_steps[1]", ["max_steps 6"]),
+    ("dp-with-one-gpu", ("matrix", "parallel"), ["single", "dp"], "defaults.num_gpus", ["'dp'", "num_gpus >= 2"]),
     ("everything-excluded", ("exclude",), [{"model": "tiny"}], "matrix", ["excluded"]),
     ("missing-matrix-model", ("matrix",), {"dataset": ["tiny"]}, "matrix", ["'model'", "required"]),
 ]

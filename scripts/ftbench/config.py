@@ -159,17 +159,18 @@ def check_references(config: dict) -> None:
     if not runs:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
     for run in runs:
-        check_run(run)
+        check_run(run, config)
         limit = sources.model_max_seq_len(models[run["model"]])
         if limit is not None and run["seq_len"] > limit:
             raise ConfigError(
-                f"config key {_seq_len_key(config, run['seq_len'])}: {run['seq_len']} exceeds model "
+                f"config key {_setting_key(config, 'seq_len', run['seq_len'])}: {run['seq_len']} exceeds model "
                 f"{run['model']!r} maximum of {limit} positions; expected a value <= {limit}"
             )
 
 
-def check_run(run: dict) -> None:
+def check_run(run: dict, config: dict | None = None) -> None:
     """Combinations that the schema allows key by key but that cannot work together."""
+    config = config or {"matrix": {}}
     from .tasks import TASKS, model_task
 
     task = model_task(run["model_def"])
@@ -187,15 +188,15 @@ def check_run(run: dict) -> None:
                 raise ConfigError(f"config key {where}.{key}: required to train model {run['model']!r} ({task})")
     if run["max_steps"] is not None and run["warmup_steps"] >= run["max_steps"]:
         raise ConfigError(
-            f"config key warmup_steps: {run['warmup_steps']} leaves nothing to measure in run {run['run_id']} "
+            f"config key {_setting_key(config, 'warmup_steps', run['warmup_steps'])}: {run['warmup_steps']} leaves nothing to measure in run {run['run_id']} "
             f"(max_steps {run['max_steps']}); expected warmup_steps < max_steps"
         )
     if run["compile"] and run["warmup_steps"] < 1:
         raise ConfigError(
-            f"config key warmup_steps: run {run['run_id']} compiles; expected warmup_steps >= 1 so compilation is not measured"
+            f"config key {_setting_key(config, 'warmup_steps', run['warmup_steps'])}: run {run['run_id']} compiles; expected warmup_steps >= 1 so compilation is not measured"
         )
     if run["parallel"] in ("dp", "ddp") and run["num_gpus"] < 2 and run["device"] != "cpu":
-        raise ConfigError(f"config key num_gpus: run {run['run_id']} uses parallel {run['parallel']!r}; expected num_gpus >= 2")
+        raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run['num_gpus'])}: run {run['run_id']} uses parallel {run['parallel']!r}; expected num_gpus >= 2")
 
 
 def _settings_blocks(config: dict):
@@ -217,10 +218,10 @@ def _indexed(value: Any, key: str) -> list[tuple[str, Any]]:
     return [(key, value)]
 
 
-def _seq_len_key(config: dict, value: int) -> str:
-    """The config key a too-long seq_len came from (matrix axis, include, override or defaults)."""
+def _setting_key(config: dict, name: str, value: Any) -> str:
+    """The config key a run's setting came from (matrix axis, include, override or defaults)."""
     for where, settings in _settings_blocks(config):
-        for key, item in _indexed(settings.get("seq_len"), f"{where}.seq_len"):
+        for key, item in _indexed(settings.get(name), f"{where}.{name}"):
             if item == value:
                 return key
-    return "defaults.seq_len"
+    return f"defaults.{name}"
