@@ -8,6 +8,13 @@ rule prepare_data:
         task=get_data_task_json,
         shard_size_mb=SHARD_SIZE_MB,
     threads: 1
+    # Tokenising is single-threaded here; the memory holds the source table and its token ids (a few
+    # GB for millions of rows). Raise runtime for very large hub datasets (download + tokenise).
+    resources:
+        mem_mb=lambda wildcards, attempt: 4000 * attempt,
+        runtime=lambda wildcards, attempt: 30 * attempt,
+    conda:
+        "../envs/train.yaml"
     shell:
         "python {workflow.basedir}/scripts/prepare_data.py --task {params.task:q}"
         " --shard-size-mb {params.shard_size_mb} --out {output} > {log} 2>&1"

@@ -9,9 +9,21 @@ rule train:
         "logs/train/{run_id}.log",
     params:
         spec=get_run_spec_json,
-    threads: workflow.cores
+    threads: get_train_threads
+    # One node per run: a dp/ddp run gets its N GPUs on one machine and starts torchrun inside the job.
+    # A CPU run (num_gpus 0 or device cpu) asks for no GPU. `tasks` stays unset on purpose: on a GPU
+    # job the SLURM plugin turns it into --ntasks-per-gpu, which torchrun does not want.
     resources:
-        gpu=get_run_gpus,
+        gpu=get_train_gpus,
+        cpus_per_gpu=TRAIN_CPUS_PER_GPU,
+        nodes=1,
+        mem_mb=get_train_mem_mb,
+        runtime=get_train_runtime,
+    conda:
+        "../envs/train.yaml"
+    # --time-limit-s is the job's walltime (runtime is in minutes): training stops early enough to
+    # evaluate and write its results with status=timeout instead of being killed with nothing.
     shell:
         "python {workflow.basedir}/scripts/train.py --spec {params.spec:q} --data {input.data}"
-        " --out {output.metrics} --threads {threads} > {log} 2>&1"
+        " --out {output.metrics} --threads {threads} --time-limit-s $(( {resources.runtime} * 60 ))"
+        " > {log} 2>&1"
