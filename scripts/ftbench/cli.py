@@ -110,7 +110,7 @@ def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
     if len(results) < devices:
         # A rank died without writing its result (killed, segfault): no honest row can be made.
         raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
-    return launch.merge_ranks(results, devices)
+    return launch.merge_ranks(results, spec, devices)
 
 
 def _train_rank(spec: dict, args, stop) -> None:

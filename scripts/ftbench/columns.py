@@ -39,6 +39,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "world_size": ("Int64", "devices that trained together"),
     "host": ("string", "host name"),
     "gpu_names": ("string", "all visible GPUs, comma-separated"),
+    "gpu_driver": ("string", "NVIDIA driver version"),
+    "cuda_version": ("string", "CUDA version torch was built with"),
+    "cpu": ("string", "CPU model of the host"),
     "torch_version": ("string", "torch version"),
     "transformers_version": ("string", "transformers version"),
     "peft_version": ("string", "peft version"),
@@ -60,7 +63,25 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
     "step_time_median_s": ("Float64", "median seconds per measured step"),
     "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
+    # compute efficiency (conventions: scripts/ftbench/flops.py)
+    "flops_per_step_analytic": ("Float64", "model FLOPs per optimizer step, analytic (6N or 4N+2N_trainable per token, plus attention)"),
+    "tflops_per_s": ("Float64", "analytic model TFLOP/s over the measured window, all devices"),
+    "mfu": ("Float64", "model FLOPs utilisation: tflops_per_s / (dense peak x devices); null if the peak is unknown"),
+    "mfu_peak_tflops": ("Float64", "dense peak TFLOP/s per device used for mfu (config/gpus.yaml)"),
+    "mfu_peak_source": ("string", "the config/gpus.yaml entry and dtype the peak came from"),
+    "flops_counted_microbatch": ("Float64", "torch.utils.flop_counter FLOPs of one micro-batch forward+backward"),
+    "flops_analytic_microbatch": ("Float64", "analytic FLOPs of the same micro-batch (padded shapes, as the counter sees)"),
+    "flops_counted_ratio": ("Float64", "counted / analytic; >1 with checkpointing (recompute), <1 for 4-bit matmuls the counter cannot see"),
+    "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
+    # GPU sampling through NVML over the measured window; null without NVML (never 0)
+    "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs"),
+    "gpu_mem_used_peak_mb": ("Float64", "peak device memory in use per GPU as NVML sees it (MiB), all processes"),
+    "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W)"),
+    "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J)"),
+    "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
     # memory
+    "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
+    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU)"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),
     "peak_rss_mb": ("Float64", "process peak resident memory (MiB) over the whole job, loading included"),
@@ -79,6 +100,19 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
     "eval_time_s": ("Float64", "seconds of evaluation"),
     "wall_time_s": ("Float64", "seconds of the whole training job"),
+    # cost: computed at collect from config/prices.yaml (conventions: scripts/ftbench/cost.py), so a price
+    # change re-runs collect and report, never training. Null where the device has no price (a warning says so).
+    "gpu_model": ("string", "price-table model the device matched ('cpu' for a CPU run); null when none matched"),
+    "billed_devices": ("Int64", "devices paid for: the GPUs that trained together; 1 (the machine) for a CPU run"),
+    "price_per_device_hour": ("Float64", "$ per device-hour of gpu_model under the experiment's provider and pricing"),
+    "price_per_hour": ("Float64", "$ per hour of the run: price_per_device_hour x billed_devices"),
+    "price_source": ("string", "which price was used (model, $/device-hour, table and provider/pricing), or why none"),
+    "cost_per_1m_tokens": ("Float64", "$ per million real tokens at the measured global throughput"),
+    "cost_per_1k_samples": ("Float64", "$ per thousand training samples at the measured throughput"),
+    "projected_gpu_hours": ("Float64", "device-hours of the configured training budget: projected wall hours x billed_devices"),
+    "projected_cost": ("Float64", "$ of the configured training budget: projected_gpu_hours x price_per_device_hour"),
+    "energy_cost_per_1m_tokens": ("Float64", "electricity $ per million tokens from NVML energy (GPU boards only); null without NVML"),
+    "projected_energy_cost": ("Float64", "electricity $ of the training budget from NVML energy; null without NVML"),
 }
 
 
@@ -102,6 +136,9 @@ def row_from_result(result: dict) -> dict:
     row.update(
         host=env.get("host"),
         gpu_names=", ".join(env.get("gpu_names", [])) or None,
+        gpu_driver=env.get("gpu_driver"),
+        cuda_version=env.get("cuda_version"),
+        cpu=env.get("cpu"),
         torch_version=libraries.get("torch"),
         transformers_version=libraries.get("transformers"),
         peft_version=libraries.get("peft"),
@@ -111,4 +148,7 @@ def row_from_result(result: dict) -> dict:
     )
     metrics = result["metrics"]
     row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
+    measured = metrics.get("peak_memory_allocated_mb", metrics.get("peak_rss_mb"))
+    estimate = metrics.get("memory_estimate_mb")
+    row["memory_estimate_ratio"] = estimate / measured if estimate and measured else None
     return row

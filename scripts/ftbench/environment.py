@@ -9,6 +9,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from . import gpu_monitor
+
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "snakemake", "pandas", "pyarrow")
 
 
@@ -57,6 +59,7 @@ def capture() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
+        "gpu_driver": gpu_monitor.driver_version() if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),

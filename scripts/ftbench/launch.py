@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .trainer import STEP_FIELDS, summarise
+from .trainer import STEP_FIELDS, derive_efficiency, summarise
 
 # Worse statuses win when ranks disagree: the run is only as good as its worst rank.
 STATUS_PRIORITY = ["failed", "oom", "diverged", "timeout", "unsupported", "ok"]
@@ -119,7 +119,7 @@ def run_ddp(spec: dict, data_dir: str, rank_dir: Path, threads: int | None, time
     return subprocess.run(ddp_command(processes, args), env=env, check=False).returncode
 
 
-def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict]]:
+def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dict, list[dict]]:
     """One run's metrics and step records from its ranks: counts summed, times and memory maxed."""
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base
@@ -128,10 +128,15 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
         culprit = next(r for r in rank_results if r["metrics"]["status"] == worst)
         metrics["status"] = worst
         metrics["status_reason"] = f"rank {culprit['rank']}: {culprit['metrics'].get('status_reason')}"
-    for key in ("peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "wall_time_s", "train_time_s"):
+    for key in ("peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "wall_time_s", "train_time_s",
+                "gpu_mem_used_peak_mb"):
         values = [r["metrics"][key] for r in rank_results if r["metrics"].get(key) is not None]
         if values:
             metrics[key] = max(values)
+    # Each rank sampled its own GPU: energy and power add up, utilisation averages.
+    for key, combine in (("energy_j", sum), ("gpu_power_mean_w", sum), ("gpu_util_mean", lambda v: sum(v) / len(v))):
+        values = [r["metrics"].get(key) for r in rank_results]
+        metrics[key] = combine(values) if all(v is not None for v in values) else None
     metrics["per_rank"] = [
         {key: r["metrics"].get(key) for key in ("tokens_per_s", "peak_memory_reserved_mb", "status", "device_name")}
         for r in rank_results
@@ -141,15 +146,18 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     by_step: dict[int, dict] = {}
     for result in rank_results:
         for record in result["steps"]:
-            merged = by_step.setdefault(record["step"], {**record, "samples": 0, "tokens": 0, "padded_tokens": 0, "step_time_s": 0.0})
-            for count in ("samples", "tokens", "padded_tokens"):
+            merged = by_step.setdefault(record["step"], {**record, "samples": 0, "tokens": 0, "padded_tokens": 0,
+                                                          "flops": 0, "step_time_s": 0.0, "loader_s": 0.0})
+            for count in ("samples", "tokens", "padded_tokens", "flops"):
                 merged[count] += record[count]
-            merged["step_time_s"] = max(merged["step_time_s"], record["step_time_s"])
+            for slowest in ("step_time_s", "loader_s"):
+                merged[slowest] = max(merged[slowest], record[slowest])
     steps = [by_step[key] for key in sorted(by_step)]
     windows = [r["metrics"].get("window_s") for r in rank_results]
     window_s = max(windows) if all(windows) else None
     metrics["window_s"] = window_s
     metrics.update(summarise(steps, window_s, devices))
+    metrics.update(derive_efficiency(metrics, spec, devices))
     return metrics, [{field: step.get(field) for field in STEP_FIELDS} for step in steps]
 
 

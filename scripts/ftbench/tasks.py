@@ -12,6 +12,7 @@ processes in a step, i.e. input tokens, plus target tokens for seq2seq (the deco
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,13 @@ class Batch:
     samples: int
     real_tokens: int  # tokens without padding (see the module docstring)
     padded_tokens: int  # positions processed including padding
+    sum_squared_lengths: int  # sum over input sequences of real length squared (attention FLOPs)
+    target_tokens: int = 0  # seq2seq: the part of real_tokens that is decoder targets
+    target_sum_squared_lengths: int = 0
 
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
-        return Batch(moved, self.samples, self.real_tokens, self.padded_tokens)
+        return dataclasses.replace(self, inputs=moved)
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,9 @@ def collate(task: str, split: TokenisedSplit, indices: np.ndarray, pad_token_id:
     """Pad a batch to its longest sequence; count real tokens before padding is added."""
     sequences = [split.input_ids[i] for i in indices]
     ids, mask = _pad(sequences, pad_token_id)
-    real = int(mask.sum())
+    lengths = mask.sum(axis=1)
+    real = int(lengths.sum())
+    squares = int((lengths * lengths).sum())
     padded = int(mask.size)
     inputs = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
     if task == "classification":
@@ -141,9 +147,11 @@ def collate(task: str, split: TokenisedSplit, indices: np.ndarray, pad_token_id:
     elif task == "seq2seq":
         targets, target_mask = _pad([split.target_ids[i] for i in indices], pad_token_id)
         inputs["labels"] = torch.from_numpy(np.where(target_mask == 1, targets, IGNORE_INDEX))
-        real += int(target_mask.sum())
-        padded += int(target_mask.size)
-    return Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=padded)
+        target_lengths = target_mask.sum(axis=1)
+        target_tokens = int(target_lengths.sum())
+        return Batch(inputs, len(sequences), real + target_tokens, padded + int(target_mask.size), squares,
+                     target_tokens, int((target_lengths * target_lengths).sum()))
+    return Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=padded, sum_squared_lengths=squares)
 
 
 # ---------------------------------------------------------------------------------------------------

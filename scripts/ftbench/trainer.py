@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, environment, modeling, tasks
+from . import data, environment, flops, gpu_monitor, memory_estimate, modeling, tasks
 from .errors import UnsupportedConfiguration
 
 STATUSES = ("ok", "oom", "diverged", "timeout", "unsupported", "failed")
-STEP_FIELDS = ["step", "measured", "step_time_s", "samples", "tokens", "padded_tokens", "loss", "lr"]
+STEP_FIELDS = ["step", "measured", "step_time_s", "loader_s", "samples", "tokens", "padded_tokens", "flops", "loss", "lr"]
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,13 @@ def summarise(steps: list[dict], window_s: float | None, devices: int) -> dict:
     tokens = sum(s["tokens"] for s in measured)
     samples = sum(s["samples"] for s in measured)
     padded = sum(s["padded_tokens"] for s in measured)
+    step_flops = sum(s["flops"] for s in measured)
     times = np.array([s["step_time_s"] for s in measured])
     return {
+        "flops_per_step_analytic": step_flops / len(measured),
+        "tflops_per_s": step_flops / window_s / 1e12,
+        # Share of step time spent producing the next batch (collate + host-to-device copy).
+        "loader_wait_fraction": sum(s["loader_s"] for s in measured) / float(times.sum()),
         "measured_steps": len(measured),
         "measured_time_s": window_s,
         "measured_tokens": tokens,
@@ -214,7 +219,21 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
     return metrics, steps
 
 
+def derive_efficiency(metrics: dict, spec: dict, devices: int) -> dict:
+    """MFU and energy per token from the summary figures (one place for single, DP and merged DDP runs)."""
+    derived = {}
+    if metrics.get("device") == "cuda":
+        achieved = metrics["tflops_per_s"] * 1e12 if metrics.get("tflops_per_s") else None
+        derived.update(flops.mfu(achieved, metrics.get("device_name", ""), spec["precision"], devices))
+    else:
+        derived.update(mfu=None, mfu_peak_tflops=None, mfu_peak_source=None)
+    energy, tokens = metrics.get("energy_j"), metrics.get("measured_tokens")
+    derived["energy_j_per_token"] = energy / tokens if energy is not None and tokens else None
+    return derived
+
+
 def _prepare_model(spec, manifest, device, dist):
+    """(built model, the bare model, the model as trained: DataParallel / DDP / compiled as asked)."""
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device)
     model = built.model
     if spec["parallel"] == "dp" and device.type == "cuda" and devices_in_run(spec) > 1:
@@ -225,7 +244,7 @@ def _prepare_model(spec, manifest, device, dist):
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if spec["compile"]:
         model = torch.compile(model)
-    return built, model
+    return built, built.model, model
 
 
 def _stop_reason(stop: StopSignal, typical_step_s: float, dist: Distributed, device: torch.device) -> str | None:
@@ -244,9 +263,12 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
     load_started = time.perf_counter()
     train_split = data.load_split(data_dir, "train", manifest)
     eval_split = data.load_split(data_dir, "eval", manifest)
-    built, model = _prepare_model(spec, manifest, device, dist)
+    built, bare, model = _prepare_model(spec, manifest, device, dist)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
     metrics["load_time_s"] = time.perf_counter() - load_started
+    metrics.update(memory_estimate.estimate(bare, spec, task, getattr(bare.config, "vocab_size", None)))
+    shape = flops.ModelShape.of(bare)
+    full_finetune = spec["method"] == "full"
 
     devices = devices_in_run(spec)
     accum = spec["grad_accum_steps"]
@@ -259,6 +281,8 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
     # GradScaler keeps small fp16 gradients from flushing to zero; bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
     pad_id = manifest["pad_token_id"]
+    if dist.rank == 0:
+        metrics.update(_count_flops(bare, train_split, spec, task, pad_id, device, autocast, shape, full_finetune))
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec["batch_size"] * (devices // dist.world_size)
     order = batch_order(len(train_split), spec["batch_size"] * devices, total_steps * accum, spec["seed"])
@@ -266,6 +290,9 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
     if device.type == "cuda":
         for index in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(index)
+    sampler = gpu_monitor.GpuSampler(
+        list(range(devices)) if spec["parallel"] == "dp" else [device.index] if device.type == "cuda" else []
+    )
     steps: list[dict] = []
     window_start = window_end = None
     model.train()
@@ -275,15 +302,21 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
     for step in range(total_steps):
         if step == spec["warmup_steps"]:
             window_start = step_start
+            sampler.start()
         stop_reason = _stop_reason(stop, steps[-1]["step_time_s"] if steps else 0.0, dist, device)
         if stop_reason:
             metrics.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
-        record = {"step": step, "measured": step >= spec["warmup_steps"], "samples": 0, "tokens": 0, "padded_tokens": 0}
+        record = {"step": step, "measured": step >= spec["warmup_steps"], "samples": 0, "tokens": 0,
+                  "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
+            fetch_start = time.perf_counter()
             indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
             batch = tasks.collate(task, train_split, indices, pad_id).to(device)
+            record["loader_s"] += time.perf_counter() - fetch_start
+            record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
+                                                batch.target_tokens, batch.target_sum_squared_lengths)
             # Gradients are all-reduced only on the last micro-batch of a step.
             no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
             with no_sync:
@@ -312,12 +345,15 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
         window_end = step_end
         step_start = step_end
 
+    metrics.update(sampler.stop())
     metrics["train_time_s"] = time.perf_counter() - train_started
     metrics.update(total_steps=total_steps, warmup_steps=spec["warmup_steps"], grad_accum_steps=accum)
     window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
     metrics["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (launch.merge_ranks) and recomputes the summary.
     metrics.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
+    if not dist.active:
+        metrics.update(derive_efficiency(metrics, spec, devices))
     if steps:
         metrics["final_train_loss"] = steps[-1]["loss"]
         metrics["first_step_s"] = steps[0]["step_time_s"]
@@ -334,6 +370,25 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
         metrics.update(evaluate(_unwrap(model), eval_split, spec, task, device, pad_id))
         metrics["eval_time_s"] = time.perf_counter() - eval_started
     return steps
+
+
+def _count_flops(bare, split, spec, task, pad_id, device, autocast, shape, full_finetune) -> dict:
+    """torch.utils.flop_counter on one micro-batch, beside the analytic count for the same (padded)
+    batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
+    indices = np.arange(min(spec["batch_size"], len(split)))
+    batch = tasks.collate(task, split, indices, pad_id).to(device)
+    # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
+    inputs_len = batch.inputs["input_ids"].shape[1]
+    targets_len = batch.inputs["labels"].shape[1] if task == "seq2seq" else 0
+    n = batch.samples
+    counted = flops.counted_flops(bare, batch.inputs, autocast)
+    analytic = flops.step_flops(shape, full_finetune, n * (inputs_len + targets_len), n * inputs_len**2,
+                                n * targets_len, n * targets_len**2)
+    return {
+        "flops_counted_microbatch": counted,
+        "flops_analytic_microbatch": analytic,
+        "flops_counted_ratio": counted / analytic if analytic else None,
+    }
 
 
 def _unwrap(model):

@@ -1,0 +1,144 @@
+"""FLOPs of a training step, achieved TFLOP/s and MFU. The conventions, stated once:
+
+- Model FLOPs, not hardware FLOPs: activation recomputation (gradient checkpointing) is not counted, so
+  MFU compares configurations by useful work.
+- Matmul parameters N: the weights of every Linear layer (LM head included, input embeddings excluded:
+  an embedding lookup is not a matmul). LoRA adapters are Linear layers too.
+- Per real token: full fine-tuning 6N (forward 2N, backward 4N). With adapters the frozen base weights
+  get no weight gradient: 4N + 2N_trainable (forward 2N, input gradients 2N, weight gradients 2N_trainable).
+- Attention scores and values add 12 * layers * width * S per token of a sequence of S tokens
+  (forward 4 * layers * width * S, backward twice that), summed over each sequence's real length; the
+  causal mask is not halved (as in the PaLM paper's MFU).
+- MFU = achieved FLOP/s / (dense peak per device x devices), peak from config/gpus.yaml for the run's
+  dtype. Unknown device: MFU is None and a warning says so, never a guessed peak.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+GPU_PEAKS_PATH = Path(__file__).resolve().parents[2] / "config" / "gpus.yaml"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Matmul parameters and attention shape. For encoder-decoders the encoder part is kept apart: encoder
+    weights see the input tokens, decoder weights (LM head included) see the target tokens."""
+
+    linear_params: int  # weights of all Linear layers (what the 2N per token multiplies)
+    trainable_linear_params: int
+    layers: int  # attention layers a token passes through (decoder layers for seq2seq)
+    width: int  # hidden size
+    encoder_linear_params: int = 0  # seq2seq only: the encoder's share of linear_params
+    encoder_trainable_linear_params: int = 0
+    encoder_layers: int = 0
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        config = getattr(model, "config", None)
+        split_encoder = bool(getattr(config, "is_encoder_decoder", False))
+        counts = {"linear": 0, "trainable": 0, "encoder": 0, "encoder_trainable": 0}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+                continue
+            quant_state = getattr(weight, "quant_state", None)
+            count = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel()
+            in_encoder = split_encoder and ".encoder." in f".{name}."
+            counts["linear"] += count
+            counts["encoder"] += count if in_encoder else 0
+            if weight.requires_grad:
+                counts["trainable"] += count
+                counts["encoder_trainable"] += count if in_encoder else 0
+        layers, width = attention_shape(config)
+        encoder_layers = getattr(config, "num_layers", 0) if split_encoder else 0
+        return cls(counts["linear"], counts["trainable"], layers - encoder_layers, width,
+                   counts["encoder"], counts["encoder_trainable"], encoder_layers)
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(attention layers, hidden width) from a transformers config; (0, 0) if unknown."""
+    if config is None:
+        return 0, 0
+    width = getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or getattr(config, "n_embd", 0)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 0)
+    if getattr(config, "is_encoder_decoder", False):
+        layers = (getattr(config, "num_layers", 0) or 0) + (getattr(config, "num_decoder_layers", None) or getattr(config, "num_layers", 0) or 0)
+    return int(layers or 0), int(width or 0)
+
+
+def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
+    return 6 * params if full_finetune else 4 * params + 2 * trainable
+
+
+def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_lengths: int,
+               target_tokens: int = 0, target_sum_squared_lengths: int = 0) -> int:
+    """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets included) and the
+    given sums of squared lengths (attention grows with the square of each sequence's length).
+
+    Cross-attention of encoder-decoders is not counted (small next to the linear layers at the lengths
+    benchmarked; flops_counted_ratio shows the gap)."""
+    decoder_params = shape.linear_params - shape.encoder_linear_params
+    decoder_trainable = shape.trainable_linear_params - shape.encoder_trainable_linear_params
+    if shape.encoder_linear_params:
+        input_tokens = tokens - target_tokens
+        linear = (_linear_flops_per_token(shape.encoder_linear_params, shape.encoder_trainable_linear_params, full_finetune) * input_tokens
+                  + _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * target_tokens)
+        attention = 12 * shape.width * (shape.encoder_layers * sum_squared_lengths + shape.layers * target_sum_squared_lengths)
+        return linear + attention
+    attention = 12 * shape.layers * shape.width * sum_squared_lengths
+    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention
+
+
+def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
+    """FLOPs of one forward + backward as torch.utils.flop_counter counts them (matmuls and attention
+    kernels it knows; bitsandbytes 4-bit matmuls are custom ops it does not see). Gradients are cleared."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        with torch.autocast(**autocast):
+            output = model(**inputs)
+        output.loss.mean().backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak table and MFU
+
+
+def load_peaks(path: Path = GPU_PEAKS_PATH) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)["gpus"]
+
+
+def peak_tflops(device_name: str, dtype: str, peaks: list[dict] | None = None) -> tuple[float | None, str | None]:
+    """(dense peak TFLOP/s per device, the table entry used) for a device name and dtype, or (None, None)."""
+    peaks = load_peaks() if peaks is None else peaks
+    for entry in peaks:
+        if re.search(entry["match"], device_name or "", flags=re.IGNORECASE):
+            value = entry["dense_tflops"].get(dtype)
+            return (float(value), f"{entry['name']} {dtype}") if value is not None else (None, None)
+    return None, None
+
+
+def mfu(achieved_flops_per_s: float | None, device_name: str, dtype: str, devices: int,
+        peaks: list[dict] | None = None) -> dict:
+    peak, source = peak_tflops(device_name, dtype, peaks)
+    if achieved_flops_per_s is None:
+        return {"mfu": None, "mfu_peak_tflops": peak, "mfu_peak_source": source}
+    if peak is None:
+        warnings.warn(f"no {dtype} peak for device {device_name!r} in config/gpus.yaml: MFU left empty", stacklevel=2)
+        return {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
+    return {
+        "mfu": achieved_flops_per_s / (peak * 1e12 * devices),
+        "mfu_peak_tflops": peak,
+        "mfu_peak_source": source,
+    }
