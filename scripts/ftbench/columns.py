@@ -9,6 +9,7 @@ from __future__ import annotations
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
     "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
+    "config_id": ("string", "the run's configuration without repeat and seed: repeats share it"),
     "status": ("string", "ok | oom | diverged | timeout | unsupported | failed"),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
     "model": ("string", "model name from the config"),
@@ -31,6 +32,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "qlora_compute_dtype": ("string", "QLoRA compute dtype; null: the run's precision"),
     "num_gpus": ("Int64", "GPUs the run asked for (0: CPU)"),
     "parallel": ("string", "single | dp | ddp"),
+    "data_source": ("string", "memory (shards decoded before training) | disk (rows read per batch)"),
     "repeat": ("Int64", "repeat index of this configuration (0-based)"),
     "seed": ("Int64", "random seed of this repeat"),
     # where it ran
@@ -121,7 +123,7 @@ SPEC_COLUMNS = (
     "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
     "learning_rate", "optimizer", "grad_accum_steps", "gradient_checkpointing", "compile",
     "attn_implementation", "qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype",
-    "num_gpus", "parallel", "repeat", "seed",
+    "num_gpus", "parallel", "data_source", "repeat", "seed",
 )
 
 
@@ -131,6 +133,7 @@ def row_from_result(result: dict) -> dict:
     env = result.get("environment", {})
     libraries = env.get("libraries", {})
     row = {key: spec.get(key) for key in SPEC_COLUMNS}
+    row["config_id"] = spec.get("config_id", spec["run_id"])
     row["task"] = spec["model_def"].get("task", "classification")
     row.update({key: value for key, value in result["metrics"].items() if key in COLUMNS})
     row.update(

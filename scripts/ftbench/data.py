@@ -24,6 +24,7 @@ from .modeling import SYNTHETIC_PAD_ID, config_vocab_size, load_tokenizer, token
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 SPLITS = ("train", "eval")
+ROW_GROUP_ROWS = 1024
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,7 +256,8 @@ def write_shards(table: pa.Table, out_dir: Path, split_name: str, shard_size_mb:
         piece = table.slice(index * rows_per_shard, rows_per_shard)
         name = f"{split_name}-{index:05d}-of-{count:05d}.parquet"
         with atomic.atomic_path(out_dir / name) as tmp:
-            pq.write_table(piece, tmp)
+            # Small row groups let the disk data source read a batch's rows without decoding a shard.
+            pq.write_table(piece, tmp, row_group_size=ROW_GROUP_ROWS)
         shards.append({"file": name, "rows": piece.num_rows, "bytes": (out_dir / name).stat().st_size, "sha256": sha256_file(out_dir / name)})
     return shards
 
@@ -300,7 +302,54 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     return manifest
 
 
-def load_split(data_dir: str | Path, split_name: str, manifest: dict) -> tasks.TokenisedSplit:
+def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_source: str = "memory"):
+    """A split to draw batches from: decoded into memory up front, or read from the shards per batch."""
     data_dir = Path(data_dir)
-    tables = [pq.read_table(data_dir / shard["file"]) for shard in manifest["splits"][split_name]["shards"]]
-    return tasks.from_table(pa.concat_tables(tables))
+    shards = [data_dir / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
+    if data_source == "disk":
+        return DiskSplit(shards)
+    return tasks.from_table(pa.concat_tables([pq.read_table(path) for path in shards]))
+
+
+class DiskSplit:
+    """Rows read from the Parquet shards when a batch asks for them (``data_source: disk``).
+
+    Each batch reads and decodes the row groups holding its rows; a few recently decoded groups are
+    kept. This is the cost of training straight from storage (the OS page cache still helps), so the
+    loader-wait figure of a disk run shows whether storage and decoding keep up with the GPU.
+    """
+
+    CACHED_GROUPS = 8
+
+    def __init__(self, shards: list[Path]):
+        self.files = [pq.ParquetFile(path) for path in shards]
+        # (file, row group, first global row) for each row group, in order
+        self.groups = []
+        first = 0
+        for file_index, parquet in enumerate(self.files):
+            for group in range(parquet.num_row_groups):
+                self.groups.append((file_index, group, first))
+                first += parquet.metadata.row_group(group).num_rows
+        self.rows = first
+        self.group_starts = np.array([start for _, _, start in self.groups])
+        self._cache: dict[int, tasks.TokenisedSplit] = {}
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def _group(self, index: int) -> tasks.TokenisedSplit:
+        if index not in self._cache:
+            if len(self._cache) >= self.CACHED_GROUPS:
+                self._cache.pop(next(iter(self._cache)))  # oldest first
+            file_index, group, _ = self.groups[index]
+            self._cache[index] = tasks.from_table(self.files[file_index].read_row_group(group))
+        return self._cache[index]
+
+    def take(self, indices: np.ndarray) -> tasks.TokenisedSplit:
+        group_of = np.searchsorted(self.group_starts, indices, side="right") - 1
+        parts = [self._group(int(g)).take(np.array([int(i - self.group_starts[g])])) for i, g in zip(indices, group_of)]
+        return tasks.TokenisedSplit(
+            input_ids=[part.input_ids[0] for part in parts],
+            labels=np.array([part.labels[0] for part in parts]) if parts and parts[0].labels is not None else None,
+            target_ids=[part.target_ids[0] for part in parts] if parts and parts[0].target_ids is not None else None,
+        )

@@ -34,6 +34,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "qlora_quant_type": "nf4",
     "qlora_double_quant": True,
     "qlora_compute_dtype": None,  # None: the run's precision
+    "data_source": "memory",  # memory: shards decoded into RAM before training; disk: read per batch
     "device": "auto",  # auto: the GPUs asked for, or the CPU for a 1-GPU run on a machine without one
     "epochs": 1,
     "max_steps": None,
@@ -114,6 +115,10 @@ def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -
         "dataset_def": dataset_def,
         "data_id": data_id(settings["dataset"], dataset_def, model_def, settings["seq_len"], config),
     }
+    # Repeats of one configuration share a config id (the spec without repeat and seed), so their
+    # spread can be summarised; each repeat still has its own run id.
+    configuration = {key: value for key, value in spec.items() if key not in ("repeat", "seed")}
+    spec["config_id"] = f"{readable_name(settings, 0, 1)}-{short_hash(configuration)}"
     digest = short_hash(spec)
     spec["run_id"] = f"{readable_name(settings, repeat, repeats)}-{digest}"
     return spec
@@ -134,6 +139,8 @@ def readable_name(settings: dict, repeat: int, repeats: int) -> str:
         parts.append("gc")
     if settings["compile"]:
         parts.append("compiled")
+    if settings["data_source"] == "disk":
+        parts.append("disk")
     if settings["parallel"] != "single":
         parts.append(f"{settings['parallel']}{settings['num_gpus']}")
     if repeats > 1:

@@ -35,6 +35,14 @@ class TokenisedSplit:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def take(self, indices: np.ndarray) -> "TokenisedSplit":
+        """The rows at ``indices``, in that order."""
+        return TokenisedSplit(
+            input_ids=[self.input_ids[i] for i in indices],
+            labels=self.labels[indices] if self.labels is not None else None,
+            target_ids=[self.target_ids[i] for i in indices] if self.target_ids is not None else None,
+        )
+
 
 @dataclass
 class Batch:
@@ -130,9 +138,12 @@ def _pad(sequences: list[np.ndarray], value: int) -> tuple[np.ndarray, np.ndarra
     return ids, mask
 
 
-def collate(task: str, split: TokenisedSplit, indices: np.ndarray, pad_token_id: int) -> Batch:
-    """Pad a batch to its longest sequence; count real tokens before padding is added."""
-    sequences = [split.input_ids[i] for i in indices]
+def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
+    """Pad a batch to its longest sequence; count real tokens before padding is added.
+
+    ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk."""
+    rows = split.take(indices)
+    sequences = rows.input_ids
     ids, mask = _pad(sequences, pad_token_id)
     lengths = mask.sum(axis=1)
     real = int(lengths.sum())
@@ -140,12 +151,12 @@ def collate(task: str, split: TokenisedSplit, indices: np.ndarray, pad_token_id:
     padded = int(mask.size)
     inputs = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
     if task == "classification":
-        inputs["labels"] = torch.from_numpy(split.labels[indices])
+        inputs["labels"] = torch.from_numpy(np.asarray(rows.labels))
     elif task == "causal_lm":
         # The model shifts labels by one inside; padded positions are ignored by the loss.
         inputs["labels"] = torch.from_numpy(np.where(mask == 1, ids, IGNORE_INDEX))
     elif task == "seq2seq":
-        targets, target_mask = _pad([split.target_ids[i] for i in indices], pad_token_id)
+        targets, target_mask = _pad(rows.target_ids, pad_token_id)
         inputs["labels"] = torch.from_numpy(np.where(target_mask == 1, targets, IGNORE_INDEX))
         target_lengths = target_mask.sum(axis=1)
         target_tokens = int(target_lengths.sum())

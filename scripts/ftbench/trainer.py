@@ -261,7 +261,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
     set_seed(spec["seed"])
     task = manifest["task"]
     load_started = time.perf_counter()
-    train_split = data.load_split(data_dir, "train", manifest)
+    train_split = data.load_split(data_dir, "train", manifest, spec["data_source"])
     eval_split = data.load_split(data_dir, "eval", manifest)
     built, bare, model = _prepare_model(spec, manifest, device, dist)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
