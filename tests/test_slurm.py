@@ -1,0 +1,257 @@
+"""The workflow on a real SLURM cluster: `snakemake --profile profiles/slurm` against Debian's slurmctld.
+
+One single-node cluster (tests/slurm_cluster.py) serves the whole module; its daemons are stopped at the
+end whatever happens. The experiment is the conftest's tiny BERT on the tiny CSV, a few steps per run.
+Test-only overrides, as shared/notes/slurm-on-one-machine.md explains: `--slurm-status-command squeue`
+(no accounting database, so no sacct) and `--slurm-init-seconds-before-status-checks 1` (the
+plugin checks 1, 12, 33, 64 s after a submission: each stage of the DAG costs one of those).
+
+The tests share one workdir and build on each other: the matrix with one run that fails inside its job,
+then a run that is cancelled while it trains and is submitted again, after which collect and report run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, SNAKEFILE, snakemake_failure, tiny_config, write_config
+from ftbench import matrix
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+PROFILE = ROOT / "profiles" / "slurm"
+# Test-only settings of the executor plugin, as the notes explain; the profile keeps the real-cluster ones.
+PLUGIN_OVERRIDES = ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
+SNAKEMAKE_LIMIT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = slurm_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except slurm_cluster.ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm-workflow")
+
+
+@pytest.fixture(scope="module")
+def base_config(tiny_model_dir, tiny_csv):
+    """Two runs, one asking for a GPU (the fake ones) and one for the CPU only."""
+    return tiny_config(
+        tiny_model_dir,
+        tiny_csv,
+        matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"], "num_gpus": [0, 1]},
+    )
+
+
+def snakemake_command(workdir: Path, configfile: Path, *extra: str) -> list[str]:
+    beside = Path(sys.executable).with_name("snakemake")
+    snakemake = [str(beside)] if beside.is_file() else [sys.executable, "-m", "snakemake"]
+    return [
+        # snakemake waits for its running jobs on SIGTERM: -k kills it if that takes longer than 15 s.
+        "timeout", "-k", "15", str(SNAKEMAKE_LIMIT_S),
+        *snakemake,
+        "--snakefile", str(SNAKEFILE),
+        "--directory", str(workdir),
+        "--configfile", str(configfile),
+        "--profile", str(PROFILE),
+        *PLUGIN_OVERRIDES,
+        *extra,  # --set-resources last: it takes every argument after it
+    ]
+
+
+def snakemake_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The rules call `python`: the jobs (sbatch --export=ALL) must find this venv's.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # No accounting database here, so an account could not be validated: leave it unset. GPU jobs go to
+    # the `gpu` partition through the profile's FTBENCH_GPU_PARTITION; the others to the default one.
+    env.pop("SBATCH_ACCOUNT", None)
+    env.pop("SBATCH_PARTITION", None)
+    env["FTBENCH_GPU_PARTITION"] = slurm_cluster.GPU_PARTITION
+    return env
+
+
+def run(workdir: Path, configfile: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        snakemake_command(workdir, configfile, *extra), cwd=workdir, env=snakemake_env(),
+        capture_output=True, text=True, timeout=SNAKEMAKE_LIMIT_S + 30,
+    )
+
+
+def submitted(process) -> dict[int, str]:
+    """SLURM job id -> rule name of every job this snakemake run submitted (from its log)."""
+    text = process.stdout + process.stderr
+    jobs = {}
+    for snakemake_id, slurm_id in re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", text):
+        match = re.search(rf"rule (\w+):\n(?:    .*\n)*?    jobid: {snakemake_id}\n", text)
+        jobs[int(slurm_id)] = match.group(1) if match else "?"
+    return jobs
+
+
+def run_id_of(cluster, job_id: int) -> str | None:
+    """The run a train job trained: the plugin puts rule and wildcards in the job's comment."""
+    match = re.fullmatch(r"rule_train_wildcards_(\S+)", cluster.job_info(job_id).get("Comment", ""))
+    return match.group(1) if match else None
+
+
+def broken_model(tiny_model_dir: Path) -> dict:
+    """A model that passes validation but cannot be built inside the job (30 hidden units, 4 heads).
+    It tokenises like the tiny model, so it shares the prepared data and only its train job fails."""
+    return {
+        "source": {
+            "kind": "config", "architecture": "BertConfig",
+            "overrides": {"hidden_size": 30, "num_attention_heads": 4, "num_hidden_layers": 1},
+            "tokenizer": {"kind": "path", "path": str(tiny_model_dir)},
+        },
+        "task": "classification",
+    }
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster, workdir, base_config, tiny_model_dir):
+    """The two-run matrix plus one run that fails, trained through SLURM (targets: every run's
+    metrics.json, since the failing run keeps collect and report from running)."""
+    config = {
+        **base_config,
+        "models": {**base_config["models"], "broken": broken_model(tiny_model_dir)},
+        "include": [{"model": "broken", "dataset": "tiny", "num_gpus": 0}],
+    }
+    configfile = write_config(workdir, config, name="config-first.yaml")
+    run_ids = [spec["run_id"] for spec in matrix.expand_runs(config)]
+    before = set(cluster.submitted_job_ids())
+    started = time.monotonic()
+    process = run(workdir, configfile, *(f"results/runs/{run_id}/metrics.json" for run_id in run_ids))
+    print(f"\nfirst run through SLURM: {time.monotonic() - started:.0f} s")
+    jobs = submitted(process)
+    trains: dict[str, list[int]] = {}  # run id -> its train jobs, in submission order
+    for job_id in sorted(job_id for job_id, rule in jobs.items() if rule == "train"):
+        trains.setdefault(run_id_of(cluster, job_id), []).append(job_id)
+    return process, jobs, trains, set(cluster.submitted_job_ids()) - before
+
+
+def test_matrix_jobs_go_through_sbatch_with_their_resources(cluster, workdir, first_run):
+    process, jobs, trains, new_ids = first_run
+    # Every job went through sbatch: slurmctld accepted exactly the job ids Snakemake reports
+    # (the failing run twice: the profile retries a failed job once).
+    assert sorted(jobs.values()) == ["prepare_data"] + ["train"] * 4, snakemake_failure(process)
+    assert set(jobs) == new_ids
+    good = {run_id: job_ids for run_id, job_ids in trains.items() if not run_id.startswith("broken-")}
+    assert sorted(map(len, good.values())) == [1, 1], trains
+    infos = {}
+    for run_id, (job_id,) in good.items():
+        info = cluster.job_info(job_id)
+        assert info["JobState"] == "COMPLETED", (run_id, info)
+        result = json.loads((workdir / "results" / "runs" / run_id / "metrics.json").read_text())
+        assert result["metrics"]["status"] == "ok", result["metrics"]
+        infos[result["spec"]["num_gpus"]] = info
+    # runtime (minutes) is the walltime: the train estimate's 10-minute floor for a run this small.
+    assert {info["TimeLimit"] for info in infos.values()} == {"00:10:00"}
+    assert cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))["TimeLimit"] == "00:30:00"
+    # num_gpus 1: one (fake) GPU, 4 CPUs per GPU, the GPU partition from FTBENCH_GPU_PARTITION.
+    assert infos[1].get("TresPerJob") == "gres:gpu:1", infos[1]
+    assert infos[1].get("CpusPerTres") == "gres:gpu:4", infos[1]
+    assert infos[1]["Partition"] == slurm_cluster.GPU_PARTITION
+    # num_gpus 0: no GPU asked for.
+    assert "gpu" not in infos[0].get("TresPerJob", ""), infos[0]
+    assert cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))["Partition"] == slurm_cluster.PARTITION
+
+
+def test_failing_job_is_reported_as_failed(cluster, workdir, first_run):
+    process, jobs, trains, _ = first_run
+    output = process.stdout + process.stderr
+    assert process.returncode != 0, snakemake_failure(process)
+    (run_id,) = (run_id for run_id in trains if run_id.startswith("broken-"))
+    first, retry = trains[run_id]  # the profile's one retry, with twice the walltime
+    assert [cluster.job_info(job_id)["JobState"] for job_id in (first, retry)] == ["FAILED", "FAILED"]
+    assert [cluster.job_info(job_id)["TimeLimit"] for job_id in (first, retry)] == ["00:10:00", "00:20:00"]
+    assert "Error in rule train" in output and f"SLURM-job '{retry}' failed" in output, output[-5000:]
+    assert not (workdir / "results" / "runs" / run_id / "metrics.json").exists()
+    assert "ValueError" in (workdir / "logs" / "train" / f"{run_id}.log").read_text()
+
+
+def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, first_run):
+    """scancel a training job while it runs; the re-run submits that run again and no other training,
+    then collect and report, so metrics.parquet and the report appear.
+
+    The run is long (max_steps 10^6) and gets a 1-minute walltime (--set-resources): the re-run also
+    shows the walltime safety, stopping itself before the limit with status=timeout and its measurements.
+    """
+    config = {**base_config, "include": [{"model": "tiny", "dataset": "tiny", "num_gpus": 0, "max_steps": 1_000_000}]}
+    configfile = write_config(workdir, config, name="config-long.yaml")
+    # --retries 0: the profile's one retry would otherwise resubmit the cancelled job at once, in the
+    # same invocation; this test is about the next invocation.
+    extra = ["--retries", "0", "--set-resources", "train:runtime=1"]
+    command = snakemake_command(workdir, configfile, *extra)
+
+    started = time.monotonic()
+    first = subprocess.Popen(command, cwd=workdir, env=snakemake_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        job_id, run_id = _wait_for_running_train(cluster, workdir, timeout_s=90)
+        subprocess.run(["scancel", str(job_id)], check=True)
+        output, _ = first.communicate(timeout=SNAKEMAKE_LIMIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    print(f"\nsubmit + cancel: {time.monotonic() - started:.0f} s")
+    assert first.returncode != 0, output[-4000:]
+    # The finished runs of the matrix were not trained again: this was the only job submitted.
+    assert re.findall(r"submitted with SLURM jobid (\d+)", output) == [str(job_id)], output[-4000:]
+    assert cluster.job_info(job_id)["JobState"] == "CANCELLED"
+    assert f"SLURM-job '{job_id}' failed" in output and "CANCELLED" in output, output[-4000:]
+
+    started = time.monotonic()
+    rerun = run(workdir, configfile, *extra)
+    print(f"re-run: {time.monotonic() - started:.0f} s")
+    assert rerun.returncode == 0, snakemake_failure(rerun)
+    jobs = submitted(rerun)
+    assert sorted(jobs.values()) == ["collect", "report", "train"], jobs
+    (train_job,) = (j for j, rule in jobs.items() if rule == "train")
+    assert run_id_of(cluster, train_job) == run_id
+    assert cluster.job_info(train_job)["TimeLimit"] == "00:01:00"
+    result = json.loads((workdir / "results" / "runs" / run_id / "metrics.json").read_text())["metrics"]
+    assert result["status"] == "timeout", result
+    assert result.get("tokens_per_s"), result
+
+    metrics = pd.read_parquet(workdir / "results" / "metrics.parquet")
+    assert sorted(metrics["status"]) == ["ok", "ok", "timeout"], metrics[["run_id", "status"]]
+    assert (workdir / "results" / "report.html").stat().st_size > 1000
+
+
+def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[int, str]:
+    """(SLURM job id, run id) of a RUNNING train job whose command has started (its log exists)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            job_id, _, comment = line.partition(" ")
+            match = re.fullmatch(r"rule_train_wildcards_(\S+)", comment.strip())
+            if match and (workdir / "logs" / "train" / f"{match.group(1)}.log").exists():
+                time.sleep(2)  # into the training loop
+                return int(job_id), match.group(1)
+        time.sleep(0.5)
+    raise AssertionError(f"no train job started running within {timeout_s} s:\n{cluster.tail_logs()}")
