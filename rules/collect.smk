@@ -1,7 +1,24 @@
+# Costs are computed here from the measured throughput (scripts/ftbench/cost.py). The price table is an
+# input, so editing a price re-runs collect and report, never training; the experiment's `prices` key
+# (provider, pricing, its own prices) is a param, so editing it does the same. Checked at parse time so a
+# bad provider or model name stops `snakemake -n` with the key that names it.
+from ftbench import cost as ftbench_cost  # noqa: E402
+
+PRICE_SETTINGS = {key: value for key, value in config.get("prices", {}).items() if key != "table"}
+PRICES_TABLE = config.get("prices", {}).get("table") or str(Path(workflow.basedir) / "config" / "prices.yaml")
+try:
+    ftbench_cost.resolve({**PRICE_SETTINGS, "table": PRICES_TABLE})
+except FtbenchError as error:
+    sys.stderr.write(f"ftbench: {error}\n")
+    sys.exit(1)
+
+
 rule collect:
-    """One row per run into results/metrics.parquet (columns: scripts/ftbench/columns.py) and a CSV twin."""
+    """One row per run into results/metrics.parquet (columns: scripts/ftbench/columns.py) and a CSV twin,
+    with each run's cost from the price table."""
     input:
-        all_run_metrics(),
+        metrics=all_run_metrics(),
+        prices=PRICES_TABLE,
     output:
         parquet="results/metrics.parquet",
         csv="results/metrics.csv",
@@ -14,6 +31,10 @@ rule collect:
         runtime=lambda wildcards, attempt: 10 * attempt,
     conda:
         "../envs/analysis.yaml"
+    params:
+        prices=json.dumps(PRICE_SETTINGS, sort_keys=True),
+        budget=json.dumps(config.get("budget")),
     shell:
         "python {workflow.basedir}/scripts/collect.py --parquet {output.parquet} --csv {output.csv}"
-        " {input} > {log} 2>&1"
+        " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q}"
+        " {input.metrics} > {log} 2>&1"

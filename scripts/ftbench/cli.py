@@ -140,15 +140,23 @@ def _train_rank(spec: dict, args, stop) -> None:
 
 
 def collect(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Gather run results into Parquet and CSV.")
+    parser = argparse.ArgumentParser(description="Gather run results into Parquet and CSV, with their costs.")
     parser.add_argument("--parquet", required=True)
     parser.add_argument("--csv", required=True)
+    parser.add_argument("--prices-table", default=None, help="price table YAML (default: config/prices.yaml)")
+    parser.add_argument("--price-settings", default="{}", help="JSON: the experiment's `prices` key (provider, pricing, ...)")
+    parser.add_argument("--budget", default="null", help="JSON: training budget {tokens|samples, epochs} for projections")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
     from . import collect as collect_module
+    from . import cost
 
-    frame = collect_module.collect(args.results, args.parquet, args.csv)
-    print(f"collected {len(frame)} runs -> {args.parquet}")
+    settings = json.loads(args.price_settings) or {}
+    if args.prices_table:
+        settings["table"] = args.prices_table
+    prices = cost.resolve(settings)
+    frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget))
+    print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
 def report(argv: list[str] | None = None) -> None:
@@ -158,11 +166,45 @@ def report(argv: list[str] | None = None) -> None:
     parser.add_argument("--figures", required=True, help="folder for figure PNGs")
     parser.add_argument("--html", required=True)
     parser.add_argument("--title", default="ftbench report")
+    parser.add_argument("--recommend", default="{}", help="JSON: {min_accuracy, max_memory_mb} for the recommendation")
     args = parser.parse_args(argv)
     from . import report as report_module
 
-    report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title)
+    written = report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title,
+                                         recommend_settings=json.loads(args.recommend) or {})
+    for name, result in written.items():
+        print(f"figure {name}: {result if isinstance(result, str) else 'drawn'}")
     print(f"report -> {args.html}")
+
+
+def compare(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/compare.py",
+        description="Merge result sets (metrics.parquet from different machines or clusters) into one table and "
+        "report: the same configuration across GPUs, throughput ratios and cost, node-to-node variance.",
+    )
+    parser.add_argument("results", nargs="+", metavar="[NAME=]METRICS_PARQUET",
+                        help="a result set's metrics.parquet, optionally named (NAME=path); default name: its folder")
+    parser.add_argument("--out", required=True, help="folder for compare.html, compare.parquet, compare.csv and figures/")
+    parser.add_argument("--prices-table", default=None, help="re-price every set with this table (default: config/prices.yaml)")
+    parser.add_argument("--provider", default=None, help="provider of the price table (default: the table's default)")
+    parser.add_argument("--pricing", default=None, choices=["on_demand", "spot"])
+    parser.add_argument("--keep-prices", action="store_true", help="keep each set's own costs instead of re-pricing")
+    parser.add_argument("--threshold", type=float, default=0.05, help="flag node-to-node variation above this CV (default 0.05)")
+    parser.add_argument("--title", default="ftbench comparison")
+    args = parser.parse_args(argv)
+    from . import compare as compare_module
+    from . import cost
+
+    sets = []
+    for item in args.results:
+        name, _, path = item.rpartition("=") if "=" in item else ("", "", item)
+        sets.append((name or None, path))
+    prices = None
+    if not args.keep_prices:
+        prices = cost.resolve({"table": args.prices_table, "provider": args.provider, "pricing": args.pricing})
+    result = compare_module.compare(sets, args.out, prices=prices, threshold=args.threshold, title=args.title)
+    print(f"compared {result['runs']} runs of {result['sets']} result sets -> {result['html']}")
 
 
 def run(command, argv: list[str] | None = None) -> None:

@@ -66,15 +66,51 @@ def short_device(name: str | None) -> str:
     return re.sub(r"^(NVIDIA|Tesla)\s+", "", name).replace("GeForce ", "").strip()
 
 
+def shorten(labels: pd.Series) -> pd.Series:
+    """Drop the name parts every label shares (the one model, dataset, precision, ...): what is left is
+    what tells the configurations apart. Labels are kept whole when that would leave one empty."""
+    parts = labels.str.split("-")
+    if len(labels.unique()) < 2:
+        return labels
+    common = set.intersection(*(set(p) for p in parts))
+    short = parts.map(lambda p: "-".join(x for x in p if x not in common))
+    return labels if (short == "").any() else short
+
+
+def common_parts(runs: pd.DataFrame) -> str:
+    """The name parts all configurations share (what shorten() dropped), for a figure's subtitle."""
+    parts = strip_id(runs["run_id"]).str.split("-")
+    if parts.empty or len(set(map(tuple, parts))) < 2:
+        return ""
+    common = set.intersection(*(set(p) for p in parts))
+    return " ".join(x for x in parts.iloc[0] if x in common)
+
+
+def strip_id(ids: pd.Series) -> pd.Series:
+    """A run or config id without its hash (and repeat) suffix: the readable part."""
+    return ids.astype(str).str.replace(r"(-rep\d+)?-[0-9a-f]{8}$", "", regex=True)
+
+
+def settings_key(runs: pd.DataFrame) -> pd.Series:
+    """A configuration key from the settings columns alone (comparable across machines and versions)."""
+    columns = [c for c in CONFIG_COLUMNS if c in runs]
+    if not columns:
+        return pd.Series("", index=runs.index)
+    return runs[columns].astype("string").fillna("-").agg("|".join, axis=1)
+
+
 def prepare(runs: pd.DataFrame) -> pd.DataFrame:
-    """The run table plus ``config_key``, ``config_label`` and ``quality`` (see quality_column)."""
+    """The run table plus ``config_key`` (the configuration, and its device when several were used),
+    ``config_label`` (readable, unique per key) and ``quality`` (see quality_column)."""
     runs = runs.copy().reset_index(drop=True)
-    columns = [c for c in CONFIG_COLUMNS if c in runs] + (["device_name"] if "device_name" in runs else [])
-    keys = runs[columns].astype("string").fillna("-").agg("|".join, axis=1) if columns else pd.Series("", index=runs.index)
-    runs["config_key"] = keys.map(lambda key: hashlib.sha256(key.encode()).hexdigest()[:8])
-    base = runs["run_id"].astype(str).str.replace(r"(-rep\d+)?-[0-9a-f]{8}$", "", regex=True)
-    devices = runs["device_name"].dropna().unique() if "device_name" in runs else []
-    if len(devices) > 1:
+    if "config_id" in runs and runs["config_id"].notna().all():
+        ident, readable = runs["config_id"].astype(str), strip_id(runs["config_id"])
+    else:  # tables written before config_id existed
+        ident, readable = settings_key(runs), strip_id(runs["run_id"])
+    device = runs["device_name"].astype("string").fillna("-") if "device_name" in runs else pd.Series("-", index=runs.index)
+    runs["config_key"] = (ident + "|" + device).map(lambda key: hashlib.sha256(key.encode()).hexdigest()[:8])
+    base = shorten(readable)
+    if device[device != "-"].nunique() > 1:
         base = base + " @ " + runs["device_name"].map(short_device)
     labels = {}
     for label, group in runs.groupby(base, sort=False):
@@ -109,8 +145,15 @@ def by_config(runs: pd.DataFrame, column: str, ok_only: bool = True) -> pd.DataF
 
 
 def gpu_capacity_mb(device_name: str | None, path: Path = GPUS_PATH) -> float | None:
-    """Memory of one device (MiB) from config/gpus.yaml (first ``match`` wins), or None when unknown."""
-    if not isinstance(device_name, str) or not path.is_file():
+    """Memory of one device (MiB): the size in the device's own name ("A100-SXM4-40GB", "H100 80GB HBM3")
+    when it has one, else config/gpus.yaml's memory_gb for the first entry whose ``match`` fits; None
+    when unknown."""
+    if not isinstance(device_name, str):
+        return None
+    named = re.search(r"(\d+)\s*GB\b", device_name, flags=re.IGNORECASE)
+    if named:
+        return float(named.group(1)) * 1024
+    if not path.is_file():
         return None
     try:
         entries = yaml.safe_load(path.read_text(encoding="utf-8")).get("gpus", [])
@@ -130,6 +173,13 @@ def is_value(series: pd.Series, value) -> pd.Series:
 
 def ok_runs(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[is_value(runs["status"], "ok")]
+
+
+def _by_method(frame: pd.DataFrame):
+    """(method, rows) in the order full, lora, qlora, then any other."""
+    methods = list(frame["method"].dropna().unique())
+    for method in [m for m in METHOD_ORDER if m in methods] + sorted(set(methods) - set(METHOD_ORDER)):
+        yield method, frame[is_value(frame["method"], method)]
 
 
 def _method_colour(method) -> str:
@@ -158,6 +208,11 @@ def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame):
     has_estimate = "memory_estimate_mb" in runs and runs["memory_estimate_mb"].notna().any()
     estimate = by_config(runs, "memory_estimate_mb", ok_only=False).set_index("config_key")["median"] if has_estimate else pd.Series(dtype=float)
     measured = measured.sort_values("median")
+    # A configuration with no finished run (an OOM near the limit, say) says so in its label.
+    finished = set(ok_runs(runs)["config_key"])
+    statuses = runs.groupby("config_key")["status"].agg(lambda s: "/".join(sorted(set(s.astype(str)))))
+    measured["config_label"] = [label if key in finished else f"{label} ({statuses[key]})"
+                                for key, label in zip(measured["config_key"], measured["config_label"])]
     fig, ax = plt.subplots(figsize=(9, _height(len(measured))))
     y = np.arange(len(measured))
     width = 0.4 if has_estimate else 0.7
@@ -174,10 +229,10 @@ def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame):
             capacities.setdefault(capacity, []).append(short_device(name))
     for capacity, names in capacities.items():
         ax.axvline(capacity, color="#c44e52", linestyle="--", linewidth=1.2)
-        ax.text(capacity, len(measured) - 0.5, f" {', '.join(names)}: {capacity / 1024:.0f} GiB", color="#c44e52",
-                fontsize=8, va="top", rotation=90, ha="right")
+        ax.text(capacity, -0.45, f"{', '.join(names)}: {capacity / 1024:.0f} GiB ", color="#c44e52",
+                fontsize=8, va="bottom", ha="right", rotation=90)
     ax.set_yticks(y, measured["config_label"], fontsize=8)
-    ax.set_xlabel("peak memory (MiB): CUDA reserved on a GPU, process peak RSS on a CPU; median of repeats")
+    ax.set_xlabel("peak memory (MiB), median of repeats")
     from matplotlib.patches import Patch
 
     handles = [Patch(color=_method_colour(m), label=f"measured: {m}") for m in METHOD_ORDER if m in set(measured["method"])]
@@ -206,7 +261,7 @@ def figure_throughput(runs: pd.DataFrame, steps: pd.DataFrame):
     position = dict(zip(summary["config_key"], y))
     ax.scatter(ok["tokens_per_s"].astype(float), ok["config_key"].map(position), color="#222", s=12, zorder=3, label="each repeat")
     ax.set_yticks(y, summary["config_label"], fontsize=8)
-    ax.set_xlabel("tokens/s (real tokens, measured window, all devices): bar = median, whiskers = min-max of repeats")
+    ax.set_xlabel("tokens/s, all devices (bar: median of repeats; whiskers: min-max)")
     _method_legend(ax, summary["method"])
     fig.tight_layout()
     return fig
@@ -219,7 +274,7 @@ def figure_accuracy_vs_memory(runs: pd.DataFrame, steps: pd.DataFrame):
         return "no finished run has both an accuracy and a peak memory"
     _, name = quality_column(ok)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for method, group in ok.groupby("method", sort=False):
+    for method, group in _by_method(ok):
         ax.scatter(group["peak_memory_mb"].astype(float), group["quality"].astype(float), color=_method_colour(method), label=method, s=40, alpha=0.85)
     ax.set_xlabel("peak memory (MiB)")
     ax.set_ylabel(name)
@@ -242,7 +297,7 @@ def figure_cost(runs: pd.DataFrame, steps: pd.DataFrame):
     for yi, value in zip(y, summary["median"]):
         ax.text(value, yi, f" ${value:.3g}", va="center", fontsize=8)
     ax.set_yticks(y, summary["config_label"], fontsize=8)
-    ax.set_xlabel("$ per 1M training tokens (price per hour / measured tokens per hour; median of repeats)")
+    ax.set_xlabel("$ per 1M training tokens (median of repeats)")
     ax.set_xlim(0, float(summary["median"].max()) * 1.18)
     _method_legend(ax, summary["method"])
     fig.tight_layout()
@@ -274,7 +329,7 @@ def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame):
     points = points.astype({"cost": float, "quality": float})
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for method, group in points.groupby("method", sort=False):
+    for method, group in _by_method(points):
         ax.scatter(group["cost"], group["quality"], color=_method_colour(method), label=method, s=40, alpha=0.85, zorder=3)
     ax.plot(front["cost"], front["quality"], color="#222", linewidth=1.2, drawstyle="steps-post", zorder=2, label="Pareto front")
     ax.scatter(front["cost"], front["quality"], facecolor="none", edgecolor="#222", s=140, linewidth=1.4, zorder=4)
@@ -344,7 +399,7 @@ def figure_step_time(runs: pd.DataFrame, steps: pd.DataFrame):
         patch.set_facecolor(_method_colour(labels.loc[run_id, "method"]))
         patch.set_alpha(0.8)
     ax.set_yticks(np.arange(1, len(order) + 1), [_run_label(labels, run_id) for run_id in order], fontsize=8)
-    ax.set_xlabel("seconds per optimizer step (measured window, warmup excluded)")
+    ax.set_xlabel("seconds per optimizer step (measured window)")
     _method_legend(ax, labels.loc[order, "method"])
     fig.tight_layout()
     return fig
@@ -400,6 +455,18 @@ FIGURES = [
     FigureSpec("step_time", "Step-time distribution", figure_step_time),
     FigureSpec("loss_curves", "Loss curves", figure_loss_curves),
 ]
+
+
+def draw(spec: FigureSpec, runs: pd.DataFrame, steps: pd.DataFrame):
+    """Draw one figure (a Figure, or the note saying why it is left out), titled with what all the
+    configurations share (the parts their labels leave out)."""
+    result = spec.draw(runs, steps)
+    if not isinstance(result, str):
+        shared = common_parts(runs)
+        if shared and result.axes:
+            result.axes[0].set_title(f"all runs: {shared}", loc="left", fontsize=9, color="#444")
+            result.tight_layout()
+    return result
 
 
 def caption(name: str) -> str:
