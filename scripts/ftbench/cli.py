@@ -74,6 +74,7 @@ def train(argv: list[str] | None = None) -> None:
 
 
 def _stop_signal(time_limit_s: float | None):
+    import faulthandler
     import signal
     import time
 
@@ -86,6 +87,8 @@ def _stop_signal(time_limit_s: float | None):
         margin = min(max(60.0, 0.1 * time_limit_s), 0.5 * time_limit_s)
         stop.deadline = time.monotonic() + time_limit_s - margin
     signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "terminate_requested", True))
+    # `kill -USR1 <pid>` prints every thread's stack into the job log: where a stuck run is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
 
 
