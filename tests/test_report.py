@@ -355,6 +355,8 @@ def test_collect_computes_costs_from_metrics_json(tmp_path):
                     optimizer="adamw", grad_accum_steps=1, gradient_checkpointing=False, compile=False, num_gpus=1,
                     parallel="single", repeat=0, seed=0, model_def={"task": "classification"})
         spec["run_id"] = f"run{index}"
+        if index == 0:
+            spec["budget"] = {"tokens": 7.2e6}  # a budget in the run's own spec wins over --budget
         metrics = {"run_id": f"run{index}", "status": "ok", "device": device, "device_name": name, "world_size": 1,
                    "tokens_per_s": 1000.0, "samples_per_s": 20.0, "peak_rss_mb": 100.0}
         path = tmp_path / f"run{index}" / "metrics.json"
@@ -363,7 +365,8 @@ def test_collect_computes_costs_from_metrics_json(tmp_path):
         files.append(path)
     process = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "collect.py"), "--parquet", str(tmp_path / "m.parquet"), "--csv",
-         str(tmp_path / "m.csv"), "--price-settings", json.dumps({"pricing": "spot"}), *map(str, files)],
+         str(tmp_path / "m.csv"), "--price-settings", json.dumps({"pricing": "spot"}),
+         "--budget", json.dumps({"samples": 72000}), *map(str, files)],
         capture_output=True, text=True, check=False,
     )
     assert process.returncode == 0, process.stderr
@@ -373,6 +376,10 @@ def test_collect_computes_costs_from_metrics_json(tmp_path):
     spot_cpu = cost.resolve({"pricing": "spot"}).per_device_hour["cpu"]
     assert table.loc[0, "cost_per_1m_tokens"] == pytest.approx(spot_cpu / 3.6)
     assert pd.isna(table.loc[1, "cost_per_1m_tokens"])
+    assert table.loc[0, "projected_gpu_hours"] == pytest.approx(2.0)  # 7.2M tokens at 1,000 tokens/s
+    assert table.loc[0, "projected_cost"] == pytest.approx(2.0 * spot_cpu)
+    assert table.loc[1, "projected_gpu_hours"] == pytest.approx(1.0)  # 72,000 samples at 20 samples/s
+    assert pd.isna(table.loc[1, "projected_cost"])  # hours are known, the price is not
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,10 +24,13 @@ def typed(frame: pd.DataFrame) -> pd.DataFrame:
 
 def build_table(result_files: list[str | Path], prices: cost.Prices | None = None, budget: dict | None = None,
                 warnings_out: list[str] | None = None) -> pd.DataFrame:
-    rows = [row_from_result(json.loads(Path(path).read_text(encoding="utf-8"))) for path in result_files]
+    results = [json.loads(Path(path).read_text(encoding="utf-8")) for path in result_files]
+    rows = [row_from_result(result) for result in results]
     frame = typed(pd.DataFrame(rows, columns=list(COLUMNS)))
     if prices is not None:
-        frame, warnings = cost.add_costs(frame, prices, budget, warn=False)
+        # A budget in the run's own spec wins over the experiment-wide one.
+        budgets = [result.get("spec", {}).get("budget") or budget for result in results]
+        frame, warnings = cost.add_costs(frame, prices, budgets, warn=False)
         frame = typed(frame)
         if warnings_out is not None:
             warnings_out.extend(warnings)

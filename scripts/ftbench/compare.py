@@ -20,15 +20,19 @@ import sys
 import warnings
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
+import matplotlib
 
-from . import atomic, cost, figures, report
-from .collect import typed
-from .columns import COLUMNS
-from .errors import FtbenchError
-from .figures import ok_runs, short_device
+matplotlib.use("Agg")  # no display on cluster nodes and CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from . import atomic, cost, figures, report  # noqa: E402
+from .collect import typed  # noqa: E402
+from .columns import COLUMNS  # noqa: E402
+from .errors import FtbenchError  # noqa: E402
+from .figures import ok_runs, short_device  # noqa: E402
 
 SET_COLUMN = "result_set"
 
@@ -61,16 +65,18 @@ def load_set(name: str | None, path: str | Path) -> tuple[str, pd.DataFrame, lis
 
 def merge(sets: list[tuple[str | None, str | Path]], prices: cost.Prices | None = None) -> tuple[pd.DataFrame, list[str]]:
     """All sets in one table (the documented columns plus ``result_set``), re-priced when ``prices`` is given."""
-    frames, notes, names = [], [], []
+    frames, notes, names, sources = [], [], [], {}
     for name, path in sets:
         name, frame, set_notes = load_set(name, path)
         if name in names:
             name = f"{name}-{len(names) + 1}"
         names.append(name)
+        sources[name] = str(path)
         frame.insert(0, SET_COLUMN, name)
         frames.append(frame)
         notes.extend(set_notes)
     merged = pd.concat(frames, ignore_index=True)
+    merged.attrs["sources"] = sources  # result set name -> the file it came from
     if prices is not None:
         old_gpu_hours = merged["projected_gpu_hours"].copy()
         repriced, price_warnings = cost.add_costs(merged.drop(columns=[SET_COLUMN]), prices, warn=False)
@@ -79,6 +85,7 @@ def merge(sets: list[tuple[str | None, str | Path]], prices: cost.Prices | None 
         repriced.loc[keep, "projected_gpu_hours"] = old_gpu_hours[keep]
         repriced.loc[keep, "projected_cost"] = old_gpu_hours[keep] * repriced.loc[keep, "price_per_device_hour"]
         merged = pd.concat([merged[[SET_COLUMN]], typed(repriced)], axis=1)
+        merged.attrs["sources"] = sources
         notes.extend(sorted(set(price_warnings)))
     return merged, notes
 
@@ -228,8 +235,7 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
         git_commit=("git_commit", lambda s: ", ".join(sorted(s.dropna().astype(str).str[:10].unique()))),
         torch_version=("torch_version", lambda s: ", ".join(sorted(s.dropna().astype(str).unique()))),
     ).reset_index()
-    source = {name: str(path) for name, path in zip(sets_table[SET_COLUMN], [p for _, p in sets])}
-    sets_table.insert(1, "file", sets_table[SET_COLUMN].map(source))
+    sets_table.insert(1, "file", sets_table[SET_COLUMN].map(merged.attrs["sources"]))
     flagged = variance[variance["flagged"]] if not variance.empty else variance
     price_note = (f"Costs re-priced with {prices.table_path} ({prices.label}) so they are comparable."
                   if prices is not None else "Costs as each set's own collect computed them (--keep-prices).")

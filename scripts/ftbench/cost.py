@@ -252,12 +252,15 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
     return out, warning
 
 
-def add_costs(frame: pd.DataFrame, prices: Prices, budget: dict | None = None, warn: bool = True) -> tuple[pd.DataFrame, list[str]]:
-    """The run table with its cost columns filled in; plus the warnings (one per unpriced run)."""
+def add_costs(frame: pd.DataFrame, prices: Prices, budget: dict | list | None = None,
+              warn: bool = True) -> tuple[pd.DataFrame, list[str]]:
+    """The run table with its cost columns filled in; plus the warnings (one per unpriced run).
+    ``budget``: one training budget for every run, or a list with one per row."""
     frame = frame.copy()
+    budgets = budget if isinstance(budget, list) else [budget] * len(frame)
     rows, warnings_list = [], []
-    for record in frame.to_dict("records"):
-        values, warning = run_costs({k: (None if not _present(v) else v) for k, v in record.items()}, prices, budget)
+    for record, run_budget in zip(frame.to_dict("records"), budgets):
+        values, warning = run_costs({k: (None if not _present(v) else v) for k, v in record.items()}, prices, run_budget)
         rows.append(values)
         if warning:
             warnings_list.append(warning)

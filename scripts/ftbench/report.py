@@ -11,13 +11,18 @@ import html
 import math
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
+import matplotlib
 
-from . import atomic, figures
-from .columns import COLUMNS
-from .figures import FIGURES, is_value, ok_runs, prepare
+matplotlib.use("Agg")  # no display on cluster nodes and CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from . import atomic, figures  # noqa: E402
+from .collect import typed  # noqa: E402
+from .columns import COLUMNS  # noqa: E402
+from .figures import FIGURES, is_value, ok_runs, prepare  # noqa: E402
 
 # A configuration whose repeats vary more than this (coefficient of variation of tokens/s) is unstable.
 CV_THRESHOLD = 0.05
@@ -98,8 +103,9 @@ def table_html(frame: pd.DataFrame, columns: list[str], table_id: str | None = N
         for column in columns:
             value = row[column]
             raw = "" if is_missing(value) else (f"{float(value):.12g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value))
-            wrap = ' class="wrap"' if column in WRAPPED else ""
-            cells.append(f'<td data-value="{esc(raw)}"{wrap}>{esc(fmt(value, column))}</td>')
+            css = "wrap" if column in WRAPPED else "text" if isinstance(value, str) else None
+            attributes = f' data-value="{esc(raw)}"' + (f' class="{css}"' if css else "")
+            cells.append(f"<td{attributes}>{esc(fmt(value, column))}</td>")
         css = f' class="{esc(row_class(row))}"' if row_class else ""
         body.append(f"<tr{css}>{''.join(cells)}</tr>")
     ident = f' id="{esc(table_id)}"' if table_id else ""
@@ -358,7 +364,7 @@ th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; vertical-a
 table.sortable th { background: #f0f0f0; cursor: pointer; position: sticky; top: 0; }
 table.sortable th[data-order=asc]::after { content: " \\25B2"; } table.sortable th[data-order=desc]::after { content: " \\25BC"; }
 td:first-child, th:first-child { text-align: left; }
-td { white-space: nowrap; } td.wrap { white-space: normal; min-width: 16em; max-width: 32em; text-align: left; }
+td { white-space: nowrap; } td.text { text-align: left; } td.wrap { white-space: normal; min-width: 16em; max-width: 32em; text-align: left; }
 table.env th { text-align: left; background: #f6f6f6; } table.env td { text-align: left; }
 .scroll { overflow-x: auto; max-height: 70vh; overflow-y: auto; }
 tr.status-oom, tr.status-failed, tr.status-diverged { background: #fde2e2; }
@@ -422,7 +428,8 @@ def figures_html(written: dict[str, Path | str]) -> str:
 def build_report(metrics_path, step_files, figures_dir, html_path, title: str = "ftbench report",
                  recommend_settings: dict | None = None) -> dict:
     """Write the figures and report.html; return what was drawn (figure name -> PNG path or left-out note)."""
-    runs = prepare(pd.read_parquet(metrics_path))
+    # typed(): a table from an older ftbench gets the columns it lacks, as nulls
+    runs = prepare(typed(pd.read_parquet(metrics_path)))
     steps = read_steps(step_files)
     written = render_figures(runs, steps, figures_dir)
     configs = configurations(runs)
