@@ -110,7 +110,12 @@ def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
     code = launch.run_ddp(spec, args.data, rank_dir, args.threads, args.time_limit_s)
     results = launch.read_rank_results(rank_dir)
     devices = trainer.devices_in_run(spec)
-    if len(results) < devices:
+    stopped_early = [r for r in results if r["metrics"]["status"] != "ok"]
+    if len(results) < devices and stopped_early:
+        # A rank stopped early (OOM, divergence) and the others were ended while waiting for it: the
+        # run's status is that rank's, from what it measured.
+        print(f"{devices - len(results)} rank(s) ended without results after rank {stopped_early[0]['rank']} stopped early")
+    elif len(results) < devices:
         # A rank died without writing its result (killed, segfault): no honest row can be made.
         raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
     return launch.merge_ranks(results, spec, devices)
@@ -120,6 +125,7 @@ def _train_rank(spec: dict, args, stop) -> None:
     """One DDP rank (started by torchrun): train, then write rank<R>.json."""
     import datetime
     import os
+    import traceback
 
     import torch
 
@@ -136,10 +142,18 @@ def _train_rank(spec: dict, args, stop) -> None:
     torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     try:
         metrics, steps = trainer.train_run(spec, args.data, stop, dist)
-    finally:
-        torch.distributed.destroy_process_group()
+    except BaseException:
+        # Peers may be waiting in a collective this rank will never join: destroying the process group
+        # would wait for them too. Exit at once; torchrun and the launcher stop the others.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     metrics["rank"] = dist.rank
     atomic.write_json(Path(args.rank_dir) / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps})
+    if metrics["status"] != "ok":
+        sys.stdout.flush()
+        os._exit(0)  # same reason: no collective after a rank stopped early (OOM, divergence)
+    torch.distributed.destroy_process_group()
 
 
 def collect(argv: list[str] | None = None) -> None:

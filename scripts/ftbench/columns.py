@@ -73,6 +73,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "mfu_peak_source": ("string", "the config/gpus.yaml entry and dtype the peak came from"),
     "flops_counted_microbatch": ("Float64", "torch.utils.flop_counter FLOPs of one micro-batch forward+backward"),
     "flops_analytic_microbatch": ("Float64", "analytic FLOPs of the same micro-batch (padded shapes, as the counter sees)"),
+    "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
     "flops_counted_ratio": ("Float64", "counted / analytic; >1 with checkpointing (recompute), <1 for 4-bit matmuls the counter cannot see"),
     "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
     # GPU sampling through NVML over the measured window; null without NVML (never 0)

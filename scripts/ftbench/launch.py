@@ -116,7 +116,24 @@ def run_ddp(spec: dict, data_dir: str, rank_dir: Path, threads: int | None, time
     if time_limit_s:
         args += ["--time-limit-s", str(time_limit_s)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
-    return subprocess.run(ddp_command(processes, args), env=env, check=False).returncode
+    process = subprocess.Popen(ddp_command(processes, args), env=env)
+    stopped_at = None
+    while process.poll() is None:
+        time.sleep(1.0)
+        if stopped_at is None and any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir)):
+            stopped_at = time.monotonic()
+        # A rank stopped early (OOM, divergence) and wrote its result; the others would wait for it in
+        # their next collective until the process-group timeout. Give them a moment, then end them.
+        if stopped_at is not None and time.monotonic() - stopped_at > RANK_GRACE_S:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return process.wait()
+
+
+RANK_GRACE_S = 20.0
 
 
 def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dict, list[dict]]:
