@@ -54,7 +54,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "trainable_params": ("Int64", "parameters updated by the optimizer"),
     "total_params": ("Int64", "all parameters (4-bit weights counted as the values they represent)"),
     # throughput over the measured window (warmup steps excluded)
-    "total_steps": ("Int64", "optimizer steps run, warmup included"),
+    "total_steps": ("Int64", "optimizer steps planned, warmup included"),
+    "last_step": ("Int64", "index of the last step started (where an oom / diverged / timeout run stopped)"),
     "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing"),
     "measured_steps": ("Int64", "steps in the measured window"),
     "measured_time_s": ("Float64", "seconds of the measured window (device synchronised at both ends)"),

@@ -8,7 +8,8 @@ The model (bytes), so the ratio estimate / measured says where it is off:
 - optimizer state per trainable parameter: AdamW 8 (two fp32 moments), 8-bit AdamW 2, SGD with
   momentum 4.
 - activations kept for backward (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-  per layer and token, width x (34 + 5 x heads x S / width) bytes in 16-bit; fp32 doubles it. With
+  per layer and token, width x (34 + 5 x heads x S / width) bytes in 16-bit, the second term only for
+  eager attention (fused attention keeps no score matrix); fp32 doubles it. With
   gradient checkpointing only each layer's input (2 x width bytes, 16-bit) is kept, plus one layer's
   full activations during its recomputation.
 - logits: batch x S x vocab x 4 bytes for the fp32 logits plus the same again for their gradient
@@ -48,7 +49,10 @@ def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | No
     batch, seq = spec["batch_size"], spec["seq_len"]
     element = 2 if spec["precision"] in ("bf16", "fp16") else 4
     scale = element / 2  # the published formula is for 16-bit activations
-    per_layer_token = width * (34 + (5 * heads * seq / width if width else 0)) * scale
+    # The 5·heads·S/width term is the stored attention-score matrix; fused attention (sdpa, flash: the
+    # default of current models) never materialises it, so it counts only for eager attention.
+    scores = 5 * heads * seq / width if width and spec.get("attn_implementation") == "eager" else 0
+    per_layer_token = width * (34 + scores) * scale
     if spec["gradient_checkpointing"]:
         activations = batch * seq * (layers * 2 * width * scale + per_layer_token)
     else:

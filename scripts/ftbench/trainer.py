@@ -214,6 +214,10 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
         metrics.update(status="unsupported", status_reason=str(exc))
     except torch.OutOfMemoryError as exc:
         metrics.update(status="oom", status_reason=" ".join(str(exc).split())[:300])
+        if torch.cuda.is_available():
+            # The high-water mark reached before the failed allocation: how far over the run was.
+            metrics["peak_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            metrics["peak_memory_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
     metrics["wall_time_s"] = time.perf_counter() - started
     metrics["peak_rss_mb"] = peak_rss_mb()
     return metrics, steps
@@ -307,6 +311,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
         if stop_reason:
             metrics.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
+        metrics["last_step"] = step  # kept current so an OOM or a stop says how far the run got
         record = {"step": step, "measured": step >= spec["warmup_steps"], "samples": 0, "tokens": 0,
                   "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
