@@ -25,7 +25,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
 # (its forward pass fails), and quantising the LM head hurts quality for little memory. Naming any
 # skip list replaces transformers' default (which skips lm_head), so lm_head is listed too.
-OUTPUT_HEADS = ["classifier", "pooler", "score", "lm_head"]
+# transformers matches these against the start or end of a module's name, so BERT's pooler is named by
+# its layer ("pooler.dense").
+OUTPUT_HEADS = ["classifier", "pooler", "pooler.dense", "score", "lm_head"]
 
 
 def tokenizer_source(model_def: dict) -> dict | None:
@@ -100,6 +102,8 @@ def check_supported(spec: dict, device: torch.device) -> None:
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
     if spec["precision"] == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
+    if spec["parallel"] == "dp" and device.type != "cuda":
+        raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
     if spec["compile"] and spec["parallel"] == "dp":
         raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
 
@@ -130,7 +134,12 @@ def build_model(spec: dict, num_labels: int | None, device: torch.device) -> Bui
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        model = model_class.from_config(config_class(**source.get("overrides", {}), **kwargs))
+        config = config_class(**source.get("overrides", {}), **kwargs)
+        if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+            # T5's convention: the decoder starts from the pad token. A bare config has no start token and
+            # the first forward pass would fail while shifting the labels right.
+            config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
+        model = model_class.from_config(config)
         if quantised:
             # Quantisation happens on load: save the random weights and load them back quantised, so a
             # Llama-shaped model with no checkpoint can still be measured under QLoRA.
