@@ -50,4 +50,4 @@ def test_add_projections_fills_every_row():
     frame = pd.DataFrame([RUN, {"tokens_per_s": 1000.0, "samples_per_s": 10.0, "tflops_per_s": None}])
     out = projection.add_projections(frame, {"tokens": 3.6e6})
     assert list(out["projected_hours"]) == pytest.approx([0.5, 1.0])
-    assert out["projected_pflops"].iloc[1] is None
+    assert pd.isna(out["projected_pflops"].iloc[1])
