@@ -1,0 +1,610 @@
+"""Issue 4: every figure in metrics.json, each pinned by a test written to fail on the common wrong way.
+
+Throughput traps: padding counted as tokens; per-device and global tokens/s mixed; gradient accumulation
+counting one micro-batch; warmup steps measured; the clock read before the device is synchronised;
+tokens/s over anything but the measured window. Computations: analytic FLOPs (6N full, 4N + 2N_trainable
+LoRA, attention), the model shape they use, counted vs analytic FLOPs, the peak table and MFU, the memory
+estimate, NVML sampling and energy, and the columns collect keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from ftbench import cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, tasks, trainer
+from ftbench import config as ftconfig
+from ftbench.columns import COLUMNS
+
+LLAMA_OVERRIDES = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128,
+}
+# Matmul weights of that Llama, by hand: per layer q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128, down 128x64.
+LLAMA_LAYER_LINEAR = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128
+LLAMA_LM_HEAD = 1000 * 64
+LLAMA_EMBEDDINGS = 1000 * 64
+SEQ = 32
+BATCH = 4
+STEPS = 5
+WARMUP = 2
+
+LM_DEFAULTS = {
+    "method": "full", "precision": "fp32", "batch_size": BATCH, "seq_len": SEQ, "max_steps": STEPS,
+    "warmup_steps": WARMUP, "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
+    "eval_batch_size": 16,
+}
+
+
+def llama_model_def() -> dict:
+    return {"task": "causal_lm",
+            "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": dict(LLAMA_OVERRIDES)}}
+
+
+def llama_spec(**settings) -> dict:
+    config = {
+        "models": {"llama": llama_model_def()},
+        "datasets": {"tokens": {"source": {"kind": "synthetic"}, "train_size": 64, "eval_size": 16}},
+        "defaults": {**LM_DEFAULTS, **settings},
+        "matrix": {"model": ["llama"], "dataset": ["tokens"]},
+    }
+    ftconfig.validate_config(config)
+    (spec,) = matrix.expand_runs(config)
+    return spec
+
+
+def tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA_OVERRIDES, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory) -> Path:
+    spec = llama_spec()
+    folder = tmp_path_factory.mktemp("llama-tokens")
+    data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)
+
+
+def step(measured: bool, tokens: int, padded: int, samples: int, seconds: float, flops_: int = 0,
+         loader: float = 0.0) -> dict:
+    return {"measured": measured, "tokens": tokens, "padded_tokens": padded, "samples": samples,
+            "step_time_s": seconds, "flops": flops_, "loader_s": loader}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trap: padding is not a token
+
+
+def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> tasks.TokenisedSplit:
+    return tasks.TokenisedSplit(
+        input_ids=[np.arange(1, n + 1) for n in lengths],
+        labels=np.zeros(len(lengths), dtype=np.int64),
+        target_ids=[np.arange(1, n + 1) for n in targets] if targets else None,
+    )
+
+
+def test_collate_counts_real_tokens_not_padded_positions():
+    batch = tasks.collate("classification", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    assert batch.inputs["input_ids"].shape == (3, 5)
+    assert batch.real_tokens == 3 + 5 + 1  # not 3 x 5
+    assert batch.padded_tokens == 15
+    assert batch.sum_squared_lengths == 9 + 25 + 1  # attention: each sequence's own length, squared
+    assert batch.samples == 3
+    assert batch.inputs["attention_mask"].sum().item() == batch.real_tokens
+
+
+def test_causal_lm_labels_ignore_padding():
+    batch = tasks.collate("causal_lm", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    labels = batch.inputs["labels"]
+    assert (labels != tasks.IGNORE_INDEX).sum().item() == batch.real_tokens
+    assert (labels == tasks.IGNORE_INDEX).sum().item() == batch.padded_tokens - batch.real_tokens
+
+
+def test_seq2seq_tokens_include_real_targets_only():
+    batch = tasks.collate("seq2seq", split_of(3, 5, 1, targets=(2, 4, 1)), np.array([0, 1, 2]), pad_token_id=0)
+    assert batch.real_tokens == 9 + 7
+    assert batch.target_tokens == 7
+    assert batch.padded_tokens == 15 + 12
+    assert batch.sum_squared_lengths == 35
+    assert batch.target_sum_squared_lengths == 4 + 16 + 1
+    assert (batch.inputs["labels"] != tasks.IGNORE_INDEX).sum().item() == 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# Traps: per-device vs global; warmup excluded; the measured window only (trainer.summarise)
+
+
+def test_summarise_global_and_per_device_are_apart():
+    steps = [step(True, 100, 120, 8, 1.0), step(True, 300, 320, 8, 1.0)]  # counts of both devices together
+    summary = trainer.summarise(steps, window_s=2.0, devices=2)
+    assert summary["tokens_per_s"] == 200.0  # global: all devices' tokens / window (not x2, not /2)
+    assert summary["tokens_per_s_per_device"] == 100.0
+    assert summary["samples_per_s"] == 8.0
+    single = trainer.summarise(steps, window_s=2.0, devices=1)
+    assert single["tokens_per_s"] == single["tokens_per_s_per_device"] == 200.0
+
+
+def test_summarise_excludes_warmup_steps():
+    steps = [step(False, 10**6, 10**6, 1000, 50.0, 10**12, 40.0), step(False, 10**6, 2 * 10**6, 1000, 30.0),
+             step(True, 100, 200, 4, 1.0, 1000, 0.25), step(True, 300, 400, 4, 3.0, 3000, 0.75)]
+    summary = trainer.summarise(steps, window_s=4.0, devices=1)
+    assert summary["measured_steps"] == 2 == len(steps) - 2
+    assert summary["measured_tokens"] == 400
+    assert summary["tokens_per_s"] == 100.0
+    assert summary["samples_per_s"] == 2.0
+    assert summary["padding_fraction"] == pytest.approx(1 - 400 / 600)
+    assert summary["step_time_median_s"] == 2.0
+    assert summary["flops_per_step_analytic"] == 2000
+    assert summary["tflops_per_s"] == pytest.approx(4000 / 4.0 / 1e12)
+    assert summary["loader_wait_fraction"] == pytest.approx(1.0 / 4.0)
+
+
+def test_summarise_uses_the_window_not_the_sum_of_step_times():
+    # The window runs from the clock read that opens the first measured step to the one that closes the last:
+    # time between steps (a stop check, the next batch) belongs to it.
+    steps = [step(True, 100, 100, 4, 1.0), step(True, 100, 100, 4, 1.0)]
+    summary = trainer.summarise(steps, window_s=2.5, devices=1)
+    assert summary["tokens_per_s"] == pytest.approx(200 / 2.5)
+    assert summary["measured_time_s"] == 2.5
+
+
+def test_summarise_without_a_measured_step_gives_no_throughput():
+    summary = trainer.summarise([step(False, 100, 100, 4, 1.0)], window_s=None, devices=1)
+    assert summary == {"measured_steps": 0}  # no tokens_per_s at all, rather than 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Traps in a real run: the clock is read after a device sync; warmup and window; accumulation
+
+
+class RecordingClock:
+    """Stands in for trainer.time. A clock read right after trainer.synchronize returns 1000 x (syncs so
+    far); any other read returns that plus a distinct fraction. A duration is a multiple of 1000 only if
+    both of its clock reads followed a synchronize."""
+
+    def __init__(self, synchronize):
+        self._synchronize = synchronize
+        self.syncs = 0
+        self.fresh = False
+        self.other_reads = 0
+        self.events: list[str] = []
+
+    def synchronize(self, device):
+        self._synchronize(device)
+        self.syncs += 1
+        self.fresh = True
+        self.events.append("sync")
+
+    def perf_counter(self) -> float:
+        if self.fresh:
+            self.fresh = False
+            self.events.append("synced read")
+            return 1000.0 * self.syncs
+        self.other_reads += 1
+        self.events.append("read")
+        return 1000.0 * self.syncs + 0.001 * self.other_reads
+
+    monotonic = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+
+
+@pytest.fixture(scope="module")
+def clocked_run(llama_data):
+    """A real run under RecordingClock: (spec, metrics, steps, clock)."""
+    spec = llama_spec(grad_accum_steps=2)
+    patch = pytest.MonkeyPatch()
+    clock = RecordingClock(trainer.synchronize)
+    patch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, monotonic=clock.monotonic,
+                                                         sleep=clock.sleep, time=time.time))
+    patch.setattr(trainer, "synchronize", clock.synchronize)
+    try:
+        metrics, steps = trainer.train_run(spec, llama_data)
+    finally:
+        patch.undo()
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    return spec, metrics, steps, clock
+
+
+def is_synced_duration(seconds: float) -> bool:
+    return seconds > 0 and abs(seconds / 1000.0 - round(seconds / 1000.0)) < 1e-9
+
+
+def test_step_times_are_read_after_a_device_sync(clocked_run):
+    _, metrics, steps, clock = clocked_run
+    assert clock.syncs >= len(steps) + 1  # at least once before the loop and once per step
+    for record in steps:
+        assert is_synced_duration(record["step_time_s"]), record
+    assert is_synced_duration(metrics["window_s"])
+    assert metrics["measured_time_s"] == metrics["window_s"]
+
+
+def test_window_covers_the_measured_steps_only(clocked_run):
+    _, metrics, steps, _ = clocked_run
+    measured = [r for r in steps if r["measured"]]
+    assert [r["measured"] for r in steps] == [False] * WARMUP + [True] * (STEPS - WARMUP)
+    assert metrics["total_steps"] == STEPS and metrics["warmup_steps"] == WARMUP
+    assert metrics["measured_steps"] == STEPS - WARMUP
+    assert metrics["window_s"] == pytest.approx(sum(r["step_time_s"] for r in measured))
+    assert metrics["window_s"] < sum(r["step_time_s"] for r in steps)  # the warmup steps are not in it
+    assert metrics["measured_tokens"] == sum(r["tokens"] for r in measured)
+    assert metrics["tokens_per_s"] == pytest.approx(metrics["measured_tokens"] / metrics["window_s"])
+    assert metrics["tokens_per_s_per_device"] == metrics["tokens_per_s"]  # one device
+
+
+def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
+    spec, metrics, steps, _ = clocked_run
+    assert spec["grad_accum_steps"] == 2
+    # Synthetic sequences are exactly seq_len long: 2 micro-batches of 4 per optimizer step.
+    assert [r["tokens"] for r in steps] == [2 * BATCH * SEQ] * STEPS
+    assert [r["samples"] for r in steps] == [2 * BATCH] * STEPS
+    assert metrics["measured_tokens"] == (STEPS - WARMUP) * 2 * BATCH * SEQ
+    # FLOPs too: the analytic count of a step is that of both micro-batches.
+    model = modeling.build_model(spec, None, torch.device("cpu")).model
+    shape = flops.ModelShape.of(model)
+    assert metrics["flops_per_step_analytic"] == flops.step_flops(shape, True, 2 * BATCH * SEQ, 2 * BATCH * SEQ**2)
+
+
+def test_loader_time_is_part_of_step_time(clocked_run):
+    _, metrics, steps, _ = clocked_run
+    for record in steps:
+        assert 0 < record["loader_s"] < record["step_time_s"]
+    measured = [r for r in steps if r["measured"]]
+    assert metrics["loader_wait_fraction"] == pytest.approx(
+        sum(r["loader_s"] for r in measured) / sum(r["step_time_s"] for r in measured))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Analytic FLOPs and the model shape
+
+
+def test_step_flops_full_and_lora_on_a_hand_computed_example():
+    shape = flops.ModelShape(linear_params=1000, trainable_linear_params=100, layers=2, width=8)
+    tokens, squares = 10, 50  # e.g. sequences of 5 + 5 tokens: 25 + 25
+    attention = 12 * 2 * 8 * 50  # 9600: 12 x layers x width x sum of S^2
+    assert flops.step_flops(shape, True, tokens, squares) == 6 * 1000 * 10 + attention == 69_600
+    assert flops.step_flops(shape, False, tokens, squares) == (4 * 1000 + 2 * 100) * 10 + attention == 51_600
+    assert flops.step_flops(shape, True, tokens, 0) == 60_000  # attention grows with S^2, not with tokens
+
+
+def test_step_flops_encoder_decoder_on_a_hand_computed_example():
+    shape = flops.ModelShape(linear_params=300, trainable_linear_params=300, layers=2, width=8,
+                             encoder_linear_params=100, encoder_trainable_linear_params=100, encoder_layers=3)
+    # 6 input tokens through the encoder's 100 weights, 4 target tokens through the decoder's 200.
+    expected = 6 * 100 * 6 + 6 * 200 * 4 + 12 * 8 * (3 * 20 + 2 * 10)
+    assert flops.step_flops(shape, True, 10, 20, target_tokens=4, target_sum_squared_lengths=10) == expected == 16_080
+
+
+def test_model_shape_excludes_embeddings_and_includes_the_lm_head():
+    shape = flops.ModelShape.of(tiny_llama())
+    assert shape.linear_params == 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD
+    assert shape.trainable_linear_params == shape.linear_params
+    assert (shape.layers, shape.width) == (2, 64)
+    assert shape.encoder_linear_params == 0
+    # Tied: the LM head shares the embedding matrix, and is still a matmul of every token.
+    tied = flops.ModelShape.of(tiny_llama(tie_word_embeddings=True))
+    assert tied.linear_params == 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD
+    total = sum(p.numel() for p in tiny_llama().parameters())
+    assert total - shape.linear_params == LLAMA_EMBEDDINGS + sum(  # what is left is embeddings and norms
+        p.numel() for n, p in tiny_llama().named_parameters() if "norm" in n)
+
+
+def test_model_shape_of_a_lora_model_counts_adapters_as_trainable():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    shape = flops.ModelShape.of(model)
+    adapters = 2 * 4 * ((64 + 64) + (64 + 32))
+    assert shape.trainable_linear_params == adapters
+    assert shape.linear_params == 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD + adapters
+
+
+def test_model_shape_splits_encoder_and_decoder():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=3,
+                                                num_heads=4, vocab_size=1000))
+    shape = flops.ModelShape.of(model)
+    attention, feed_forward = 4 * 64 * 64, 2 * 64 * 128
+    assert shape.encoder_linear_params == 2 * (attention + feed_forward)
+    assert shape.linear_params == shape.encoder_linear_params + 3 * (2 * attention + feed_forward) + 1000 * 64
+    assert (shape.encoder_layers, shape.layers, shape.width) == (2, 3, 64)
+
+
+def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
+    """flop_counter on the run's own micro-batch vs 6N + attention. Eager attention: the counter does not
+    see the CPU SDPA kernel (it would miss the attention term)."""
+    metrics, _ = trainer.train_run(llama_spec(attn_implementation="eager"), llama_data)
+    assert metrics["status"] == "ok"
+    linear = 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD
+    analytic = flops.step_flops(flops.ModelShape(linear, linear, 2, 64), True, BATCH * SEQ, BATCH * SEQ**2)
+    assert metrics["flops_analytic_microbatch"] == analytic
+    assert metrics["flops_counted_ratio"] == pytest.approx(1.0, abs=0.02)  # 1.00000 here; 0.944 without attention
+    assert metrics["flops_counted_ratio"] == pytest.approx(metrics["flops_counted_microbatch"] / analytic)
+
+
+def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
+    metrics, _ = trainer.train_run(llama_spec(method="lora", attn_implementation="eager",
+                                              lora_targets=["q_proj", "v_proj", "gate_proj"]), llama_data)
+    assert metrics["status"] == "ok"
+    # Not 6N: frozen weights get no weight gradient. (The first layer's frozen inputs need no input
+    # gradient either, which the analytic count ignores: 0.965 on this 2-layer model; 6N would give ~0.67.)
+    assert metrics["flops_counted_ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak table and MFU
+
+
+@pytest.mark.parametrize("device_name, dtype, peak, entry", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4, "H100 SXM bf16"),
+    ("NVIDIA H100 PCIe", "bf16", 756.5, "H100 PCIe bf16"),
+    ("NVIDIA H100 NVL", "fp16", 835.5, "H100 NVL fp16"),
+    ("NVIDIA H200", "bf16", 989.4, "H200 bf16"),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0, "A100 bf16"),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5, "A100 fp32"),  # fp32 is the non-tensor-core peak, not TF32
+])
+def test_peak_tflops_resolves_known_gpus(device_name, dtype, peak, entry):
+    assert flops.peak_tflops(device_name, dtype) == (peak, entry)
+
+
+def test_mfu_divides_by_the_peak_of_every_device():
+    result = flops.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2)
+    assert result == {"mfu": pytest.approx(0.5), "mfu_peak_tflops": 989.4, "mfu_peak_source": "H100 SXM bf16"}
+
+
+@pytest.mark.parametrize("device_name, dtype", [("Mystery Accelerator 9000", "bf16"), ("Tesla T4", "bf16")])
+def test_unknown_gpu_or_dtype_gives_no_mfu_and_a_warning(device_name, dtype):
+    with pytest.warns(UserWarning, match=device_name):
+        result = flops.mfu(1e14, device_name, dtype, devices=1)
+    assert result == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
+
+
+def test_derive_efficiency_mfu_and_energy_per_token():
+    metrics = {"device": "cuda", "device_name": "NVIDIA H200", "tflops_per_s": 494.7, "energy_j": 50.0,
+               "measured_tokens": 1000}
+    derived = trainer.derive_efficiency(metrics, {"precision": "bf16"}, devices=1)
+    assert derived["mfu"] == pytest.approx(0.5)
+    assert derived["energy_j_per_token"] == 0.05
+    derived = trainer.derive_efficiency({**metrics, "energy_j": None}, {"precision": "bf16"}, devices=1)
+    assert derived["energy_j_per_token"] is None
+
+
+def test_derive_efficiency_on_cpu_has_no_mfu_and_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        derived = trainer.derive_efficiency({"device": "cpu", "device_name": "Intel Xeon", "tflops_per_s": 0.01,
+                                             "energy_j": None, "measured_tokens": 100}, {"precision": "fp32"}, devices=1)
+    assert derived == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None, "energy_j_per_token": None}
+
+
+def test_derive_efficiency_unknown_gpu_warns():
+    with pytest.warns(UserWarning):
+        derived = trainer.derive_efficiency({"device": "cuda", "device_name": "Mystery GPU", "tflops_per_s": 1.0,
+                                             "energy_j": None, "measured_tokens": 1}, {"precision": "bf16"}, devices=1)
+    assert derived["mfu"] is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory estimate
+
+
+def estimate_spec(**settings) -> dict:
+    return {"optimizer": "adamw", "batch_size": 2, "seq_len": 16, "precision": "fp32", "gradient_checkpointing": False,
+            "qlora_double_quant": None, "attn_implementation": None, **settings}
+
+
+def parts(model, **settings) -> dict:
+    """The estimate's parts in bytes."""
+    result = memory_estimate.estimate(model, estimate_spec(**settings), "causal_lm", LLAMA_OVERRIDES["vocab_size"])
+    return {name: value * memory_estimate.MIB for name, value in result["memory_estimate_parts_mb"].items()}
+
+
+@pytest.mark.parametrize("optimizer, bytes_per_param",
+                         [("adamw", 8), ("adamw_8bit", 2), ("paged_adamw_8bit", 2), ("sgd", 4)])
+def test_optimizer_state_bytes_per_trainable_parameter(optimizer, bytes_per_param):
+    model = tiny_llama()
+    params = sum(p.numel() for p in model.parameters())
+    assert parts(model, optimizer=optimizer)["optimizer"] == pytest.approx(bytes_per_param * params)
+    for p in model.parameters():  # only trainable parameters have optimizer state and gradients
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    assert parts(model, optimizer=optimizer)["optimizer"] == pytest.approx(bytes_per_param * LLAMA_LM_HEAD)
+    assert parts(model, optimizer=optimizer)["gradients"] == pytest.approx(4 * LLAMA_LM_HEAD)
+
+
+def test_weights_are_fp32_masters_and_estimate_sums_its_parts():
+    model = tiny_llama()
+    params = sum(p.numel() for p in model.parameters())
+    result = memory_estimate.estimate(model, estimate_spec(), "causal_lm", 1000)
+    assert result["memory_estimate_parts_mb"]["weights"] * memory_estimate.MIB == pytest.approx(4 * params)
+    assert result["memory_estimate_mb"] == pytest.approx(sum(result["memory_estimate_parts_mb"].values()))
+    # Logits of a decoder: fp32 values and their gradient, batch x seq x vocab.
+    assert parts(model)["logits"] == pytest.approx(2 * 2 * 16 * 1000 * 4)
+
+
+def test_activation_model_and_checkpointing():
+    model = tiny_llama()
+    plain = parts(model)["activations"]
+    # fp32: twice the 16-bit formula, width x (34 + 5 x heads x S / width) bytes per layer and token; the
+    # attention-score term only where eager attention stores the scores (fused kernels do not).
+    # batch 2 x seq 16 x 2 layers:
+    assert plain == pytest.approx(2 * 16 * 2 * 64 * 34 * 2)
+    eager = parts(model, attn_implementation="eager")["activations"]
+    assert eager == pytest.approx(2 * 16 * 2 * 64 * (34 + 5 * 4 * 16 / 64) * 2)
+    longer = parts(model, attn_implementation="eager", seq_len=64)["activations"]
+    assert longer > 4 * eager  # the score matrix grows with S^2
+    assert parts(model, precision="bf16")["activations"] == pytest.approx(plain / 2)
+    checkpointed = parts(model, gradient_checkpointing=True)["activations"]
+    assert checkpointed < plain
+
+
+def test_qlora_weights_are_estimated_below_full_weights(llama_data):
+    full = modeling.build_model(llama_spec(), None, torch.device("cpu")).model
+    full_weights = parts(full)["weights"]
+    estimates = {}
+    for double_quant in (False, True):
+        spec = llama_spec(method="qlora", qlora_double_quant=double_quant, lora_targets="all-linear")
+        model = modeling.build_model(spec, None, torch.device("cpu")).model
+        estimates[double_quant] = parts(model, qlora_double_quant=double_quant)["weights"]
+    quantised = 2 * LLAMA_LAYER_LINEAR  # the LM head and embeddings stay unquantised
+    adapters = 4 * 1024 * 2  # all-linear LoRA at rank 4 (fp32, like every unquantised parameter)
+    assert estimates[False] < full_weights
+    # 0.5 byte per 4-bit weight plus one fp32 absmax per 64 weights, instead of 4 bytes
+    assert full_weights - estimates[False] == pytest.approx(quantised * (4 - 0.5 - 0.0625) - 4 * adapters)
+    assert estimates[True] < estimates[False]
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVML sampling
+
+
+NULL_FIELDS = ("gpu_util_mean", "gpu_mem_used_peak_mb", "gpu_power_mean_w", "energy_j")
+
+
+def test_sampler_without_gpus_gives_null_not_zero():
+    sampler = gpu_monitor.GpuSampler([])
+    sampler.start()
+    result = sampler.stop()
+    assert all(result[key] is None for key in NULL_FIELDS)
+    assert result["nvml_samples"] == 0
+
+
+def test_sampler_without_nvml_gives_null_not_zero(monkeypatch):
+    monkeypatch.setattr(gpu_monitor, "_nvml", lambda: None)
+    sampler = gpu_monitor.GpuSampler([0])
+    assert not sampler.available
+    sampler.start()
+    result = sampler.stop()
+    assert all(result[key] is None for key in NULL_FIELDS)
+
+
+class FakeNvml:
+    """Two GPUs at 200 W each, 60% / 80% busy; an energy counter unless ``counter`` is False."""
+
+    def __init__(self, counter: bool = True):
+        self.counter = counter
+        self.energy_reads = {0: iter([1_000, 51_000]), 1: iter([5_000, 35_000])}  # mJ: +50 J and +30 J
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        if not self.counter:
+            raise RuntimeError("not supported")
+        return next(self.energy_reads[handle])
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return types.SimpleNamespace(gpu=60 if handle == 0 else 80)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 200_000  # mW
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return types.SimpleNamespace(used=(1 + handle) * 2**30)
+
+
+def sample_with(monkeypatch, fake: FakeNvml) -> tuple[dict, gpu_monitor.GpuSampler]:
+    monkeypatch.setattr(gpu_monitor, "nvml_handles", lambda indices: (fake, list(indices)))
+    sampler = gpu_monitor.GpuSampler([0, 1], interval_s=0.01)
+    sampler.start()
+    time.sleep(0.1)
+    return sampler.stop(), sampler
+
+
+def test_sampler_energy_from_the_driver_counter(monkeypatch):
+    result, sampler = sample_with(monkeypatch, FakeNvml())
+    assert result["energy_j"] == pytest.approx(80.0)  # (51000 - 1000 + 35000 - 5000) mJ, all GPUs of the run
+    assert result["gpu_power_mean_w"] == pytest.approx(80.0 / sampler.duration_s)
+    assert result["gpu_util_mean"] == pytest.approx(70.0)
+    assert result["gpu_mem_used_peak_mb"] == 2048.0  # the fullest GPU, MiB
+    assert result["nvml_samples"] >= 4
+
+
+def test_sampler_energy_integrated_from_power_without_a_counter(monkeypatch):
+    result, sampler = sample_with(monkeypatch, FakeNvml(counter=False))
+    assert result["gpu_power_mean_w"] == pytest.approx(400.0)  # two GPUs at 200 W: summed, not averaged
+    assert result["energy_j"] == pytest.approx(400.0 * sampler.duration_s)
+    tokens = 1234
+    derived = trainer.derive_efficiency({"device": "cpu", "energy_j": result["energy_j"], "measured_tokens": tokens},
+                                        {"precision": "bf16"}, devices=2)
+    assert derived["energy_j_per_token"] == pytest.approx(result["energy_j"] / tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Columns: what a real run produces reaches the table
+
+
+# Keys of metrics.json that are not table columns, each for a stated reason.
+NOT_COLUMNS = {
+    "window_s": "same value as measured_time_s (asserted below)",
+    "nvml_samples": "sampling diagnostic; the figures it gives are columns",
+    "memory_estimate_parts_mb": "nested breakdown of memory_estimate_mb",
+}
+
+
+@pytest.fixture(scope="module")
+def real_result(llama_data, tmp_path_factory):
+    """A run through the train rule's entry point: (metrics.json content, collected table)."""
+    spec = llama_spec(method="lora", lora_targets="all-linear")
+    out = tmp_path_factory.mktemp("run") / "metrics.json"
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        cli.train(["--spec", json.dumps(spec), "--data", str(llama_data), "--out", str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result = json.loads(out.read_text())
+    table = collect.collect([out], out.with_name("metrics.parquet"), out.with_name("metrics.csv"))
+    return result, table
+
+
+def test_every_metric_of_a_real_run_is_a_column(real_result):
+    result, _ = real_result
+    metrics = result["metrics"]
+    assert metrics["status"] == "ok"
+    missing = sorted(set(metrics) - set(COLUMNS) - set(NOT_COLUMNS))
+    assert missing == [], f"metrics.json keys collect would drop: {missing}"
+    assert metrics["window_s"] == metrics["measured_time_s"]
+
+
+def test_collected_values_are_the_run_values(real_result):
+    result, table = real_result
+    row = table.iloc[0]
+    for key, value in result["metrics"].items():
+        if key not in COLUMNS:
+            continue
+        if value is None:
+            assert pd.isna(row[key]), key
+        elif isinstance(value, float):
+            assert float(row[key]) == pytest.approx(value, rel=1e-12), key
+        else:
+            assert row[key] == value, key
+
+
+def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
+    _, table = real_result
+    row = table.iloc[0]
+    for column in ("tokens_per_s", "tokens_per_s_per_device", "measured_tokens", "tflops_per_s",
+                   "flops_per_step_analytic", "flops_counted_ratio", "loader_wait_fraction", "memory_estimate_mb",
+                   "memory_estimate_ratio", "peak_rss_mb", "eval_loss", "eval_perplexity"):
+        assert pd.notna(row[column]) and row[column] > 0, column
+    assert 0 <= row["eval_token_accuracy"] <= 1
+    for column in ("gpu_util_mean", "gpu_mem_used_peak_mb", "gpu_power_mean_w", "energy_j", "energy_j_per_token",
+                   "mfu", "peak_memory_allocated_mb", "peak_memory_reserved_mb"):
+        assert pd.isna(row[column]), column  # null on a CPU, never 0
+    assert row["memory_estimate_ratio"] == pytest.approx(row["memory_estimate_mb"] / row["peak_rss_mb"])
+    assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))
