@@ -118,7 +118,10 @@ def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
     elif len(results) < devices:
         # A rank died without writing its result (killed, segfault): no honest row can be made.
         raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
-    return launch.merge_ranks(results, spec, devices)
+    metrics, steps = launch.merge_ranks(results, spec, devices)
+    if len(results) < devices:
+        metrics["status_reason"] += f"; {devices - len(results)} other rank(s) ended while waiting for it, without results"
+    return metrics, steps
 
 
 def _train_rank(spec: dict, args, stop) -> None:

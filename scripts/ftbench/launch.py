@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,15 +126,80 @@ def run_ddp(spec: dict, data_dir: str, rank_dir: Path, threads: int | None, time
         # A rank stopped early (OOM, divergence) and wrote its result; the others would wait for it in
         # their next collective until the process-group timeout. Give them a moment, then end them.
         if stopped_at is not None and time.monotonic() - stopped_at > RANK_GRACE_S:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            print(f"a rank stopped early and its peers still run {RANK_GRACE_S:g} s later (waiting for it in a "
+                  "collective): ending them", flush=True)
+            end_torchrun(process, rank_dir)
     return process.wait()
 
 
 RANK_GRACE_S = 20.0
+# Seconds a rank gets between SIGTERM and SIGKILL when its run is ended. A rank blocked in a collective
+# (NCCL, gloo) does not run Python signal handlers, so only SIGKILL ends it.
+RANK_KILL_GRACE_S = 5.0
+
+
+def end_torchrun(process: subprocess.Popen, rank_dir: Path, grace_s: float | None = None) -> None:
+    """End a torchrun launch and every rank it started.
+
+    torchrun starts each rank in a session of its own, so signalling torchrun alone can leave a rank
+    behind that holds its GPU's memory until the collective timeout; and torchrun's own shutdown waits
+    30 s before it kills. So: SIGTERM each rank, SIGKILL those still there ``grace_s`` later, then the same
+    for torchrun. Only torchrun's children running this run's worker command are signalled.
+    """
+    grace_s = RANK_KILL_GRACE_S if grace_s is None else grace_s
+    ranks = [pid for pid in _children(process.pid) if str(rank_dir) in _cmdline(pid)]
+    for pids, are_ranks in ((ranks, True), ([process.pid], False)):
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids) and process.poll() is None:
+            time.sleep(0.2)
+        for pid in pids:
+            # A rank is checked again: once torchrun is gone its pid could be another process's.
+            if _alive(pid) and (not are_ranks or str(rank_dir) in _cmdline(pid)):
+                _signal(pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=grace_s + 30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # /proc/<pid>/stat: "pid (comm) state ppid ...": split after the command, which may hold spaces.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie waiting to be reaped)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dict, list[dict]]:
@@ -141,7 +207,8 @@ def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dic
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base
     worst = min((r["metrics"]["status"] for r in rank_results), key=STATUS_PRIORITY.index)
-    if worst != metrics["status"]:
+    if worst != "ok":
+        # Which rank it was, also when the others left no result (ended while waiting for it).
         culprit = next(r for r in rank_results if r["metrics"]["status"] == worst)
         metrics["status"] = worst
         metrics["status_reason"] = f"rank {culprit['rank']}: {culprit['metrics'].get('status_reason')}"
