@@ -28,6 +28,12 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        # A full disk or a file-size limit: say which result could not be written (the errno stays).
+        raise OSError(exc.errno, f"{exc.strerror}: could not write {target} (left as it was; the partial "
+                                 "temporary file is removed)") from exc
     finally:
         tmp.unlink(missing_ok=True)
 
