@@ -13,8 +13,12 @@ from ftbench import matrix  # noqa: E402
 from ftbench.errors import FtbenchError  # noqa: E402
 
 # Validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
+# The GPU limit (--resources gpu=N, on the command line or from a profile) too: Snakemake would
+# silently shrink a larger request to N.
 try:
     ftbench_config.validate_config(config)
+    _gpu_limit = workflow.global_resources.get("gpu")
+    ftbench_config.check_gpu_limit(config, getattr(_gpu_limit, "value", _gpu_limit))
 except FtbenchError as error:
     sys.stderr.write(f"ftbench: {error}\n")
     sys.exit(1)

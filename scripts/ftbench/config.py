@@ -158,6 +158,7 @@ def check_references(config: dict) -> None:
     runs = matrix.expand_runs(config)
     if not runs:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
+    check_dataset_columns(config, runs)
     for run in runs:
         check_run(run, config)
         limit = sources.model_max_seq_len(models[run["model"]])
@@ -197,6 +198,67 @@ def check_run(run: dict, config: dict | None = None) -> None:
         )
     if run["parallel"] in ("dp", "ddp") and run["num_gpus"] < 2 and run["device"] != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run['num_gpus'])}: run {run['run_id']} uses parallel {run['parallel']!r}; expected num_gpus >= 2")
+
+
+def check_dataset_columns(config: dict, runs: list[dict]) -> None:
+    """The columns a dataset's runs read (text_column, label_column for classification, target_column
+    for seq2seq) exist in its file. Only the header is read, and only for local CSV/TSV, JSON Lines
+    and Parquet files; other sources (hub, folders, JSON arrays) are checked when they are prepared."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from . import sources
+    from .tasks import model_task
+
+    keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column")}
+    needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
+    for run in runs:
+        dataset_def = run["dataset_def"]
+        if dataset_def["source"]["kind"] in ("hub", "config", "synthetic"):
+            continue
+        for key in keys.get(model_task(run["model_def"]), ("text_column",)):
+            if key in dataset_def:
+                needed.setdefault(run["dataset"], {})[key] = dataset_def[key]
+    for name, columns in needed.items():
+        dataset_def = config["datasets"][name]
+        location = Path(sources.resolve_location(dataset_def["source"]))
+        if not location.is_file():
+            continue
+        try:
+            data_format = sources.dataset_format(location, dataset_def.get("format"))
+            suffixes = [suffix.lower() for suffix in location.suffixes]
+            if data_format == "csv":
+                header = pd.read_csv(location, sep="\t" if ".tsv" in suffixes else ",", nrows=0).columns
+            elif data_format == "parquet":
+                header = pq.read_schema(location).names
+            elif data_format == "json" and ".jsonl" in suffixes:
+                header = pd.read_json(location, lines=True, nrows=1).columns
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - unreadable here: prepare_data reports it with its own message
+            continue
+        for key, column in columns.items():
+            if column not in header:
+                raise ConfigError(
+                    f"config key datasets.{name}.{key}: column {column!r} is not in {location}; "
+                    f"expected one of its columns: {', '.join(map(str, header))}"
+                )
+
+
+def check_gpu_limit(config: dict, limit: int | None) -> None:
+    """No run asks for more GPUs than this invocation may use (``--resources gpu=N``, given on the
+    command line or by a profile). Snakemake would otherwise shrink the job's request to N silently."""
+    if limit is None:
+        return
+    from . import matrix
+
+    for run in matrix.expand_runs(config):
+        if run["device"] != "cpu" and run["num_gpus"] > limit:
+            raise ConfigError(
+                f"config key {_setting_key(config, 'num_gpus', run['num_gpus'])}: run {run['run_id']} asks for "
+                f"{run['num_gpus']} GPUs but this invocation allows {limit} (resources gpu={limit}, from the "
+                f"command line or a profile); expected num_gpus <= {limit}"
+            )
 
 
 def _settings_blocks(config: dict):
