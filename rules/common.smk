@@ -168,6 +168,9 @@ def estimate_train_seconds(run):
     """Compute seconds of one training job on the device it asks for: training tokens per device
     x 6 FLOPs per parameter (forward + backward), plus evaluation (2 per parameter), over ACHIEVED_FLOPS."""
     params = estimate_model_params(run["model_def"])
+    # auto_batch_size may measure at up to auto_batch_size_max: plan for the largest.
+    if run.get("auto_batch_size"):
+        run = {**run, "batch_size": run["auto_batch_size_max"]}
     tokens_per_device = estimate_train_steps(run) * run["batch_size"] * run.get("grad_accum_steps", 1) * run["seq_len"]
     flops = 6 * params * tokens_per_device
     if run.get("gradient_checkpointing"):

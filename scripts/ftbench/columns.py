@@ -17,7 +17,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "dataset": ("string", "dataset name from the config"),
     "method": ("string", "full | lora | qlora"),
     "precision": ("string", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)"),
-    "batch_size": ("Int64", "samples per optimizer step on each device"),
+    "batch_size": ("Int64", "samples per optimizer step on each device (with auto_batch_size: the batch found and measured)"),
     "seq_len": ("Int64", "maximum tokens per sample (longer texts are truncated)"),
     "lora_rank": ("Int64", "LoRA rank r; null for full fine-tuning"),
     "lora_alpha": ("Float64", "LoRA scaling alpha; null for full fine-tuning"),
@@ -33,6 +33,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "num_gpus": ("Int64", "GPUs the run asked for (0: CPU)"),
     "parallel": ("string", "single | dp | ddp"),
     "data_source": ("string", "memory (shards decoded before training) | disk (rows read per batch)"),
+    "auto_batch_size": ("boolean", "batch_size searched before measuring: the largest that fits, found by trying"),
+    "auto_batch_size_max": ("Int64", "largest per-device batch the search tries; null without auto_batch_size"),
+    "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
+    "auto_batch_size_oom_at": ("Int64", "smallest per-device batch that ran out of memory; null if none did (the limit was reached)"),
     "repeat": ("Int64", "repeat index of this configuration (0-based)"),
     "seed": ("Int64", "random seed of this repeat"),
     # where it ran
@@ -56,6 +60,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # throughput over the measured window (warmup steps excluded)
     "total_steps": ("Int64", "optimizer steps planned, warmup included"),
     "last_step": ("Int64", "index of the last step started (where an oom / diverged / timeout run stopped)"),
+    "grad_scaler_skipped_steps": ("Int64", "fp16: steps the GradScaler skipped (inf/NaN gradients, weights not updated); null without fp16"),
     "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing"),
     "measured_steps": ("Int64", "steps in the measured window"),
     "measured_time_s": ("Float64", "seconds of the measured window (device synchronised at both ends)"),
@@ -128,7 +133,7 @@ SPEC_COLUMNS = (
     "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
     "learning_rate", "optimizer", "grad_accum_steps", "gradient_checkpointing", "compile",
     "attn_implementation", "qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype",
-    "num_gpus", "parallel", "data_source", "repeat", "seed",
+    "num_gpus", "parallel", "data_source", "auto_batch_size", "auto_batch_size_max", "repeat", "seed",
 )
 
 

@@ -42,6 +42,8 @@ RUN_DEFAULTS: dict[str, Any] = {
     "eval_batch_size": 64,
     "max_eval_samples": None,
     "gradient_checkpointing": False,
+    "auto_batch_size": False,  # True: measure at the largest batch that fits, searched from batch_size
+    "auto_batch_size_max": 1024,  # the largest per-device batch that search tries
     "num_gpus": 1,
     "parallel": "single",
     "seed": 0,
@@ -97,6 +99,8 @@ def normalise_settings(settings: dict) -> dict:
             settings[key] = None
     if settings["max_steps"] is not None:
         settings["epochs"] = None  # max_steps wins; epochs no longer matters
+    if not settings.get("auto_batch_size"):
+        settings["auto_batch_size_max"] = None  # no search, no limit to it
     if settings["parallel"] == "single":
         settings["num_gpus"] = min(settings["num_gpus"], 1)
     return settings
@@ -137,6 +141,8 @@ def readable_name(settings: dict, repeat: int, repeats: int) -> str:
         parts.append(settings["optimizer"])
     if settings["gradient_checkpointing"]:
         parts.append("gc")
+    if settings.get("auto_batch_size"):
+        parts.append("autobs")
     if settings["compile"]:
         parts.append("compiled")
     if settings["data_source"] == "disk":

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, environment, flops, gpu_monitor, memory_estimate, modeling, tasks
+from . import data, environment, faults, flops, gpu_monitor, memory_estimate, modeling, tasks
 from .errors import UnsupportedConfiguration
 
 STATUSES = ("ok", "oom", "diverged", "timeout", "unsupported", "failed")
@@ -189,6 +189,132 @@ def make_scheduler(optimizer, spec: dict, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def scaler_step(scaler: torch.amp.GradScaler, optimizer) -> bool:
+    """The optimizer step through the GradScaler; True when the scaler skipped it.
+
+    With fp16 the scaler skips a step whose gradients hold inf/NaN (the loss scale was too high) and
+    halves the scale: a lower scale after ``update`` is how a skipped step shows. A disabled scaler
+    (fp32, bf16) steps the optimizer and never skips.
+    """
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    return scale is not None and scaler.get_scale() < scale
+
+
+# ---------------------------------------------------------------------------------------------------
+# auto_batch_size: the largest batch that fits, found by trying
+
+
+def search_batch_size(fits, start: int, cap: int) -> tuple[int | None, int | None, list[list]]:
+    """The largest batch ``fits(batch)`` accepts: from ``start``, double until a batch does not fit or
+    ``cap`` is reached; if ``start`` itself does not fit, halve until one does.
+
+    Returns (found, oom_at, trials): ``found`` is None when not even a batch of 1 fits; ``oom_at`` is the
+    smallest batch that did not fit (None when every batch tried fitted, i.e. the cap was reached);
+    ``trials`` lists [batch, fitted] in the order tried. Doubling brackets the boundary to a factor of two
+    (found <= true limit < oom_at) in log2(cap / start) trials.
+    """
+    trials: list[list] = []
+    found = oom_at = None
+    batch = max(1, min(start, cap))
+    while True:
+        fitted = bool(fits(batch))
+        trials.append([batch, fitted])
+        if not fitted:
+            oom_at = batch
+            break
+        found = batch
+        if batch >= cap:
+            break
+        batch = min(2 * batch, cap)
+    while found is None and batch > 1:
+        batch //= 2
+        fitted = bool(fits(batch))
+        trials.append([batch, fitted])
+        if fitted:
+            found = batch
+        else:
+            oom_at = batch
+    return found, oom_at, trials
+
+
+def _auto_batch_size(spec, bare, split, task, pad_id, device, dist, metrics, injector) -> int:
+    """Try one full training step (forward, backward, optimizer step) at growing batch sizes per device,
+    catching out-of-memory errors; record the boundary in ``metrics``; return the batch to measure at.
+
+    The trials use a throwaway optimizer with learning rate 0 (the weights do not move, yet its state is
+    allocated, as in the real run) on the run's longest sequences. They run eagerly (no torch.compile)
+    and, in DDP, on each rank's model before it is wrapped (no gradient all-reduce, so a rank that runs
+    out of memory cannot leave the others waiting); the ranks then agree on the smallest batch any of
+    them found.
+    """
+    devices = devices_in_run(spec)
+    per_process = devices // dist.world_size  # DataParallel feeds all devices from one process
+    data_cap = len(split) // (devices * spec["grad_accum_steps"])
+    cap = max(1, min(spec.get("auto_batch_size_max") or AUTO_BATCH_SIZE_MAX, data_cap))
+    trial_model = bare
+    if spec["parallel"] == "dp" and device.type == "cuda" and devices > 1:
+        trial_model = torch.nn.DataParallel(bare, device_ids=list(range(devices)))
+    order = _longest_first(split)
+    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32")
+
+    def step(batch_size: int, optimizer, scaler) -> None:
+        indices = order[np.arange(batch_size * per_process) % len(order)]
+        batch = tasks.collate(task, split, indices, pad_id).to(device)
+        injector.check_batch(batch_size)
+        with torch.autocast(**autocast):
+            output = trial_model(**batch.inputs)
+        scaler.scale(output.loss.mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        synchronize(device)
+
+    def fits(batch_size: int) -> bool:
+        optimizer = make_optimizer({**spec, "learning_rate": 1.0}, trial_model, device)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
+        try:
+            step(batch_size, optimizer, scaler)
+            fitted = True
+        except torch.OutOfMemoryError:
+            fitted = False
+        # Here the exception and the step's frame (its activations) are gone: free what is left.
+        trial_model.zero_grad(set_to_none=True)
+        del optimizer, scaler
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return fitted
+
+    started = time.perf_counter()
+    found, oom_at, trials = search_batch_size(fits, spec["batch_size"], cap)
+    if dist.active:
+        # Every rank must train at the same batch: the smallest any rank found (0: none fitted somewhere).
+        agreed = torch.tensor([found or 0, oom_at or 2**31 - 1], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        found = int(agreed[0]) or None
+        oom_at = int(agreed[1]) if int(agreed[1]) < 2**31 - 1 else None
+    metrics.update(auto_batch_size_found=found, auto_batch_size_oom_at=oom_at, auto_batch_size_trials=trials,
+                   auto_batch_size_cap=cap, auto_batch_size_time_s=time.perf_counter() - started)
+    if found is None:
+        raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {trials})")
+    return found
+
+
+def _longest_first(split) -> np.ndarray:
+    """Row indices, longest sequences first (the padded batch shape is the worst case for memory); split
+    order for a split read from disk, whose lengths are not in memory."""
+    input_ids = getattr(split, "input_ids", None)
+    if input_ids is None:
+        return np.arange(len(split))
+    return np.argsort([-len(ids) for ids in input_ids], kind="stable")
+
+
+# The largest per-device batch auto_batch_size tries unless the run sets auto_batch_size_max.
+AUTO_BATCH_SIZE_MAX = 1024
+
+
 def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
               dist: Distributed | None = None) -> tuple[dict, list[dict]]:
     """Run one configuration (this process's part of it); return (metrics, step records).
@@ -201,6 +327,8 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
     started = time.perf_counter()
     metrics: dict = {"run_id": spec["run_id"], "status": "ok", "status_reason": None}
     steps: list[dict] = []
+    # Test-only fault injection (faults.py), read once per run; without FTBENCH_INJECT_FAULT it does nothing.
+    injector = faults.Injector.from_env(spec["run_id"], dist.rank)
     try:
         device, note = choose_device(spec, dist)
         metrics["status_reason"] = note
@@ -209,7 +337,7 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
         metrics["world_size"] = devices_in_run(spec) if (device.type == "cuda" or dist.active) else 1
         modeling.check_supported(spec, device)
         manifest = data.verify(data_dir)
-        steps = _train(spec, data_dir, manifest, device, dist, metrics, stop)
+        steps = _train(spec, data_dir, manifest, device, dist, metrics, stop, injector)
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
     except torch.OutOfMemoryError as exc:
@@ -236,10 +364,8 @@ def derive_efficiency(metrics: dict, spec: dict, devices: int) -> dict:
     return derived
 
 
-def _prepare_model(spec, manifest, device, dist):
-    """(built model, the bare model, the model as trained: DataParallel / DDP / compiled as asked)."""
-    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device)
-    model = built.model
+def _wrap_model(model, spec, device, dist):
+    """The model as trained: DataParallel / DDP / compiled as asked."""
     if spec["parallel"] == "dp" and device.type == "cuda" and devices_in_run(spec) > 1:
         model = torch.nn.DataParallel(model, device_ids=list(range(devices_in_run(spec))))
     if dist.active:
@@ -248,7 +374,7 @@ def _prepare_model(spec, manifest, device, dist):
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if spec["compile"]:
         model = torch.compile(model)
-    return built, built.model, model
+    return model
 
 
 def _stop_reason(stop: StopSignal, typical_step_s: float, dist: Distributed, device: torch.device) -> str | None:
@@ -261,15 +387,26 @@ def _stop_reason(stop: StopSignal, typical_step_s: float, dist: Distributed, dev
     return reason or ("another rank stopped" if flag.item() > 0 else None)
 
 
-def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) -> list[dict]:
+def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
+           injector: faults.Injector | None = None) -> list[dict]:
+    injector = injector or faults.Injector([])
     set_seed(spec["seed"])
     task = manifest["task"]
     load_started = time.perf_counter()
     train_split = data.load_split(data_dir, "train", manifest, spec["data_source"])
     eval_split = data.load_split(data_dir, "eval", manifest)
-    built, bare, model = _prepare_model(spec, manifest, device, dist)
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device)
+    bare = built.model
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
     metrics["load_time_s"] = time.perf_counter() - load_started
+    if spec.get("auto_batch_size"):
+        # Measure at the largest batch that fits: from here on the run is that batch's run.
+        # fork_rng: the trials' random numbers (dropout) are given back, so training starts as without them.
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            found = _auto_batch_size(spec, bare, train_split, task, manifest["pad_token_id"], device, dist, metrics, injector)
+        spec = {**spec, "batch_size": found}
+        metrics["batch_size"] = found
+    model = _wrap_model(bare, spec, device, dist)
     metrics.update(memory_estimate.estimate(bare, spec, task, getattr(bare.config, "vocab_size", None)))
     shape = flops.ModelShape.of(bare)
     full_finetune = spec["method"] == "full"
@@ -298,6 +435,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
         list(range(devices)) if spec["parallel"] == "dp" else [device.index] if device.type == "cuda" else []
     )
     steps: list[dict] = []
+    skipped_steps = 0
     window_start = window_end = None
     model.train()
     train_started = time.perf_counter()
@@ -322,12 +460,18 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
             record["loader_s"] += time.perf_counter() - fetch_start
             record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
                                                 batch.target_tokens, batch.target_sum_squared_lengths)
+            if injector:
+                if micro == 0:
+                    injector.before_step(step)
+                injector.check_batch(spec["batch_size"])
             # Gradients are all-reduced only on the last micro-batch of a step.
             no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
             with no_sync:
                 with torch.autocast(**autocast):
                     output = model(**batch.inputs)
                 loss = output.loss.mean() / accum  # mean: DataParallel returns one loss per GPU
+                if injector:
+                    loss = injector.loss(step, loss)
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
             record["samples"] += batch.samples
@@ -338,8 +482,8 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
             metrics.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
             optimizer.zero_grad(set_to_none=True)
             break
-        scaler.step(optimizer)
-        scaler.update()
+        if scaler_step(scaler, optimizer):
+            skipped_steps += 1
         record["lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -352,6 +496,9 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal) ->
 
     metrics.update(sampler.stop())
     metrics["train_time_s"] = time.perf_counter() - train_started
+    # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
+    # steps (timed, tokens counted) but did not update the weights.
+    metrics["grad_scaler_skipped_steps"] = skipped_steps if scaler.is_enabled() else None
     metrics.update(total_steps=total_steps, warmup_steps=spec["warmup_steps"], grad_accum_steps=accum)
     window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
     metrics["window_s"] = window_s
