@@ -1,0 +1,775 @@
+"""Issue 7: failures become results, nothing is lost or faked, bad input is refused before any job runs.
+
+Out-of-memory errors, NaN losses and crashes are injected on the CPU with the test-only
+``FTBENCH_INJECT_FAULT`` variable (scripts/ftbench/faults.py). Covered here:
+
+- injected OOM -> status=oom row (single process, and on one of two gloo DDP ranks in bounded time,
+  also when the other rank is stuck); the report renders it;
+- injected NaN -> status=diverged, stopped before the optimizer step; non-ok runs are left out of the
+  throughput figures; GradScaler skips are counted (unit test: fp16 needs a GPU);
+- unknown exceptions fail the job with a traceback and no metrics file;
+- SIGKILL of a training job under --keep-going, SIGKILL of Snakemake then --rerun-incomplete, two
+  concurrent invocations (the lock), a full disk (RLIMIT_FSIZE) while writing results, a tampered shard
+  through the train command, an experiment where every run fails;
+- auto_batch_size: the search (unit), and a run that finds its batch against an injected memory limit;
+- bad input: one line naming the key or file, from validation and from ``snakemake -n``.
+
+Already covered elsewhere (not repeated): 50+ malformed configs, each checked for its message
+(tests/test_config.py); bit-flipped, truncated, replaced and missing shards refused naming the shard
+(tests/test_data.py, and tests/test_trainer.py before training); a GPU missing from the price table gives
+a warning and null cost (tests/test_report.py::test_gpu_missing_from_the_price_table_warns_and_gets_no_cost);
+an experiment of unsupported runs (fp16 and 4 GPUs on a CPU) still gives its table
+(tests/test_families.py::test_unsupported_rows_do_not_crash_the_dag).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import (
+    ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
+)
+from ftbench import atomic, collect, data, faults, figures, matrix, report, trainer
+from ftbench import config as ftbench_config
+from ftbench.columns import COLUMNS
+from ftbench.errors import ConfigError
+
+ENV = faults.ENV
+TRAIN_PY = ROOT / "scripts" / "train.py"
+MARKER = re.compile(rf"ftbench: {ENV} \(test-only\): (?P<what>[^(]+) \(pid (?P<pid>\d+), rank (?P<rank>\d+)\)")
+
+# The tiny BERT on the CPU: 6 steps of 8 examples (2 warmup), about a second a run.
+CPU_DEFAULTS = {
+    "method": "lora", "precision": "fp32", "batch_size": 8, "seq_len": 32, "lora_rank": 4,
+    "lora_targets": ["query", "value"], "learning_rate": 0.001, "max_steps": 6, "warmup_steps": 2,
+    "eval_batch_size": 64, "device": "cpu", "num_gpus": 0, "seed": 0,
+}
+# Three runs for the workflow tests: full, lora-r4 and lora-r8, told apart by these run-id fragments.
+THREE_RUNS = {"model": ["tiny"], "dataset": ["tiny"], "method": ["full", "lora"], "lora_rank": [4, 8]}
+FULL, LORA4, LORA8 = "-full-", "-lora-r4-", "-lora-r8-"
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_fault(monkeypatch):
+    """No test sees a fault another test (or the caller's shell) set."""
+    monkeypatch.delenv(ENV, raising=False)
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def keep_sigterm():
+    """cli.train installs a SIGTERM handler (the scheduler's stop request): restore pytest's afterwards."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="module")
+def cpu_spec(tiny_config_factory):
+    """``cpu_spec(**settings)``: the single run spec of the tiny BERT on the CPU with these settings."""
+
+    def make(**settings) -> dict:
+        config = tiny_config_factory(defaults={**CPU_DEFAULTS, **settings}, matrix={"model": ["tiny"], "dataset": ["tiny"]})
+        runs = matrix.expand_runs(config)
+        assert len(runs) == 1
+        return runs[0]
+
+    return make
+
+
+def run_id_with(config: dict, fragment: str) -> str:
+    (run_id,) = [run["run_id"] for run in matrix.expand_runs(config) if fragment in run["run_id"]]
+    return run_id
+
+
+def write_result(folder: Path, spec: dict, metrics: dict, steps: list[dict]) -> Path:
+    """What the train command writes for a run: steps.parquet, then metrics.json."""
+    out = folder / spec["run_id"] / "metrics.json"
+    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
+    atomic.write_json(out, {"spec": spec, "metrics": metrics, "environment": {}})
+    return out
+
+
+def train_command(spec: dict, data_dir: Path, out: Path, fault: str | None = None, timeout: float = 300, **popen):
+    """scripts/train.py as the train rule runs it, in a subprocess; (CompletedProcess, seconds)."""
+    env = {key: value for key, value in os.environ.items() if key != ENV}
+    if fault:
+        env[ENV] = fault
+    started = time.monotonic()
+    process = subprocess.run(
+        [sys.executable, str(TRAIN_PY), "--spec", json.dumps(spec), "--data", str(data_dir), "--out", str(out),
+         "--threads", "2"],
+        capture_output=True, text=True, timeout=timeout, env=env, **popen,
+    )
+    return process, time.monotonic() - started
+
+
+def output_of(process) -> str:
+    return f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-6000:]}"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fault-injection hook itself
+
+
+def test_fault_grammar():
+    assert faults.parse("") == []
+    assert faults.parse("oom@3") == [faults.Fault("oom", step=3)]
+    assert faults.parse("nan@2:run=lora-r4, oom@3:rank1") == [
+        faults.Fault("nan", step=2, run="lora-r4"), faults.Fault("oom", step=3, rank=1)]
+    assert faults.parse("sleep@2=30") == [faults.Fault("sleep", step=2, value=30.0)]
+    assert faults.parse("oom_above_batch=8") == [faults.Fault("oom_above_batch", value=8)]
+    for bad in ("oom", "oom@x", "boom@2", "sleep@2", "oom@2:gpu1", "oom_above_batch=x"):
+        with pytest.raises(ValueError, match=ENV) as caught:
+            faults.parse(bad)
+        assert "\n" not in str(caught.value)
+
+
+def test_faults_apply_to_their_rank_and_run_only():
+    parsed = faults.parse("oom@3:rank1,nan@2:run=-lora-")
+    assert [f.kind for f in faults.Injector(parsed, "x-lora-r4-abc", rank=1).faults] == ["oom", "nan"]
+    assert [f.kind for f in faults.Injector(parsed, "x-full-abc", rank=0).faults] == []
+    assert not faults.Injector([], "x")
+    injector = faults.Injector(parsed, "x-full-abc", rank=1)
+    injector.before_step(2)
+    with pytest.raises(torch.OutOfMemoryError, match=ENV):
+        injector.before_step(3)
+    injector.before_step(3)  # a step fault fires once
+
+
+# ---------------------------------------------------------------------------------------------------
+# OOM and divergence in one process: status rows, never a crash
+
+
+def test_injected_oom_becomes_an_oom_row(cpu_spec, prepared_data, monkeypatch, capfd):
+    monkeypatch.setenv(ENV, "oom@3")
+    metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
+    assert metrics["status"] == "oom"
+    assert metrics["last_step"] == 3  # the step it reached
+    assert "out of memory" in metrics["status_reason"] and "\n" not in metrics["status_reason"]
+    assert metrics.get("tokens_per_s") is None and metrics.get("eval_accuracy") is None  # nothing faked
+    assert metrics["peak_rss_mb"] > 0 and metrics["wall_time_s"] > 0
+    assert steps == []
+    # The job log says a fault was injected: an injected OOM can never pass for a real one.
+    assert f"{ENV} (test-only): out of memory at step 3" in capfd.readouterr().err
+
+
+def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data, monkeypatch):
+    optimizer_steps = []
+    real_step = trainer.scaler_step
+
+    def counting(scaler, optimizer):
+        optimizer_steps.append(1)
+        return real_step(scaler, optimizer)
+
+    monkeypatch.setattr(trainer, "scaler_step", counting)
+    monkeypatch.setenv(ENV, "nan@4")
+    metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
+    assert metrics["status"] == "diverged"
+    assert metrics["diverged_step"] == 4 and metrics["last_step"] == 4
+    assert "nan" in metrics["status_reason"] and "step 4" in metrics["status_reason"]
+    assert len(optimizer_steps) == 4  # steps 0-3 updated the weights; step 4 stopped before its update
+    assert [s["step"] for s in steps] == [0, 1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps)
+    assert metrics.get("eval_accuracy") is None
+    # Steps 2 and 3 were measured: the row has a throughput, which the report must leave out (below).
+    assert metrics["measured_steps"] == 2 and metrics["tokens_per_s"] > 0
+
+
+def test_unknown_exception_propagates_without_a_row(cpu_spec, prepared_data, monkeypatch):
+    monkeypatch.setenv(ENV, "error@1")
+    with pytest.raises(RuntimeError, match="injected failure at step 1"):
+        trainer.train_run(cpu_spec(), prepared_data[0])
+
+
+def test_grad_scaler_skipped_steps_are_counted():
+    """fp16 needs a CUDA GPU here, so the counting is tested on a CPU GradScaler: a step whose gradients
+    hold inf is skipped (weights unchanged) and counted; a finite one is not."""
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=2.0**16)
+    before = layer.weight.detach().clone()
+    scaler.scale(layer(torch.tensor([[math.inf, 1.0]])).sum()).backward()
+    assert trainer.scaler_step(scaler, optimizer) is True
+    assert torch.equal(layer.weight, before)
+    optimizer.zero_grad()
+    scaler.scale(layer(torch.tensor([[1.0, 1.0]])).sum()).backward()
+    assert trainer.scaler_step(scaler, optimizer) is False
+    assert not torch.equal(layer.weight, before)
+    optimizer.zero_grad()
+    layer(torch.tensor([[1.0, 1.0]])).sum().backward()
+    assert trainer.scaler_step(torch.amp.GradScaler("cpu", enabled=False), optimizer) is False
+
+
+def test_runs_without_a_grad_scaler_have_no_skip_count(cpu_spec, prepared_data):
+    metrics, _ = trainer.train_run(cpu_spec(), prepared_data[0])
+    assert metrics["status"] == "ok"
+    assert metrics["grad_scaler_skipped_steps"] is None  # null (no fp16), never 0
+
+
+def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, prepared_data, monkeypatch, tmp_path):
+    """oom, diverged and ok runs collected into the documented table; the report renders, and only the
+    ok run counts in the throughput figures and the configuration summary."""
+    results = []
+    for fault, settings in (("oom@3", {"method": "full", "learning_rate": 0.0001}), ("nan@3", {"lora_rank": 4}),
+                            (None, {"lora_rank": 8})):
+        if fault:
+            monkeypatch.setenv(ENV, fault)
+        else:
+            monkeypatch.delenv(ENV)
+        spec = cpu_spec(**settings)
+        results.append(write_result(tmp_path / "runs", spec, *trainer.train_run(spec, prepared_data[0])))
+    table = collect.collect(results, tmp_path / "metrics.parquet", tmp_path / "metrics.csv")
+    assert list(table.columns) == list(COLUMNS)
+    assert table["status"].tolist() == ["oom", "diverged", "ok"]
+    assert table["last_step"].tolist() == [3, 3, 5]
+    diverged = table.iloc[1]
+    assert diverged["tokens_per_s"] > 0  # it measured one step before diverging...
+
+    runs = figures.prepare(table)
+    throughput = figures.by_config(runs, "tokens_per_s")
+    assert len(throughput) == 1  # ...but the throughput figure shows the ok run alone
+    assert throughput["median"].iloc[0] == pytest.approx(table.iloc[2]["tokens_per_s"])
+    configs = report.configurations(runs).set_index("configuration")
+    assert configs["ok"].tolist() == [0, 0, 1]
+    assert configs["tokens_per_s"].notna().sum() == 1
+
+    written = report.build_report(tmp_path / "metrics.parquet", [p.with_name("steps.parquet") for p in results],
+                                  tmp_path / "figures", tmp_path / "report.html")
+    html = (tmp_path / "report.html").read_text()
+    assert 'class="status-oom"' in html and 'class="status-diverged"' in html
+    assert "out of memory at step 3" in html and "loss became nan at step 3" in html
+    assert isinstance(written["throughput"], Path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# auto_batch_size
+
+
+def test_batch_size_search():
+    fits_up_to_8 = lambda batch: batch <= 8  # noqa: E731
+    assert trainer.search_batch_size(fits_up_to_8, 2, 1024) == (8, 16, [[2, True], [4, True], [8, True], [16, False]])
+    # The start does not fit: halve until one does.
+    assert trainer.search_batch_size(fits_up_to_8, 32, 1024) == (8, 16, [[32, False], [16, False], [8, True]])
+    # Nothing runs out of memory: stop at the cap, no boundary seen.
+    assert trainer.search_batch_size(lambda b: True, 8, 100) == (100, None, [[8, True], [16, True], [32, True], [64, True], [100, True]])
+    assert trainer.search_batch_size(lambda b: True, 500, 100) == (100, None, [[100, True]])
+    # Not even one sample fits.
+    assert trainer.search_batch_size(lambda b: False, 4, 1024) == (None, 1, [[4, False], [2, False], [1, False]])
+
+
+def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, prepared_data, monkeypatch):
+    monkeypatch.setenv(ENV, "oom_above_batch=16")
+    spec = cpu_spec(auto_batch_size=True, batch_size=4)
+    assert spec["auto_batch_size"] is True and "-autobs-" in spec["run_id"]
+    metrics, steps = trainer.train_run(spec, prepared_data[0])
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (16, 32)
+    assert metrics["auto_batch_size_trials"] == [[4, True], [8, True], [16, True], [32, False]]
+    assert metrics["batch_size"] == 16
+    assert [s["samples"] for s in steps] == [16] * 6  # measured at the batch found
+    assert metrics["tokens_per_s"] > 0 and 0 <= metrics["eval_accuracy"] <= 1
+
+
+def test_auto_batch_size_trials_leave_training_unchanged(cpu_spec, prepared_data, monkeypatch):
+    """The trials (learning rate 0, random state given back) do not change what is then measured: the
+    same losses as a plain run at the batch found."""
+    plain_metrics, plain = trainer.train_run(cpu_spec(method="full", learning_rate=0.0001), prepared_data[0])
+    monkeypatch.setenv(ENV, "oom_above_batch=8")
+    metrics, steps = trainer.train_run(cpu_spec(method="full", learning_rate=0.0001, auto_batch_size=True), prepared_data[0])
+    assert metrics["auto_batch_size_trials"] == [[8, True], [16, False]]
+    assert [s["loss"] for s in steps] == [s["loss"] for s in plain]
+    assert metrics["eval_accuracy"] == plain_metrics["eval_accuracy"]
+
+
+def test_auto_batch_size_capped_by_the_setting_and_the_data(cpu_spec, prepared_data):
+    metrics, _ = trainer.train_run(cpu_spec(auto_batch_size=True, auto_batch_size_max=12), prepared_data[0])
+    assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (12, None)
+    metrics, _ = trainer.train_run(cpu_spec(auto_batch_size=True, batch_size=64), prepared_data[0])
+    assert metrics["auto_batch_size_found"] == 100  # the 100 training examples
+
+
+def test_auto_batch_size_when_nothing_fits_is_an_oom_row(cpu_spec, prepared_data, monkeypatch):
+    monkeypatch.setenv(ENV, "oom_above_batch=0")
+    metrics, steps = trainer.train_run(cpu_spec(auto_batch_size=True, batch_size=4), prepared_data[0])
+    assert metrics["status"] == "oom" and "not even a batch of 1" in metrics["status_reason"]
+    assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (None, 1)
+    assert steps == []
+
+
+def test_auto_batch_size_columns_in_the_table(cpu_spec, prepared_data, monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV, "oom_above_batch=16")
+    auto = cpu_spec(auto_batch_size=True)
+    plain = cpu_spec()
+    files = [write_result(tmp_path, spec, *trainer.train_run(spec, prepared_data[0])) for spec in (auto, plain)]
+    table = collect.collect(files, tmp_path / "metrics.parquet", tmp_path / "metrics.csv").set_index("run_id")
+    row, other = table.loc[auto["run_id"]], table.loc[plain["run_id"]]
+    assert (row["auto_batch_size"], row["auto_batch_size_max"], row["batch_size"]) == (True, 1024, 16)
+    assert (row["auto_batch_size_found"], row["auto_batch_size_oom_at"]) == (16, 32)
+    assert other["auto_batch_size"] == False  # noqa: E712 - a pandas boolean
+    assert pd.isna(other["auto_batch_size_max"]) and pd.isna(other["auto_batch_size_found"])
+    assert other["batch_size"] == 8
+
+
+def test_auto_batch_size_settings_are_validated(tiny_config_factory):
+    config = tiny_config_factory(defaults={**CPU_DEFAULTS, "auto_batch_size": True, "auto_batch_size_max": 64})
+    ftbench_config.validate_config(config)
+    runs = matrix.expand_runs(tiny_config_factory(matrix={**THREE_RUNS, "auto_batch_size": [False, True]}))
+    assert len(runs) == 6 and sum("-autobs-" in run["run_id"] for run in runs) == 3
+    for key, value, expected in (("auto_batch_size", "yes", "expected boolean"), ("auto_batch_size_max", 0, ">= 1")):
+        bad = copy.deepcopy(config)
+        bad["defaults"][key] = value
+        with pytest.raises(ConfigError, match=rf"^config key defaults\.{key}: .*{expected}"):
+            ftbench_config.validate_config(bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one line naming the key or file, before any job runs
+
+
+def test_missing_label_column_is_refused_when_the_config_is_read(tiny_config_factory, tiny_csv):
+    config = tiny_config_factory()
+    config["datasets"]["tiny"]["label_column"] = "sentiment"
+    with pytest.raises(ConfigError) as caught:
+        ftbench_config.validate_config(config)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("config key datasets.tiny.label_column: column 'sentiment' is not in ")
+    assert str(tiny_csv) in message and "text, label" in message
+
+
+def test_missing_text_column_is_refused_when_the_config_is_read(tiny_config_factory):
+    config = tiny_config_factory()
+    config["datasets"]["tiny"]["text_column"] = "review"
+    with pytest.raises(ConfigError, match=r"^config key datasets\.tiny\.text_column: column 'review' is not in "):
+        ftbench_config.validate_config(config)
+
+
+def test_more_gpus_than_the_invocation_allows(tiny_config_factory):
+    config = tiny_config_factory(include=[{"model": "tiny", "dataset": "tiny", "parallel": "ddp", "num_gpus": 4}])
+    ftbench_config.check_gpu_limit(config, None)  # no limit given
+    ftbench_config.check_gpu_limit(config, 4)
+    with pytest.raises(ConfigError) as caught:
+        ftbench_config.check_gpu_limit(config, 2)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("config key include[0].num_gpus: ")
+    assert "asks for 4 GPUs" in message and "num_gpus <= 2" in message
+    # CPU runs (device cpu) ask for no GPU, whatever num_gpus says (the matrix's runs ask for one each).
+    cpu = tiny_config_factory(include=[{"model": "tiny", "dataset": "tiny", "parallel": "ddp", "num_gpus": 4, "device": "cpu"}])
+    ftbench_config.check_gpu_limit(cpu, 1)
+
+
+BAD_INPUTS = [
+    # (case id, edit of the tiny config, extra snakemake arguments, the start of the one line)
+    ("unknown-key", lambda c: c["defaults"].update(lora_rnk=4), [], "config key defaults.lora_rnk: unknown key"),
+    ("wrong-type", lambda c: c["defaults"].update(batch_size="32"), [], "config key defaults.batch_size: expected integer"),
+    ("empty-axis", lambda c: c["matrix"].update(method=[]), [], "config key matrix.method: must not be empty"),
+    ("unknown-precision", lambda c: c["defaults"].update(precision="fp8"), [], "config key defaults.precision: 'fp8' is not allowed"),
+    ("lora-rank-0", lambda c: c["matrix"].update(lora_rank=[4, 0]), [], "config key matrix.lora_rank[1]: 0 is out of range"),
+    ("missing-dataset-file", lambda c: c["datasets"]["tiny"]["source"].update(path="/nonexistent/tiny.csv"), [],
+     "config key datasets.tiny.source.path: /nonexistent/tiny.csv does not exist"),
+    ("missing-label-column", lambda c: c["datasets"]["tiny"].update(label_column="sentiment"), [],
+     "config key datasets.tiny.label_column: column 'sentiment' is not in "),
+    ("seq-len-above-model-max", lambda c: c["defaults"].update(seq_len=256), [],
+     "config key defaults.seq_len: 256 exceeds model 'tiny' maximum of 128"),
+    ("more-gpus-than-allowed", lambda c: c.update(include=[{"model": "tiny", "dataset": "tiny", "parallel": "ddp", "num_gpus": 2}]),
+     ["--resources", "gpu=1"], "config key include[0].num_gpus: run tiny-tiny-lora-r4-fp32-b8-s32-ddp2-"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit, extra, start", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+def test_snakemake_dry_run_refuses_bad_input_with_one_line(tmp_path, tiny_config_factory, snakemake_runner, edit, extra, start):
+    config = tiny_config_factory()
+    edit(config)
+    write_config(tmp_path, config)
+    process = snakemake_runner(tmp_path, "-n", *extra)
+    assert process.returncode != 0, snakemake_failure(process)
+    ours = [line for line in process.stderr.splitlines() if line.startswith("ftbench:")]
+    assert len(ours) == 1 and ours[0].startswith(f"ftbench: {start}"), process.stderr
+    assert "Traceback" not in process.stderr
+    assert job_counts(process) == {}  # no job planned, none run
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The train command: unknown errors fail the job, tampered data is refused, a full disk leaves no file
+
+
+@pytest.mark.slow
+def test_unknown_exception_fails_the_train_command_with_its_traceback(cpu_spec, prepared_data, tmp_path):
+    out = tmp_path / "run" / "metrics.json"
+    process, _ = train_command(cpu_spec(), prepared_data[0], out, fault="error@2")
+    assert process.returncode != 0, output_of(process)
+    assert "Traceback (most recent call last)" in process.stderr
+    assert "RuntimeError: injected failure at step 2" in process.stderr
+    assert not out.exists() and not out.with_name("steps.parquet").exists()  # no row faked
+
+
+@pytest.mark.slow
+def test_tampered_shard_is_refused_by_the_train_command_naming_it(cpu_spec, prepared_data, tmp_path):
+    folder = tmp_path / "data"
+    shutil.copytree(prepared_data[0], folder)
+    shard = folder / data.read_manifest(folder)["splits"]["train"]["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-64])  # truncated
+    out = tmp_path / "run" / "metrics.json"
+    process, _ = train_command(cpu_spec(), folder, out)
+    assert process.returncode == 1, output_of(process)
+    last = process.stderr.strip().splitlines()[-1]
+    assert last.startswith("ftbench: ") and shard.name in last, process.stderr[-2000:]
+    assert "Traceback" not in process.stderr
+    assert not out.exists()
+
+
+def _file_size_limit(limit_bytes: int):
+    def apply():
+        # Writes beyond the limit fail with EFBIG instead of the process being killed by SIGXFSZ.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return apply
+
+
+@pytest.mark.parametrize("writer", ["write_json", "write_parquet"])
+def test_full_disk_gives_a_clear_error_and_leaves_no_partial_file(tmp_path, writer):
+    target = tmp_path / ("metrics.json" if writer == "write_json" else "steps.parquet")
+    target.write_text("previous result\n")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import pandas as pd; from ftbench import atomic; "
+        f"frame = pd.DataFrame({{'x': range(200000)}}); atomic.{writer}(sys.argv[2], "
+        "frame.to_dict('list') if sys.argv[3] == 'write_json' else frame)"
+    )
+    process = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts"), str(target), writer],
+                             capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(64 * 1024))
+    assert process.returncode != 0
+    last = process.stderr.strip().splitlines()[-1]
+    assert last.startswith("OSError: [Errno 27]") and "File too large" in last, process.stderr[-2000:]
+    assert f"could not write {target}" in last
+    assert target.read_text() == "previous result\n"  # the old file is untouched...
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # ...and no temporary file is left
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP: an OOM on one of two gloo ranks ends the run in bounded time with an oom row
+
+
+def ddp_spec(cpu_spec) -> dict:
+    return cpu_spec(method="full", learning_rate=0.0001, parallel="ddp", num_gpus=2, device="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, peer", [
+    ("oom@3:rank1", "sees rank 1 leave"),
+    # The NCCL case: the peer is stuck (here asleep) instead of failing fast. The launcher ends it
+    # RANK_GRACE_S after rank 1's result appears.
+    ("oom@3:rank1,sleep@3=600:rank0", "is stuck"),
+], ids=["peer-fails-fast", "peer-stuck"])
+def test_oom_on_one_ddp_rank_gives_an_oom_row_in_bounded_time(cpu_spec, prepared_data, tmp_path, fault, peer):
+    out = tmp_path / "run" / "metrics.json"
+    process, seconds = train_command(ddp_spec(cpu_spec), prepared_data[0], out, fault=fault, timeout=240)
+    leftover = processes_mentioning(str(out.parent / "ranks"))
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 0, output_of(process)
+    assert seconds < 90, f"took {seconds:.0f} s"
+    assert leftover == [], "a rank outlived its run"
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "oom"
+    assert metrics["status_reason"].startswith("rank 1: CUDA out of memory at step 3")
+    assert metrics["last_step"] == 3 and metrics["world_size"] == 2
+    assert metrics.get("tokens_per_s") is None and metrics.get("eval_accuracy") is None
+    assert "out of memory at step 3 (pid" in process.stderr
+
+
+@pytest.mark.slow
+def test_ddp_auto_batch_size_ranks_agree_on_the_smallest_batch(cpu_spec, prepared_data, tmp_path):
+    """Rank 1 runs out of memory above 8 samples, rank 0 only above 16: both train at 8."""
+    spec = cpu_spec(method="full", learning_rate=0.0001, parallel="ddp", num_gpus=2, device="cpu", auto_batch_size=True,
+                    batch_size=4)
+    out = tmp_path / "run" / "metrics.json"
+    process, _ = train_command(spec, prepared_data[0], out, fault="oom_above_batch=16:rank0,oom_above_batch=8:rank1")
+    assert process.returncode == 0, output_of(process)
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert (metrics["batch_size"], metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (8, 8, 16)
+    steps = pd.read_parquet(out.with_name("steps.parquet"))
+    assert steps["samples"].tolist() == [16] * 6  # 8 per rank, two ranks
+
+
+# ---------------------------------------------------------------------------------------------------
+# The workflow: failures through snakemake
+
+
+def start_snakemake(workdir: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """Snakemake in the background, as conftest.run_snakemake runs it; its output goes to a file."""
+    log = workdir / "snakemake-output.txt"
+    command = [*_snakemake_command(), "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
+               "--configfile", str(workdir / "config.yaml"), "--cores", "2", *args]
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, cwd=workdir, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    return process, log
+
+
+def wait_for(condition, timeout: float, what: str, process: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"snakemake exited ({process.returncode}) before {what}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def injected_pid(log: Path, what: str) -> int | None:
+    """The pid a training job printed when its injected fault fired (see faults.Injector._announce)."""
+    if not log.is_file():
+        return None
+    for match in MARKER.finditer(log.read_text(errors="replace")):
+        if match["what"].startswith(what):
+            return int(match["pid"])
+    return None
+
+
+def finished_jobs(log: Path) -> int:
+    counts = [int(n) for n in re.findall(r"(\d+) of \d+ steps \(\d+%\) done", log.read_text(errors="replace"))]
+    return max(counts, default=0)
+
+
+def kill(pid: int | None) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def metrics_file(workdir: Path, run_id: str) -> Path:
+    return workdir / "results" / "runs" / run_id / "metrics.json"
+
+
+@pytest.mark.slow
+def test_failed_runs_become_rows_and_the_report_renders(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    config = tiny_config_factory(matrix=THREE_RUNS)
+    write_config(tmp_path, config)
+    monkeypatch.setenv(ENV, f"oom@3:run={FULL},nan@3:run={LORA4}")
+    process = snakemake_runner(tmp_path, timeout=600)
+    assert process.returncode == 0, snakemake_failure(process)  # the jobs of failed runs exit 0: the DAG goes on
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet").set_index("run_id")
+    status = {fragment: table.loc[run_id_with(config, fragment), "status"] for fragment in (FULL, LORA4, LORA8)}
+    assert status == {FULL: "oom", LORA4: "diverged", LORA8: "ok"}
+    assert table.loc[run_id_with(config, FULL), "last_step"] == 3
+    html = (tmp_path / "results" / "report.html").read_text()
+    assert 'class="status-oom"' in html and 'class="status-diverged"' in html
+    assert (tmp_path / "results" / "figures" / "throughput.png").is_file()
+
+
+@pytest.mark.slow
+def test_every_run_failing_still_gives_the_table_and_the_report(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    write_config(tmp_path, tiny_config_factory())
+    monkeypatch.setenv(ENV, "oom@1")
+    process = snakemake_runner(tmp_path, timeout=600)
+    assert process.returncode == 0, snakemake_failure(process)
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet")
+    assert len(table) == 2 and (table["status"] == "oom").all()
+    assert table["tokens_per_s"].isna().all()
+    html = (tmp_path / "results" / "report.html").read_text()
+    assert "No run finished" in html and html.count('class="status-oom"') == 2
+
+
+@pytest.mark.slow
+def test_unknown_exception_fails_its_job_and_the_others_finish(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    config = tiny_config_factory()
+    write_config(tmp_path, config)
+    monkeypatch.setenv(ENV, f"error@2:run={FULL}")
+    process = snakemake_runner(tmp_path, "--keep-going", timeout=600)
+    assert process.returncode != 0
+    failed, other = run_id_with(config, FULL), run_id_with(config, "-lora-")
+    assert not metrics_file(tmp_path, failed).exists() and not metrics_file(tmp_path, failed).with_name("steps.parquet").exists()
+    assert json.loads(metrics_file(tmp_path, other).read_text())["metrics"]["status"] == "ok"
+    log = (tmp_path / "logs" / "train" / f"{failed}.log").read_text()
+    assert "Traceback (most recent call last)" in log and "RuntimeError: injected failure at step 2" in log
+    assert not (tmp_path / "results" / "metrics.parquet").exists()  # no table with a made-up row
+
+
+@pytest.mark.slow
+def test_sigkilled_training_job_under_keep_going(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    """The killed run fails; its siblings finish; the re-run trains exactly that run."""
+    config = tiny_config_factory(matrix=THREE_RUNS)
+    write_config(tmp_path, config)
+    victim = run_id_with(config, FULL)
+    siblings = [run_id_with(config, LORA4), run_id_with(config, LORA8)]
+    monkeypatch.setenv(ENV, f"sleep@2=600:run={FULL}")
+    # Two training jobs at a time, so the siblings need not wait for the sleeping one.
+    process, output = start_snakemake(tmp_path, "--keep-going", "--set-threads", "train=1")
+    pid = None
+    try:
+        pid = wait_for(lambda: injected_pid(tmp_path / "logs" / "train" / f"{victim}.log", "sleeping"), 240,
+                       "the training job to reach step 2", process)
+        os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=300)
+    finally:
+        kill(pid)
+        kill(process.pid)
+    text = output.read_text()
+    assert process.returncode != 0, text[-4000:]
+    assert not metrics_file(tmp_path, victim).exists()
+    for run_id in siblings:
+        assert json.loads(metrics_file(tmp_path, run_id).read_text())["metrics"]["status"] == "ok"
+    assert not (tmp_path / "results" / "metrics.parquet").exists()
+
+    monkeypatch.delenv(ENV)
+    before = {run_id: metrics_file(tmp_path, run_id).stat().st_mtime_ns for run_id in siblings}
+    planned = snakemake_runner(tmp_path, "-n")
+    assert train_run_ids(planned) == {victim}, planned.stdout[-4000:]
+    rerun = snakemake_runner(tmp_path, timeout=600)
+    assert rerun.returncode == 0, snakemake_failure(rerun)
+    assert train_run_ids(rerun) == {victim}
+    assert {run_id: metrics_file(tmp_path, run_id).stat().st_mtime_ns for run_id in siblings} == before
+    assert (pd.read_parquet(tmp_path / "results" / "metrics.parquet")["status"] == "ok").all()
+
+
+@pytest.mark.slow
+def test_sigkilled_snakemake_then_rerun_incomplete_redoes_only_the_interrupted_run(
+        tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    config = tiny_config_factory(matrix=THREE_RUNS)
+    write_config(tmp_path, config)
+    victim = run_id_with(config, FULL)
+    siblings = [run_id_with(config, LORA4), run_id_with(config, LORA8)]
+    monkeypatch.setenv(ENV, f"sleep@2=600:run={FULL}")
+    process, output = start_snakemake(tmp_path, "--set-threads", "train=1")
+    pid = None
+    try:
+        pid = wait_for(lambda: injected_pid(tmp_path / "logs" / "train" / f"{victim}.log", "sleeping"), 240,
+                       "the training job to reach step 2", process)
+        # Kill Snakemake once it has recorded the siblings as done (prepare_data + 2 train jobs), while
+        # the victim is mid-run; then its orphaned job, as a crashed node would.
+        wait_for(lambda: finished_jobs(output) >= 3, 240, "the sibling runs to finish", process)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        kill(process.pid)
+        kill(pid)
+    assert not metrics_file(tmp_path, victim).exists()
+    assert all(metrics_file(tmp_path, run_id).exists() for run_id in siblings)
+
+    monkeypatch.delenv(ENV)
+    before = {run_id: metrics_file(tmp_path, run_id).stat().st_mtime_ns for run_id in siblings}
+    # The killed Snakemake left its lock behind: remove it, as its error message says.
+    unlock = snakemake_runner(tmp_path, "--unlock")
+    assert unlock.returncode == 0, snakemake_failure(unlock)
+    planned = snakemake_runner(tmp_path, "-n", "--rerun-incomplete")
+    assert train_run_ids(planned) == {victim}, planned.stdout[-4000:]
+    rerun = snakemake_runner(tmp_path, "--rerun-incomplete", timeout=600)
+    assert rerun.returncode == 0, snakemake_failure(rerun)
+    assert train_run_ids(rerun) == {victim}
+    assert {run_id: metrics_file(tmp_path, run_id).stat().st_mtime_ns for run_id in siblings} == before
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet")
+    assert len(table) == 3 and (table["status"] == "ok").all()
+
+
+@pytest.mark.slow
+def test_second_concurrent_invocation_is_refused_and_the_first_is_unaffected(
+        tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    config = tiny_config_factory()
+    write_config(tmp_path, config)
+    slow = run_id_with(config, FULL)
+    monkeypatch.setenv(ENV, f"sleep@2=15:run={FULL}")
+    process, output = start_snakemake(tmp_path)
+    try:
+        wait_for(lambda: injected_pid(tmp_path / "logs" / "train" / f"{slow}.log", "sleeping"), 240,
+                 "the first invocation's training job", process)
+        monkeypatch.delenv(ENV)
+        second = snakemake_runner(tmp_path, timeout=120)
+        assert process.poll() is None, "the first invocation should still be running"
+        process.wait(timeout=300)
+    finally:
+        kill(process.pid)
+    assert second.returncode != 0
+    assert "Directory cannot be locked" in second.stdout + second.stderr, snakemake_failure(second)
+    assert "rule train" not in second.stdout + second.stderr
+    assert process.returncode == 0, output.read_text()[-4000:]
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet")
+    assert len(table) == 2 and (table["status"] == "ok").all()
+    assert (tmp_path / "results" / "report.html").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a real GPU (skipped without one): a real CUDA OOM, and auto_batch_size against the real limit
+
+
+GPU_MODEL = {"task": "causal_lm", "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "vocab_size": 32000, "max_position_embeddings": 1024}}}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_gpu_oom_is_a_row_and_auto_batch_size_finds_the_real_limit(tmp_path):
+    """A 134M-parameter Llama at seq_len 1024: batch 4096 needs over 500 GB for its fp32 logits alone, so it
+    runs out of memory on any GPU; auto_batch_size from 8 finds the largest batch that fits and measures."""
+    config = {
+        "models": {"llama": GPU_MODEL},
+        "datasets": {"tokens": {"source": {"kind": "synthetic"}, "train_size": 4096, "eval_size": 64}},
+        "defaults": {"method": "full", "precision": "bf16", "seq_len": 1024, "max_steps": 5, "warmup_steps": 2,
+                     "eval_batch_size": 16, "learning_rate": 0.0001, "num_gpus": 1, "device": "cuda"},
+        "matrix": {"model": ["llama"], "dataset": ["tokens"], "batch_size": [4096]},
+        "include": [{"model": "llama", "dataset": "tokens", "batch_size": 8, "auto_batch_size": True,
+                     "auto_batch_size_max": 4096}],
+    }
+    ftbench_config.validate_config(config)
+    oversized, auto = matrix.expand_runs(config)
+    data_dir = tmp_path / "data"
+    data.prepare("tokens", oversized["dataset_def"], GPU_MODEL, 1024, data_dir)
+
+    out = tmp_path / "oversized" / "metrics.json"
+    process, _ = train_command(oversized, data_dir, out, timeout=600)
+    assert process.returncode == 0, output_of(process)  # the DAG goes on
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "oom" and "out of memory" in metrics["status_reason"].lower()
+    assert metrics["last_step"] == 0 and metrics["peak_memory_allocated_mb"] > 0  # the high-water mark
+    assert metrics.get("tokens_per_s") is None
+
+    out = tmp_path / "auto" / "metrics.json"
+    process, _ = train_command(auto, data_dir, out, timeout=600)
+    assert process.returncode == 0, output_of(process)
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    found, oom_at = metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]
+    assert 8 <= found < oom_at <= 4096 and metrics["batch_size"] == found
+    assert metrics["tokens_per_s"] > 0
+    print(json.dumps({key: metrics.get(key) for key in (
+        "device_name", "auto_batch_size_trials", "auto_batch_size_time_s", "peak_memory_reserved_mb", "tokens_per_s")}))
