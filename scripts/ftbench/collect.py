@@ -27,10 +27,10 @@ def build_table(result_files: list[str | Path], prices: cost.Prices | None = Non
     results = [json.loads(Path(path).read_text(encoding="utf-8")) for path in result_files]
     rows = [row_from_result(result) for result in results]
     frame = typed(pd.DataFrame(rows, columns=list(COLUMNS)))
-    frame = typed(projection.add_projections(frame, budget))
+    # A budget in the run's own spec wins over the experiment-wide one.
+    budgets = [result.get("spec", {}).get("budget") or budget for result in results]
+    frame = typed(projection.add_projections(frame, budgets))
     if prices is not None:
-        # A budget in the run's own spec wins over the experiment-wide one.
-        budgets = [result.get("spec", {}).get("budget") or budget for result in results]
         frame, warnings = cost.add_costs(frame, prices, budgets, warn=False)
         frame = typed(frame)
         if warnings_out is not None:

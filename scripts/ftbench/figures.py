@@ -387,9 +387,10 @@ def figure_step_time(runs: pd.DataFrame, steps: pd.DataFrame):
     if steps.empty or "step_time_s" not in steps:
         return "no per-step records"
     measured = steps[steps["measured"].astype(bool)] if "measured" in steps else steps
-    measured = measured[measured["run_id"].isin(runs["run_id"])]
+    # Only finished runs: a diverged or timed-out run's steps are not a configuration's step time.
+    measured = measured[measured["run_id"].isin(runs.loc[runs["status"] == "ok", "run_id"])]
     if measured.empty:
-        return "no run has measured steps"
+        return "no finished run has measured steps"
     order = (measured.groupby("run_id")["step_time_s"].median().sort_values().index.tolist())
     labels = runs.set_index("run_id")
     data = [measured.loc[measured["run_id"] == run_id, "step_time_s"].astype(float).to_numpy() for run_id in order]

@@ -50,8 +50,11 @@ def project(row: dict, budget: dict | None) -> dict:
     return out
 
 
-def add_projections(frame: pd.DataFrame, budget: dict | None) -> pd.DataFrame:
-    projected = [project(row, budget) for row in frame.to_dict("records")]
+def add_projections(frame: pd.DataFrame, budgets: dict | list | None) -> pd.DataFrame:
+    """Projection columns for every row; ``budgets`` is one budget for all rows or one per row."""
+    rows = frame.to_dict("records")
+    per_row = budgets if isinstance(budgets, list) else [budgets] * len(rows)
+    projected = [project(row, budget) for row, budget in zip(rows, per_row)]
     frame = frame.copy()
     for column in PROJECTION_COLUMNS:
         frame[column] = [values[column] for values in projected]
