@@ -428,12 +428,12 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     share = spec["batch_size"] * (devices // dist.world_size)
     order = batch_order(len(train_split), spec["batch_size"] * devices, total_steps * accum, spec["seed"])
 
-    if device.type == "cuda":
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.reset_peak_memory_stats(index)
-    sampler = gpu_monitor.GpuSampler(
-        list(range(devices)) if spec["parallel"] == "dp" else [device.index] if device.type == "cuda" else []
-    )
+    # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
+    # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
+    local_gpus = [] if device.type != "cuda" else list(range(devices)) if spec["parallel"] == "dp" else [device.index]
+    for index in local_gpus:
+        torch.cuda.reset_peak_memory_stats(index)
+    sampler = gpu_monitor.GpuSampler(local_gpus)
     steps: list[dict] = []
     skipped_steps = 0
     window_start = window_end = None
@@ -512,10 +512,9 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
         if spec["compile"] and metrics.get("step_time_median_s"):
             # Compilation happens inside the first step; its excess over a normal step estimates it.
             metrics["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - metrics["step_time_median_s"])
-    if device.type == "cuda":
-        used = range(devices) if spec["parallel"] == "dp" else [device.index]
-        metrics["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in used) / 2**20
-        metrics["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in used) / 2**20
+    if local_gpus:
+        metrics["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
+        metrics["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in local_gpus) / 2**20
 
     if metrics["status"] == "ok" and dist.rank == 0:
         eval_started = time.perf_counter()
