@@ -35,7 +35,7 @@ def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
     split = data.load_split(data_dir, "train", manifest)
     device, _ = trainer.choose_device(spec, trainer.Distributed())
     torch.manual_seed(spec["seed"])
-    model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device).model
+    model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
     if spec["compile"]:
         model = torch.compile(model)
     optimizer = trainer.make_optimizer(spec, model, device)

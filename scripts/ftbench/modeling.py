@@ -111,8 +111,11 @@ def check_supported(spec: dict, device: torch.device) -> None:
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def build_model(spec: dict, num_labels: int | None, device: torch.device) -> BuiltModel:
-    """The model for one run, on ``device``, with adapters and checkpointing applied."""
+def build_model(spec: dict, num_labels: int | None, device: torch.device, pad_token_id: int | None = None) -> BuiltModel:
+    """The model for one run, on ``device``, with adapters and checkpointing applied.
+
+    ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
+    """
     model_def = spec["model_def"]
     source = model_def["source"]
     task = tasks.TASKS[tasks.model_task(model_def)]
@@ -151,8 +154,10 @@ def build_model(spec: dict, num_labels: int | None, device: torch.device) -> Bui
         location, extra = _pretrained_args(source)
         model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
     if model.config.pad_token_id is None:
-        tokenizer = load_tokenizer(model_def)
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
+        if pad_token_id is None:
+            tokenizer = load_tokenizer(model_def)
+            pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
+        model.config.pad_token_id = pad_token_id
 
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if spec["method"] == "qlora":

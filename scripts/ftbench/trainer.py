@@ -395,7 +395,8 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     load_started = time.perf_counter()
     train_split = data.load_split(data_dir, "train", manifest, spec["data_source"])
     eval_split = data.load_split(data_dir, "eval", manifest)
-    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device)
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device,
+                                 pad_token_id=manifest["pad_token_id"])
     bare = built.model
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
     metrics["load_time_s"] = time.perf_counter() - load_started
