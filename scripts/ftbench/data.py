@@ -346,10 +346,21 @@ class DiskSplit:
         return self._cache[index]
 
     def take(self, indices: np.ndarray) -> tasks.TokenisedSplit:
+        indices = np.asarray(indices)
         group_of = np.searchsorted(self.group_starts, indices, side="right") - 1
-        parts = [self._group(int(g)).take(np.array([int(i - self.group_starts[g])])) for i, g in zip(indices, group_of)]
-        return tasks.TokenisedSplit(
-            input_ids=[part.input_ids[0] for part in parts],
-            labels=np.array([part.labels[0] for part in parts]) if parts and parts[0].labels is not None else None,
-            target_ids=[part.target_ids[0] for part in parts] if parts and parts[0].target_ids is not None else None,
-        )
+        input_ids: list = [None] * len(indices)
+        targets: list = [None] * len(indices)
+        labels = None
+        # One take per row group touched, then each row back to its place in the batch.
+        for group in np.unique(group_of):
+            positions = np.flatnonzero(group_of == group)
+            rows = self._group(int(group)).take(indices[positions] - self.group_starts[group])
+            for slot, position in enumerate(positions):
+                input_ids[position] = rows.input_ids[slot]
+                if rows.target_ids is not None:
+                    targets[position] = rows.target_ids[slot]
+            if rows.labels is not None:
+                labels = np.empty(len(indices), dtype=np.int64) if labels is None else labels
+                labels[positions] = rows.labels
+        has_targets = targets and targets[0] is not None
+        return tasks.TokenisedSplit(input_ids=input_ids, labels=labels, target_ids=targets if has_targets else None)
