@@ -8,6 +8,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -351,3 +352,27 @@ def test_package_source_rotten_tomatoes():
 def test_package_source_errors():
     with pytest.raises(SourceError, match="not installed"):
         sources.package_folder("no-such-package-ftbench")
+
+
+@pytest.mark.parametrize("task", ["classification", "seq2seq"])
+def test_disk_source_gives_the_same_rows_as_memory(tmp_path, task):
+    """data_source: disk reads a batch's rows from Parquet row groups, in the batch's order."""
+    from ftbench import tasks
+
+    rows = 3000
+    ids = [list(range(i % 7 + 1)) for i in range(rows)]
+    labels = [i % 2 for i in range(rows)] if task == "classification" else None
+    targets = [[i, i + 1] for i in range(rows)] if task == "seq2seq" else None
+    table = tasks.to_table(task, ids, labels, targets)
+    shards = data.write_shards(table, tmp_path, "train", 0.01)
+    assert len(shards) > 1  # rows come from several files and row groups
+    disk = data.DiskSplit([tmp_path / shard["file"] for shard in shards])
+    memory = tasks.from_table(table)
+    indices = np.random.default_rng(0).permutation(rows)[:64]
+    got, want = disk.take(indices), memory.take(indices)
+    assert [list(x) for x in got.input_ids] == [list(x) for x in want.input_ids]
+    if task == "classification":
+        assert list(got.labels) == list(want.labels)
+    else:
+        assert got.labels is None
+        assert [list(x) for x in got.target_ids] == [list(x) for x in want.target_ids]
