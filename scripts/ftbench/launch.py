@@ -206,6 +206,7 @@ def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dic
     """One run's metrics and step records from its ranks: counts summed, times and memory maxed."""
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base
+    metrics.pop("rank", None)  # a per-rank field; the ranks are listed under per_rank
     worst = min((r["metrics"]["status"] for r in rank_results), key=STATUS_PRIORITY.index)
     if worst != "ok":
         # Which rank it was, also when the others left no result (ended while waiting for it).
