@@ -195,6 +195,16 @@ def test_run_ids_are_readable():
         assert "/" not in run["run_id"] and " " not in run["run_id"]
 
 
+def test_qlora_variants_show_in_the_id():
+    """Figure labels are the readable part: each QLoRA variant must be told apart there, not only by hash."""
+    config = base_config(defaults={"method": "qlora", "lora_rank": 8, "precision": "bf16", "batch_size": 32, "seq_len": 64},
+                         matrix={"model": ["bert"], "dataset": ["rt"], "qlora_quant_type": ["nf4", "fp4"],
+                                 "qlora_double_quant": [True, False]})
+    names = sorted(run["run_id"].rsplit("-", 1)[0] for run in matrix.expand_runs(config))
+    assert names == ["bert-rt-qlora-r8-bf16-b32-s64", "bert-rt-qlora-r8-fp4-bf16-b32-s64",
+                     "bert-rt-qlora-r8-fp4-nodq-bf16-b32-s64", "bert-rt-qlora-r8-nodq-bf16-b32-s64"]
+
+
 def test_parallel_mode_shows_in_the_id():
     runs = matrix.expand_runs(base_config(defaults={"parallel": "dp", "num_gpus": 2}))
     assert "-dp2-" in runs[0]["run_id"]

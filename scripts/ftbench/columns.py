@@ -88,6 +88,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W)"),
     "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J)"),
     "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
+    "gpu_sample_interval_s": ("Float64", "seconds between NVML samples (the run's setting)"),
+    "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
     "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU)"),
@@ -134,6 +136,7 @@ SPEC_COLUMNS = (
     "learning_rate", "optimizer", "grad_accum_steps", "gradient_checkpointing", "compile",
     "attn_implementation", "qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype",
     "num_gpus", "parallel", "data_source", "auto_batch_size", "auto_batch_size_max", "repeat", "seed",
+    "gpu_sample_interval_s",
 )
 
 

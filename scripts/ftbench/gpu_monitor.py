@@ -5,8 +5,9 @@ the start and end of the measured window; where a GPU has no counter it is integ
 sampled power. Without NVML (CPU runs, other vendors) every figure is None: a missing measurement is
 never reported as zero.
 
-Cost: one NVML query per GPU per interval (default 100 ms) from a sleeping thread; the GIL is held only
-for the call itself. benchmarks/overhead.py measures the effect on throughput.
+Cost: one NVML query per GPU per interval (``gpu_sample_interval_s``, default 100 ms) from a sleeping
+thread; the GIL is held only for the call itself. scripts/benchmark_overhead.py measures the effect on
+throughput.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ RUN_DEFAULTS: dict[str, Any] = {
     "num_gpus": 1,
     "parallel": "single",
     "seed": 0,
+    # NVML sampling period during the measured window (utilisation, memory, power); a measuring knob, but
+    # part of the spec so the run records how it was measured.
+    "gpu_sample_interval_s": 0.1,
 }
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
@@ -134,6 +137,8 @@ def readable_name(settings: dict, repeat: int, repeats: int) -> str:
         parts.append(f"r{settings['lora_rank']}")
     if settings["method"] == "qlora" and settings["qlora_quant_type"] != "nf4":
         parts.append(settings["qlora_quant_type"])
+    if settings["method"] == "qlora" and not settings["qlora_double_quant"]:
+        parts.append("nodq")
     parts += [settings["precision"], f"b{settings['batch_size']}", f"s{settings['seq_len']}"]
     if settings["grad_accum_steps"] > 1:
         parts.append(f"ga{settings['grad_accum_steps']}")

@@ -434,7 +434,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     local_gpus = [] if device.type != "cuda" else list(range(devices)) if spec["parallel"] == "dp" else [device.index]
     for index in local_gpus:
         torch.cuda.reset_peak_memory_stats(index)
-    sampler = gpu_monitor.GpuSampler(local_gpus)
+    sampler = gpu_monitor.GpuSampler(local_gpus, spec["gpu_sample_interval_s"])
     steps: list[dict] = []
     skipped_steps = 0
     window_start = window_end = None
