@@ -1,15 +1,19 @@
 """How much does ftbench's measuring cost? Tokens/s of a run through ftbench vs a bare PyTorch loop.
 
-Both sides use the same model, batches, optimizer and precision, in the same process on the same
-machine, alternating A/B so drift (clocks, thermals, other load) hits both equally:
+All sides use the same model, batches, optimizer and precision, in the same process on the same
+machine:
 - bare: forward, backward, optimizer step; the device is synchronised only at the ends of the window.
 - ftbench: trainer.train_run as a pipeline job runs it (a sync and loss read every step, per-step
   records, NVML sampling on a GPU).
-A third side runs ftbench with NVML sampling off, isolating the sampler's cost.
+- ftbench without NVML: the same, with the sampler given no GPU, isolating the sampler's cost.
+Each trial runs the three sides once, in an order that rotates from trial to trial, so drift (clocks,
+thermals, other load) and "who ran first" fall on every side alike; the ratios are taken within a
+trial and summarised by their median over trials.
 
-    python scripts/benchmark_overhead.py --config config/examples/llama-methods.yaml --run 0 --steps 30 --trials 3
+    python scripts/benchmark_overhead.py --config config/examples/llama-methods.yaml --run 0 --steps 200 --trials 5
 
-Prints one line per trial and the median ratios; the target is ftbench / bare >= 0.98.
+Prints one line per trial and the median ratios; the target is ftbench / bare >= 0.98, and NVML
+sampling on / off >= 0.99.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
 def ftbench_loop(spec: dict, data_dir: str, sampling: bool) -> float:
     original = gpu_monitor.GpuSampler.__init__
     if not sampling:
-        def no_gpus(self, cuda_indices, interval_s=0.1):
+        def no_gpus(self, cuda_indices, interval_s):
             original(self, [], interval_s)
         gpu_monitor.GpuSampler.__init__ = no_gpus
     try:
@@ -81,9 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="config/config.yaml")
     parser.add_argument("--run", type=int, default=0, help="index of the run in the expanded matrix")
-    parser.add_argument("--steps", type=int, default=30, help="measured steps per side")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per side and trial")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
@@ -94,21 +98,32 @@ def main() -> None:
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
         data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], data_dir)
-        results = {"run_id": spec["run_id"], "trials": []}
+        sides = {
+            "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
+            "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True),
+            "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False),
+        }
+        names = list(sides)
+        results = {"run_id": spec["run_id"], "steps": args.steps, "warmup": args.warmup, "trials": []}
         for trial in range(args.trials):
-            bare = bare_loop(spec, data_dir, args.steps, args.warmup)
-            full = ftbench_loop(spec, data_dir, sampling=True)
-            unsampled = ftbench_loop(spec, data_dir, sampling=False)
-            row = {"bare_tokens_per_s": bare, "ftbench_tokens_per_s": full, "ftbench_no_nvml_tokens_per_s": unsampled,
-                   "ftbench_over_bare": full / bare, "nvml_on_over_off": full / unsampled}
+            order = names[trial % len(names):] + names[: trial % len(names)]
+            speed = {name: sides[name]() for name in order}
+            row = {f"{name}_tokens_per_s": speed[name] for name in names}
+            row.update(order=order, ftbench_over_bare=speed["ftbench"] / speed["bare"],
+                       nvml_on_over_off=speed["ftbench"] / speed["ftbench_no_nvml"])
             results["trials"].append(row)
-            print(f"trial {trial}: bare {bare:,.0f} tok/s, ftbench {full:,.0f} ({full / bare:.3f}x), "
-                  f"ftbench without NVML {unsampled:,.0f} (sampling on/off {full / unsampled:.3f}x)", flush=True)
+            print(f"trial {trial} ({' > '.join(order)}): bare {speed['bare']:,.0f} tok/s, ftbench {speed['ftbench']:,.0f} "
+                  f"({row['ftbench_over_bare']:.3f}x), ftbench without NVML {speed['ftbench_no_nvml']:,.0f} "
+                  f"(sampling on/off {row['nvml_on_over_off']:.3f}x)", flush=True)
     for key in ("ftbench_over_bare", "nvml_on_over_off"):
-        results[f"median_{key}"] = statistics.median(t[key] for t in results["trials"])
+        values = [t[key] for t in results["trials"]]
+        results[f"median_{key}"] = statistics.median(values)
+        results[f"range_{key}"] = [min(values), max(values)]
     results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"{spec['run_id']} on {results['device']}: median ftbench/bare = {results['median_ftbench_over_bare']:.3f} "
-          f"(target >= 0.98); NVML sampling on/off = {results['median_nvml_on_over_off']:.3f}")
+          f"(target >= 0.98, trials {results['range_ftbench_over_bare'][0]:.3f}-{results['range_ftbench_over_bare'][1]:.3f}); "
+          f"NVML sampling on/off = {results['median_nvml_on_over_off']:.3f} (target >= 0.99, trials "
+          f"{results['range_nvml_on_over_off'][0]:.3f}-{results['range_nvml_on_over_off'][1]:.3f})")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -803,7 +803,7 @@ def load_example(name: str) -> dict:
 
 def test_every_example_is_checked_here():
     assert sorted(path.name for path in EXAMPLES.glob("*.yaml")) == [
-        "dp-vs-ddp.yaml", "llama-methods.yaml", "seq-batch-diagnostic.yaml"]
+        "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml", "seq-batch-diagnostic.yaml"]
 
 
 def test_example_llama_methods():
@@ -817,6 +817,16 @@ def test_example_llama_methods():
     assert any(r["qlora_quant_type"] == "fp4" for r in runs)
     assert any(r["method"] == "qlora" and r["qlora_double_quant"] is False for r in runs)
     assert all(r["model_def"]["task"] == "causal_lm" and r["dataset_def"]["source"]["kind"] == "synthetic" for r in runs)
+
+
+def test_example_measurement_check():
+    config = load_example("measurement-check.yaml")
+    runs = matrix.expand_runs(config)
+    assert len(runs) == 4 * 3 and len({r["config_id"] for r in runs}) == 4
+    assert sorted({r["seed"] for r in runs}) == [0, 1, 2]
+    # Full multi-head attention: the FLOP counter can count it, so counted/analytic is compared.
+    overrides = config["models"]["llama134m_mha"]["source"]["overrides"]
+    assert overrides["num_key_value_heads"] == overrides["num_attention_heads"]
 
 
 def test_example_dp_vs_ddp():

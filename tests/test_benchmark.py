@@ -1,0 +1,38 @@
+"""scripts/benchmark_overhead.py: the harness-overhead benchmark runs end to end on the CPU.
+
+Its figures on a GPU go in the closing notes; here we check what it compares and how it reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, write_config
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tmp_path, tiny_config_factory):
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 8,
+                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
+    out = tmp_path / "overhead.json"
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config), "--run", "0",
+         "--steps", "4", "--warmup", "1", "--trials", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = json.loads(out.read_text())
+    trials = results["trials"]
+    assert len(trials) == 3 and results["steps"] == 4 and results["device"] == "cpu"
+    # Every side goes first once in three trials: drift cannot favour one side.
+    assert sorted(trial["order"][0] for trial in trials) == ["bare", "ftbench", "ftbench_no_nvml"]
+    for trial in trials:
+        assert trial["ftbench_over_bare"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["bare_tokens_per_s"])
+        assert trial["nvml_on_over_off"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["ftbench_no_nvml_tokens_per_s"])
+        assert all(trial[f"{side}_tokens_per_s"] > 0 for side in ("bare", "ftbench", "ftbench_no_nvml"))
+    ratios = sorted(trial["ftbench_over_bare"] for trial in trials)
+    assert results["median_ftbench_over_bare"] == pytest.approx(ratios[1])
+    assert results["range_ftbench_over_bare"] == pytest.approx([ratios[0], ratios[2]])
+    assert "median ftbench/bare" in process.stdout
