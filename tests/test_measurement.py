@@ -436,24 +436,75 @@ def test_weights_are_fp32_masters_and_estimate_sums_its_parts():
     result = memory_estimate.estimate(model, estimate_spec(), "causal_lm", 1000)
     assert result["memory_estimate_parts_mb"]["weights"] * memory_estimate.MIB == pytest.approx(4 * params)
     assert result["memory_estimate_mb"] == pytest.approx(sum(result["memory_estimate_parts_mb"].values()))
-    # Logits of a decoder: fp32 values and their gradient, batch x seq x vocab.
-    assert parts(model)["logits"] == pytest.approx(2 * 2 * 16 * 1000 * 4)
+    # Logits of a decoder, batch x seq x vocab: the fp32 log-softmax output, its gradient and its input's.
+    assert parts(model)["logits"] == pytest.approx(12 * 2 * 16 * 1000)
+    # Autocast's 16-bit weight copies exist only with a 16-bit precision.
+    assert parts(model)["weight_copies"] == 0
+    assert parts(model, precision="bf16")["weight_copies"] == pytest.approx(2 * params)
 
 
 def test_activation_model_and_checkpointing():
-    model = tiny_llama()
+    model = tiny_llama()  # RMSNorm, gated MLP, width 64, MLP width 128, 4 heads, 2 layers
+    assert memory_estimate.architecture_traits(model) == ("rms", "gated")
     plain = parts(model)["activations"]
-    # fp32: twice the 16-bit formula, width x (34 + 5 x heads x S / width) bytes per layer and token; the
-    # attention-score term only where eager attention stores the scores (fused kernels do not).
-    # batch 2 x seq 16 x 2 layers:
-    assert plain == pytest.approx(2 * 16 * 2 * 64 * 34 * 2)
-    eager = parts(model, attn_implementation="eager")["activations"]
-    assert eager == pytest.approx(2 * 16 * 2 * 64 * (34 + 5 * 4 * 16 / 64) * 2)
-    longer = parts(model, attn_implementation="eager", seq_len=64)["activations"]
+    # batch 2 x seq 16 x 2 layers x (40 x width + 16 x MLP width) bytes in fp32
+    assert plain == pytest.approx(2 * 16 * 2 * (40 * 64 + 16 * 128))
+    assert parts(model, precision="bf16")["activations"] == pytest.approx(2 * 16 * 2 * (34 * 64 + 8 * 128))
+    # The stored score matrix only where eager attention keeps it (fused kernels do not): 5 x heads x S.
+    eager = parts(model, attn_implementation="eager", precision="bf16")["activations"]
+    assert eager - parts(model, precision="bf16")["activations"] == pytest.approx(2 * 16 * 2 * 5 * 4 * 16)
+    longer = parts(model, attn_implementation="eager", precision="bf16", seq_len=64)["activations"]
     assert longer > 4 * eager  # the score matrix grows with S^2
-    assert parts(model, precision="bf16")["activations"] == pytest.approx(plain / 2)
+    # Checkpointing: each layer's fp32 input, plus one layer's activations during its recomputation.
     checkpointed = parts(model, gradient_checkpointing=True)["activations"]
-    assert checkpointed < plain
+    assert checkpointed == pytest.approx(2 * 16 * (2 * 4 * 64 + (40 * 64 + 16 * 128)))
+
+
+def traced_activation_bytes_per_layer(make_model, precision: str, batch: int = 3, seq: int = 40) -> float:
+    """Bytes autograd saves for backward per layer, traced with saved-tensor hooks: the difference between a
+    4-layer and a 2-layer model, so embeddings, head and loss cancel. Tensors without the batch dimension
+    (autocast's weight copies) are left out; each storage is counted once."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    totals = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        model = make_model(layers).train()
+        ids = torch.randint(0, 1000, (batch, seq))
+        labels = ids if "CausalLM" in type(model).__name__ else torch.zeros(batch, dtype=torch.long)
+        storages = {}
+
+        def keep(tensor):
+            if tensor.dim() >= 2 and batch in (tensor.shape[0], tensor.shape[0] // seq):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
+                model(input_ids=ids, labels=labels)
+        totals[layers] = sum(storages.values())
+    return (totals[4] - totals[2]) / 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_activation_model_matches_what_autograd_keeps(family, precision):
+    """The per-layer activation model against the bytes transformers' layers really save, within 10%."""
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    def make_model(layers):
+        if family == "llama":
+            return LlamaForCausalLM(LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=layers,
+                                                num_attention_heads=4, num_key_value_heads=4, vocab_size=1000))
+        return BertForSequenceClassification(BertConfig(hidden_size=96, intermediate_size=384, num_hidden_layers=layers,
+                                                        num_attention_heads=4, vocab_size=1000, attention_probs_dropout_prob=0.0))
+
+    batch, seq = 3, 40
+    traced = traced_activation_bytes_per_layer(make_model, precision, batch, seq)
+    model = make_model(1)
+    spec = estimate_spec(precision=precision, batch_size=batch, seq_len=seq)
+    estimated = memory_estimate.estimate(model, spec, "classification", None)["memory_estimate_parts_mb"]["activations"]
+    assert estimated * memory_estimate.MIB == pytest.approx(traced, rel=0.10)
 
 
 def test_qlora_weights_are_estimated_below_full_weights(llama_data):
@@ -605,6 +656,17 @@ def test_collected_values_are_the_run_values(real_result):
             assert float(row[key]) == pytest.approx(value, rel=1e-12), key
         else:
             assert row[key] == value, key
+
+
+def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
+    """An OOM run's measured peak is where it failed, not the run's peak: no ratio for it."""
+    from ftbench.columns import row_from_result
+
+    result, _ = real_result
+    ok = row_from_result(result)
+    assert ok["memory_estimate_ratio"] == pytest.approx(result["metrics"]["memory_estimate_mb"] / result["metrics"]["peak_rss_mb"])
+    failed = {**result, "metrics": {**result["metrics"], "status": "oom"}}
+    assert row_from_result(failed)["memory_estimate_ratio"] is None
 
 
 def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):

@@ -92,7 +92,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
-    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU)"),
+    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU); null unless status ok"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),
     "peak_rss_mb": ("Float64", "process peak resident memory (MiB) over the whole job, loading included"),
@@ -166,5 +166,7 @@ def row_from_result(result: dict) -> dict:
     row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
     measured = metrics.get("peak_memory_allocated_mb", metrics.get("peak_rss_mb"))
     estimate = metrics.get("memory_estimate_mb")
-    row["memory_estimate_ratio"] = estimate / measured if estimate and measured else None
+    # Only a finished run's peak is the run's peak: an OOM run's high-water mark stops where it failed.
+    finished = metrics.get("status") == "ok"
+    row["memory_estimate_ratio"] = estimate / measured if finished and estimate and measured else None
     return row

@@ -1,19 +1,25 @@
 """Training memory estimated before the first step, stored beside the measured peak.
 
 The model (bytes), so the ratio estimate / measured says where it is off:
-- weights: 4 bytes per parameter (fp32 master weights; autocast makes 16-bit copies on the fly);
-  QLoRA: 4-bit base weights at 0.5 byte, plus their quantisation constants (one fp32 absmax per
-  block of 64 = 0.0625 byte, or ~0.0159 byte with double quantisation), other parameters in fp32.
+- weights: 4 bytes per parameter (fp32 master weights); QLoRA: 4-bit base weights at 0.5 byte, plus
+  their quantisation constants (one fp32 absmax per block of 64 = 0.0625 byte, or ~0.0159 byte with
+  double quantisation), other parameters in fp32.
+- weight copies: with bf16/fp16 autocast, the 16-bit copy of every unquantised weight, cast once per
+  step and held for the backward pass (2 bytes per parameter). 4-bit weights are dequantised per use.
 - gradients: 4 bytes per trainable parameter.
 - optimizer state per trainable parameter: AdamW 8 (two fp32 moments), 8-bit AdamW 2, SGD with
   momentum 4.
-- activations kept for backward (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-  per layer and token, width x (34 + 5 x heads x S / width) bytes in 16-bit, the second term only for
-  eager attention (fused attention keeps no score matrix); fp32 doubles it. With
-  gradient checkpointing only each layer's input (2 x width bytes, 16-bit) is kept, plus one layer's
-  full activations during its recomputation.
-- logits: batch x S x vocab x 4 bytes for the fp32 logits plus the same again for their gradient
-  (large for decoders with big vocabularies).
+- activations that autograd keeps for the backward pass, per layer and token: a x width + m x
+  intermediate bytes, with (a, m) from ACTIVATION_BYTES below. The coefficients were traced here with
+  torch.autograd saved-tensor hooks on transformers' Llama and BERT layers (tests/test_measurement.py
+  traces them again and holds the estimate to within 10%): the same shape as Korthikanti et al.
+  (2022)'s 34 x width, with the MLP term made to follow the MLP's real width and kind. Eager attention
+  adds the stored score matrix, 5 x heads x S bytes in 16-bit (fused attention, the default of current
+  models, keeps none). Gradient checkpointing keeps only each layer's input (the residual stream, fp32
+  under autocast: 4 x width bytes) plus one layer's full activations while it is recomputed.
+- logits of a language model: 12 bytes per batch x S x vocab element at the start of the backward
+  pass: the loss's fp32 log-softmax output (kept for backward), its gradient and the gradient of its
+  input. Large for decoders with big vocabularies.
 It ignores allocator fragmentation, CUDA context and library workspaces: compare it with CUDA
 max_memory_allocated (not reserved), and expect it to be low by a margin on small models.
 """
@@ -24,6 +30,47 @@ import torch
 
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
 MIB = 2**20
+
+# (bytes per layer-token per unit of width, per unit of MLP width), by (norm kind, MLP kind, 16-bit?).
+# RMSNorm layers (Llama, Mistral, Qwen, T5) compute in fp32 and keep fp32 copies, hence their larger
+# width term; a gated MLP (SwiGLU, GeGLU) keeps four intermediate-wide tensors, a plain one two.
+# Traced: rms+gated (Llama) and layer+plain (BERT); the other two pair those norm and MLP terms.
+ACTIVATION_BYTES = {
+    ("rms", "gated", True): (34, 8),
+    ("rms", "gated", False): (40, 16),
+    ("rms", "plain", True): (34, 4),
+    ("rms", "plain", False): (40, 8),
+    ("layer", "gated", True): (24, 8),
+    ("layer", "gated", False): (32, 16),
+    ("layer", "plain", True): (24, 4),
+    ("layer", "plain", False): (32, 8),
+}
+DROPOUT_MASK_BYTES = {True: 4, False: 8}  # per unit of width, when hidden dropout is on (training mode)
+GATE_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w1")
+
+
+def architecture_traits(model: torch.nn.Module) -> tuple[str, str]:
+    """(norm kind, MLP kind) read from the module tree: "rms" | "layer", "gated" | "plain"."""
+    names = [name for name, _ in model.named_modules()]
+    gated = any(name.rsplit(".", 1)[-1] in GATE_NAMES for name in names)
+    rms = any("RMSNorm" in type(module).__name__ or type(module).__name__ == "T5LayerNorm" for module in model.modules())
+    return ("rms" if rms else "layer"), ("gated" if gated else "plain")
+
+
+def intermediate_width(config, width: int) -> int:
+    for key in ("intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim", "ffn_dim"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return 4 * width  # GPT-2 style configs leave it unset: four times the width
+
+
+def hidden_dropout(config) -> float:
+    for key in ("hidden_dropout_prob", "resid_pdrop", "dropout_rate", "dropout", "hidden_dropout"):
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
 
 
 def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | None) -> dict:
@@ -36,8 +83,10 @@ def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | No
             other += param.numel()
         if param.requires_grad:
             trainable += param.numel()
+    sixteen_bit = spec["precision"] in ("bf16", "fp16")
     constants = 0.0159 if spec.get("qlora_double_quant") else 0.0625
     weights = quantised * (0.5 + constants) + other * 4
+    weight_copies = other * 2 if sixteen_bit else 0
     gradients = trainable * 4
     optimizer = trainable * OPTIMIZER_BYTES[spec["optimizer"]]
 
@@ -47,19 +96,21 @@ def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | No
     layers, width = attention_shape(config)
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", 0) or 0
     batch, seq = spec["batch_size"], spec["seq_len"]
-    element = 2 if spec["precision"] in ("bf16", "fp16") else 4
-    scale = element / 2  # the published formula is for 16-bit activations
-    # The 5·heads·S/width term is the stored attention-score matrix; fused attention (sdpa, flash: the
-    # default of current models) never materialises it, so it counts only for eager attention.
-    scores = 5 * heads * seq / width if width and spec.get("attn_implementation") == "eager" else 0
-    per_layer_token = width * (34 + scores) * scale
+    norm, mlp = architecture_traits(model)
+    per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
+    if hidden_dropout(config) > 0:
+        per_width += DROPOUT_MASK_BYTES[sixteen_bit]
+    per_layer_token = per_width * width + per_intermediate * intermediate_width(config, width)
+    if spec.get("attn_implementation") == "eager":
+        per_layer_token += 5 * heads * seq * (1 if sixteen_bit else 2)
     if spec["gradient_checkpointing"]:
-        activations = batch * seq * (layers * 2 * width * scale + per_layer_token)
+        activations = batch * seq * (layers * 4 * width + per_layer_token)
     else:
         activations = batch * seq * layers * per_layer_token
-    logits = 2 * batch * seq * (vocab_size or 0) * 4 if task != "classification" else 0
+    logits = 12 * batch * seq * (vocab_size or 0) if task != "classification" else 0
     parts = {
         "weights": weights,
+        "weight_copies": weight_copies,
         "gradients": gradients,
         "optimizer": optimizer,
         "activations": activations,

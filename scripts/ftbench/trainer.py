@@ -264,8 +264,8 @@ def _auto_batch_size(spec, bare, split, task, pad_id, device, dist, metrics, inj
         batch = tasks.collate(task, split, indices, pad_id).to(device)
         injector.check_batch(batch_size)
         with torch.autocast(**autocast):
-            output = trial_model(**batch.inputs)
-        scaler.scale(output.loss.mean()).backward()
+            loss = trial_model(**batch.inputs).loss.mean()  # the loss only, as in training (memory)
+        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         synchronize(device)
@@ -469,8 +469,9 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
             no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
             with no_sync:
                 with torch.autocast(**autocast):
-                    output = model(**batch.inputs)
-                loss = output.loss.mean() / accum  # mean: DataParallel returns one loss per GPU
+                    # Only the loss is kept: holding the whole output would keep the logits (batch x S x
+                    # vocab) alive through backward, memory a usual training loop frees at this point.
+                    loss = model(**batch.inputs).loss.mean() / accum  # mean: DataParallel returns one loss per GPU
                 if injector:
                     loss = injector.loss(step, loss)
                 scaler.scale(loss).backward()
