@@ -88,12 +88,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="measured steps per side and trial")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, help="override the run's batch size (a larger one makes a small model GPU-bound)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
     config = ftbench_config.load_config(args.config)
     spec = dict(matrix.expand_runs(config)[args.run])
     spec.update(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
+    if args.batch_size:
+        spec["batch_size"] = args.batch_size
     if spec["parallel"] != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
@@ -104,7 +107,7 @@ def main() -> None:
             "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False),
         }
         names = list(sides)
-        results = {"run_id": spec["run_id"], "steps": args.steps, "warmup": args.warmup, "trials": []}
+        results = {"run_id": spec["run_id"], "batch_size": spec["batch_size"], "steps": args.steps, "warmup": args.warmup, "trials": []}
         for trial in range(args.trials):
             order = names[trial % len(names):] + names[: trial % len(names)]
             speed = {name: sides[name]() for name in order}
@@ -120,7 +123,7 @@ def main() -> None:
         results[f"median_{key}"] = statistics.median(values)
         results[f"range_{key}"] = [min(values), max(values)]
     results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"{spec['run_id']} on {results['device']}: median ftbench/bare = {results['median_ftbench_over_bare']:.3f} "
+    print(f"{spec['run_id']} at batch {spec['batch_size']} on {results['device']}: median ftbench/bare = {results['median_ftbench_over_bare']:.3f} "
           f"(target >= 0.98, trials {results['range_ftbench_over_bare'][0]:.3f}-{results['range_ftbench_over_bare'][1]:.3f}); "
           f"NVML sampling on/off = {results['median_nvml_on_over_off']:.3f} (target >= 0.99, trials "
           f"{results['range_nvml_on_over_off'][0]:.3f}-{results['range_nvml_on_over_off'][1]:.3f})")

@@ -20,12 +20,12 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
     out = tmp_path / "overhead.json"
     process = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config), "--run", "0",
-         "--steps", "4", "--warmup", "1", "--trials", "3", "--out", str(out)],
+         "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert process.returncode == 0, process.stderr[-3000:]
     results = json.loads(out.read_text())
     trials = results["trials"]
-    assert len(trials) == 3 and results["steps"] == 4 and results["device"] == "cpu"
+    assert len(trials) == 3 and results["steps"] == 4 and results["batch_size"] == 6 and results["device"] == "cpu"
     # Every side goes first once in three trials: drift cannot favour one side.
     assert sorted(trial["order"][0] for trial in trials) == ["bare", "ftbench", "ftbench_no_nvml"]
     for trial in trials:
