@@ -66,7 +66,7 @@ def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def ftbench_loop(spec: dict, data_dir: str, sampling: bool) -> float:
+def ftbench_loop(spec: dict, data_dir: str, sampling: bool, samples_taken: list[int]) -> float:
     original = gpu_monitor.GpuSampler.__init__
     if not sampling:
         def no_gpus(self, cuda_indices, interval_s):
@@ -78,6 +78,7 @@ def ftbench_loop(spec: dict, data_dir: str, sampling: bool) -> float:
         gpu_monitor.GpuSampler.__init__ = original
     if metrics["status"] != "ok":
         raise SystemExit(f"ftbench run ended with status {metrics['status']}: {metrics.get('status_reason')}")
+    samples_taken.append(metrics["nvml_samples"])
     return metrics["tokens_per_s"]
 
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="measured steps per side and trial")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--sample-interval", type=float, help="override the run's gpu_sample_interval_s (seconds)")
     parser.add_argument("--batch-size", type=int, help="override the run's batch size (a larger one makes a small model GPU-bound)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
@@ -97,22 +99,26 @@ def main() -> None:
     spec.update(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
     if args.batch_size:
         spec["batch_size"] = args.batch_size
+    if args.sample_interval:
+        spec["gpu_sample_interval_s"] = args.sample_interval
     if spec["parallel"] != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
         data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], data_dir)
         sides = {
             "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
-            "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True),
-            "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False),
+            "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
+            "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False, samples_taken=[]),
         }
         names = list(sides)
-        results = {"run_id": spec["run_id"], "batch_size": spec["batch_size"], "steps": args.steps, "warmup": args.warmup, "trials": []}
+        nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
+        results = {"run_id": spec["run_id"], "batch_size": spec["batch_size"],
+                   "gpu_sample_interval_s": spec["gpu_sample_interval_s"], "steps": args.steps, "warmup": args.warmup, "trials": []}
         for trial in range(args.trials):
             order = names[trial % len(names):] + names[: trial % len(names)]
             speed = {name: sides[name]() for name in order}
             row = {f"{name}_tokens_per_s": speed[name] for name in names}
-            row.update(order=order, ftbench_over_bare=speed["ftbench"] / speed["bare"],
+            row.update(order=order, nvml_samples=nvml_samples[-1], ftbench_over_bare=speed["ftbench"] / speed["bare"],
                        nvml_on_over_off=speed["ftbench"] / speed["ftbench_no_nvml"])
             results["trials"].append(row)
             print(f"trial {trial} ({' > '.join(order)}): bare {speed['bare']:,.0f} tok/s, ftbench {speed['ftbench']:,.0f} "

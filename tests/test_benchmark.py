@@ -32,6 +32,7 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
         assert trial["ftbench_over_bare"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["bare_tokens_per_s"])
         assert trial["nvml_on_over_off"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["ftbench_no_nvml_tokens_per_s"])
         assert all(trial[f"{side}_tokens_per_s"] > 0 for side in ("bare", "ftbench", "ftbench_no_nvml"))
+        assert trial["nvml_samples"] == 0  # a CPU has nothing to sample
     ratios = sorted(trial["ftbench_over_bare"] for trial in trials)
     assert results["median_ftbench_over_bare"] == pytest.approx(ratios[1])
     assert results["range_ftbench_over_bare"] == pytest.approx([ratios[0], ratios[2]])

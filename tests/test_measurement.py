@@ -573,13 +573,13 @@ def test_run_samples_at_the_interval_its_spec_gives(monkeypatch, llama_data):
     built = []
 
     class RecordingSampler(gpu_monitor.GpuSampler):
-        def __init__(self, cuda_indices, interval_s=0.1):
+        def __init__(self, cuda_indices, interval_s=0.5):
             super().__init__(cuda_indices, interval_s)
             built.append(interval_s)
 
     monkeypatch.setattr(gpu_monitor, "GpuSampler", RecordingSampler)
-    metrics, _ = trainer.train_run(llama_spec(gpu_sample_interval_s=0.5, max_steps=2, warmup_steps=1), llama_data)
-    assert metrics["status"] == "ok" and built == [0.5]
+    metrics, _ = trainer.train_run(llama_spec(gpu_sample_interval_s=0.25, max_steps=2, warmup_steps=1), llama_data)
+    assert metrics["status"] == "ok" and built == [0.25]
 
 
 def sample_with(monkeypatch, fake: FakeNvml) -> tuple[dict, gpu_monitor.GpuSampler]:
@@ -680,6 +680,6 @@ def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
     for column in ("gpu_util_mean", "gpu_mem_used_peak_mb", "gpu_power_mean_w", "energy_j", "energy_j_per_token",
                    "mfu", "peak_memory_allocated_mb", "peak_memory_reserved_mb"):
         assert pd.isna(row[column]), column  # null on a CPU, never 0
-    assert row["nvml_samples"] == 0 and row["gpu_sample_interval_s"] == 0.1  # how it was (not) sampled
+    assert row["nvml_samples"] == 0 and row["gpu_sample_interval_s"] == 0.5  # how it was (not) sampled
     assert row["memory_estimate_ratio"] == pytest.approx(row["memory_estimate_mb"] / row["peak_rss_mb"])
     assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))

@@ -5,7 +5,7 @@ the start and end of the measured window; where a GPU has no counter it is integ
 sampled power. Without NVML (CPU runs, other vendors) every figure is None: a missing measurement is
 never reported as zero.
 
-Cost: one NVML query per GPU per interval (``gpu_sample_interval_s``, default 100 ms) from a sleeping
+Cost: one NVML query per GPU per interval (``gpu_sample_interval_s``, default 0.5 s) from a sleeping
 thread; the GIL is held only for the call itself. scripts/benchmark_overhead.py measures the effect on
 throughput.
 """
@@ -65,7 +65,7 @@ def driver_version() -> str | None:
 class GpuSampler:
     """Samples the run's GPUs between ``start()`` and ``stop()``; ``stop()`` returns the summary."""
 
-    def __init__(self, cuda_indices: list[int], interval_s: float = 0.1):
+    def __init__(self, cuda_indices: list[int], interval_s: float = 0.5):
         self.interval_s = interval_s
         self.nvml, self.handles = nvml_handles(cuda_indices) if cuda_indices else (None, [])
         self._stop = threading.Event()
