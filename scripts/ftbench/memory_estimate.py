@@ -17,6 +17,13 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   adds the stored score matrix, 5 x heads x S bytes in 16-bit (fused attention, the default of current
   models, keeps none). Gradient checkpointing keeps only each layer's input (the residual stream, fp32
   under autocast: 4 x width bytes) plus one layer's full activations while it is recomputed.
+- adapters (LoRA, QLoRA), traced the same way with all-linear targets on the CPU and on an H100: frozen
+  weights change what the layers keep (ADAPTER_WIDTH_BYTES: an RMSNorm with a frozen weight no longer
+  keeps its fp32 normalised input, one per norm); each adapted Linear keeps its rank-wide LoRA-A output;
+  with lora_dropout on a GPU, a 1-byte mask per element of each adapted Linear's input (a CPU keeps the
+  mask in the input's dtype: the estimate is for CUDA). QLoRA: bitsandbytes' 4-bit layers return their
+  input's dtype, fp32 after peft's k-bit preparation, so the MLP's elementwise work keeps fp32 copies
+  (QLORA_MLP_BYTES).
 - logits of a language model: 12 bytes per batch x S x vocab element at the start of the backward
   pass: the loss's fp32 log-softmax output (kept for backward), its gradient and the gradient of its
   input. Large for decoders with big vocabularies.
@@ -46,6 +53,14 @@ ACTIVATION_BYTES = {
     ("layer", "plain", False): (32, 8),
 }
 DROPOUT_MASK_BYTES = {True: 4, False: 8}  # per unit of width, when hidden dropout is on (training mode)
+# Adapters, per layer-token per unit of width, by (norm kind, 16-bit?), relative to the full fine-tuning
+# row above. Llama: -8 for its two frozen RMSNorms, +2 for one more 16-bit copy under autocast; BERT
+# (LayerNorm keeps what it keeps whether or not its weight trains): +2 and 0.
+ADAPTER_WIDTH_BYTES = {("rms", True): -6, ("rms", False): -8, ("layer", True): 2, ("layer", False): 0}
+# QLoRA under 16-bit autocast, per unit of MLP width: the MLP's intermediate-wide tensors kept in fp32 instead
+# of 16 bits, 2 more bytes each: three in a gated MLP (gate and up outputs, activation), one in a plain one.
+QLORA_MLP_BYTES = {"gated": 6, "plain": 2}
+LORA_DROPOUT_MASK_BYTES = 1  # per element of an adapted Linear's input: CUDA's fused dropout keeps a bool mask
 GATE_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w1")
 
 
@@ -71,6 +86,25 @@ def hidden_dropout(config) -> float:
         if isinstance(value, (int, float)):
             return float(value)
     return 0.0
+
+
+def adapted_linears(model: torch.nn.Module) -> list[int]:
+    """Input widths of the Linear layers that carry a LoRA adapter (peft's LoRA layers have lora_A)."""
+    return [module.in_features for module in model.modules() if len(getattr(module, "lora_A", None) or ()) > 0]
+
+
+def adapter_bytes_per_layer_token(model: torch.nn.Module, spec: dict, norm: str, mlp: str, inter: int, width: int,
+                                  layers: int, sixteen_bit: bool) -> float:
+    """What adapters change in the activations kept per layer and token (see the module's docstring)."""
+    inputs = adapted_linears(model)
+    per_element = 2 if sixteen_bit else 4
+    added = len(inputs) * spec["lora_rank"] * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
+    if spec.get("lora_dropout"):
+        added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
+    per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(norm, sixteen_bit)] * width
+    if spec["method"] == "qlora" and sixteen_bit:
+        per_layer += QLORA_MLP_BYTES[mlp] * inter
+    return per_layer
 
 
 def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | None) -> dict:
@@ -100,7 +134,10 @@ def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | No
     per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
     if hidden_dropout(config) > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
-    per_layer_token = per_width * width + per_intermediate * intermediate_width(config, width)
+    inter = intermediate_width(config, width)
+    per_layer_token = per_width * width + per_intermediate * inter
+    if spec["method"] in ("lora", "qlora"):
+        per_layer_token += adapter_bytes_per_layer_token(model, spec, norm, mlp, inter, width, layers, sixteen_bit)
     if spec.get("attn_implementation") == "eager":
         per_layer_token += 5 * heads * seq * (1 if sixteen_bit else 2)
     if spec["gradient_checkpointing"]:
