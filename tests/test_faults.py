@@ -44,7 +44,7 @@ import torch
 from conftest import (
     ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
-from ftbench import atomic, collect, data, faults, figures, matrix, report, trainer
+from ftbench import atomic, cli, collect, data, errors, faults, figures, matrix, report, trainer
 from ftbench import config as ftbench_config
 from ftbench.columns import COLUMNS
 from ftbench.errors import ConfigError
@@ -203,6 +203,41 @@ def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data
     assert metrics.get("eval_accuracy") is None
     # Steps 2 and 3 were measured: the row has a throughput, which the report must leave out (below).
     assert metrics["measured_steps"] == 2 and metrics["tokens_per_s"] > 0
+
+
+def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec, prepared_data, tmp_path,
+                                                                          monkeypatch, keep_sigterm, capfd):
+    """scancel (SIGTERM) mid-run: the job fails with one line and writes neither metrics.json nor
+    steps.parquet, so that a file finished after Snakemake has given the job up can never pass for a
+    result (the next invocation must train the run again); what it measured goes to the log."""
+    real_step = trainer.scaler_step
+    steps_done = []
+
+    def signalled_after_the_third_step(scaler, optimizer):
+        steps_done.append(1)
+        if len(steps_done) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through cli.train's real handler
+        return real_step(scaler, optimizer)
+
+    monkeypatch.setattr(trainer, "scaler_step", signalled_after_the_third_step)
+    out = tmp_path / "run" / "metrics.json"
+    spec = cpu_spec(max_steps=50, warmup_steps=1)
+    with pytest.raises(errors.TerminatedError, match=r"terminated \(SIGTERM\) after step 2: no result written"):
+        cli.train(["--spec", json.dumps(spec), "--data", str(prepared_data[0]), "--out", str(out)])
+    assert len(steps_done) == 3  # it stopped before step 3, not at the end of the run
+    assert not out.exists() and not out.with_name("steps.parquet").exists()
+    logged = capfd.readouterr().out
+    assert "measured before it was terminated" in logged and '"status": "timeout"' in logged
+    assert '"measured_steps": 2' in logged
+
+
+def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigterm):
+    """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result."""
+    out = tmp_path / "run" / "metrics.json"
+    spec = cpu_spec(max_steps=100_000, warmup_steps=1)
+    cli.train(["--spec", json.dumps(spec), "--data", str(prepared_data[0]), "--out", str(out), "--time-limit-s", "2"])
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "timeout" and "time limit" in metrics["status_reason"]
 
 
 def test_unknown_exception_propagates_without_a_row(cpu_spec, prepared_data, monkeypatch):

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import FtbenchError
+from .errors import FtbenchError, TerminatedError
 
 
 def prepare_data(argv: list[str] | None = None) -> None:
@@ -64,6 +64,13 @@ def train(argv: list[str] | None = None) -> None:
         metrics, steps = _train_ddp(spec, args)
     else:
         metrics, steps = trainer.train_run(spec, args.data, stop)
+    if stop.terminate_requested or trainer.TERMINATED_REASON in (metrics.get("status_reason") or ""):
+        # Terminated from outside (scancel, preemption): SLURM and Snakemake count the job as failed, and
+        # Snakemake may already have cleaned up its outputs, so a metrics.json written now would be taken
+        # for a finished run and never trained again. Leave no output; keep what was measured in the log.
+        print(f"{spec['run_id']} measured before it was terminated: {json.dumps(metrics, default=str)}")
+        raise TerminatedError(f"run {spec['run_id']} was terminated (SIGTERM) after step {metrics.get('last_step')}: "
+                              "no result written, the next invocation trains it again")
     out = Path(args.out)
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
     # metrics.json is written last: its presence means the run's results are complete.

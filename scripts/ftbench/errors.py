@@ -19,3 +19,8 @@ class ManifestError(FtbenchError):
 
 class UnsupportedConfiguration(FtbenchError):
     """This machine cannot run the configuration (e.g. fp16 on a CPU); recorded as a status, not a crash."""
+
+
+class TerminatedError(FtbenchError):
+    """The job was terminated from outside (SIGTERM: scancel, preemption, the scheduler's own limit). It
+    leaves no result, so the next invocation trains the run again; what it measured is in its log."""

@@ -51,6 +51,9 @@ class Distributed:
         return self.world_size > 1
 
 
+TERMINATED_REASON = "terminated by the scheduler (SIGTERM)"
+
+
 @dataclass
 class StopSignal:
     """When the loop must stop early: a wall-clock deadline (the job's time limit minus a margin for
@@ -61,7 +64,7 @@ class StopSignal:
 
     def reason(self, typical_step_s: float) -> str | None:
         if self.terminate_requested:
-            return "terminated by the scheduler (SIGTERM)"
+            return TERMINATED_REASON
         # Stop if another step might not finish before the deadline.
         if self.deadline is not None and time.monotonic() + 2 * typical_step_s >= self.deadline:
             return "stopped before the job's time limit"
