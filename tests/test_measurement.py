@@ -433,9 +433,11 @@ def test_optimizer_state_bytes_per_trainable_parameter(optimizer, bytes_per_para
 def test_weights_are_fp32_masters_and_estimate_sums_its_parts():
     model = tiny_llama()
     params = sum(p.numel() for p in model.parameters())
-    result = memory_estimate.estimate(model, estimate_spec(), "causal_lm", 1000)
+    result = memory_estimate.estimate(model, estimate_spec(batch_size=8, seq_len=64), "causal_lm", 1000)
     assert result["memory_estimate_parts_mb"]["weights"] * memory_estimate.MIB == pytest.approx(4 * params)
-    assert result["memory_estimate_mb"] == pytest.approx(sum(result["memory_estimate_parts_mb"].values()))
+    # 512 tokens of a decoder: its peak is the start of the backward pass, everything but the gradients.
+    expected = sum(value for name, value in result["memory_estimate_parts_mb"].items() if name != "gradients")
+    assert result["memory_estimate_mb"] == pytest.approx(expected)
     # Logits of a decoder, batch x seq x vocab: the fp32 log-softmax output, its gradient and its input's.
     assert parts(model)["logits"] == pytest.approx(12 * 2 * 16 * 1000)
     # Autocast's 16-bit weight copies exist only with a 16-bit precision.
@@ -455,9 +457,28 @@ def test_activation_model_and_checkpointing():
     assert eager - parts(model, precision="bf16")["activations"] == pytest.approx(2 * 16 * 2 * 5 * 4 * 16)
     longer = parts(model, attn_implementation="eager", precision="bf16", seq_len=64)["activations"]
     assert longer > 4 * eager  # the score matrix grows with S^2
-    # Checkpointing: each layer's fp32 input, plus one layer's activations during its recomputation.
-    checkpointed = parts(model, gradient_checkpointing=True)["activations"]
-    assert checkpointed == pytest.approx(2 * 16 * (2 * 4 * 64 + (40 * 64 + 16 * 128)))
+    # Checkpointing: each layer's fp32 input, plus one layer's activations during its recomputation; no
+    # weight copies (autocast's cache is gone before the backward pass).
+    checkpointed = parts(model, gradient_checkpointing=True, precision="bf16")
+    assert checkpointed["activations"] == pytest.approx(2 * 16 * 2 * 4 * 64)
+    assert checkpointed["recompute"] == pytest.approx(2 * 16 * (34 * 64 + 8 * 128))
+    assert checkpointed["weight_copies"] == 0 and parts(model)["recompute"] == 0
+
+
+def test_peak_is_the_larger_moment_of_the_backward_pass():
+    """Start (activations, logits, weight copies; no gradients) or end (gradients, and with checkpointing the
+    layer inputs and one recomputed layer), on top of weights and optimizer state."""
+    base = {"weights": 100, "optimizer": 200, "weight_copies": 10, "activations": 50, "recompute": 0, "logits": 40}
+    assert memory_estimate.peak_bytes({**base, "gradients": 30}) == 100 + 200 + 10 + 50 + 40
+    assert memory_estimate.peak_bytes({**base, "gradients": 150}) == 100 + 200 + 150
+    checkpointed = {**base, "weight_copies": 0, "recompute": 20}
+    assert memory_estimate.peak_bytes({**checkpointed, "gradients": 10}) == 100 + 200 + 50 + 40
+    assert memory_estimate.peak_bytes({**checkpointed, "gradients": 60}) == 100 + 200 + 60 + 50 + 20
+    # A full fine-tune of a classifier with short sequences: the gradients are the peak.
+    model = tiny_llama()
+    small = memory_estimate.estimate(model, estimate_spec(batch_size=1, seq_len=2), "classification", None)
+    parts_mb = small["memory_estimate_parts_mb"]
+    assert small["memory_estimate_mb"] == pytest.approx(parts_mb["weights"] + parts_mb["optimizer"] + parts_mb["gradients"])
 
 
 def traced_activation_bytes_per_layer(make_model, precision: str, batch: int = 3, seq: int = 40) -> float:
