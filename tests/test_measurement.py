@@ -51,16 +51,21 @@ def llama_model_def() -> dict:
             "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": dict(LLAMA_OVERRIDES)}}
 
 
-def llama_spec(**settings) -> dict:
+def spec_for(model_def: dict, **settings) -> dict:
+    """The single run spec of this model on synthetic tokens, with LM_DEFAULTS and these settings."""
     config = {
-        "models": {"llama": llama_model_def()},
+        "models": {"m": model_def},
         "datasets": {"tokens": {"source": {"kind": "synthetic"}, "train_size": 64, "eval_size": 16}},
         "defaults": {**LM_DEFAULTS, **settings},
-        "matrix": {"model": ["llama"], "dataset": ["tokens"]},
+        "matrix": {"model": ["m"], "dataset": ["tokens"]},
     }
     ftconfig.validate_config(config)
     (spec,) = matrix.expand_runs(config)
     return spec
+
+
+def llama_spec(**settings) -> dict:
+    return spec_for(llama_model_def(), **settings)
 
 
 def tiny_llama(**overrides):
@@ -538,13 +543,7 @@ def adapter_spec(family: str, layers: int, **settings) -> dict:
         model_def = {"task": "classification", "source": {"kind": "config", "architecture": "BertConfig", "overrides": {
             "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": layers, "num_attention_heads": 4,
             "vocab_size": 1000, "attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0}}}
-    config = {"models": {"m": model_def},
-              "datasets": {"tokens": {"source": {"kind": "synthetic"}, "train_size": 64, "eval_size": 16}},
-              "defaults": {**LM_DEFAULTS, "lora_targets": "all-linear", **settings},
-              "matrix": {"model": ["m"], "dataset": ["tokens"]}}
-    ftconfig.validate_config(config)
-    (spec,) = matrix.expand_runs(config)
-    return spec
+    return spec_for(model_def, lora_targets="all-linear", **settings)
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
@@ -562,13 +561,17 @@ def test_adapter_activation_model_matches_what_autograd_keeps(family, precision,
         return modeling.build_model(spec, num_labels, torch.device("cpu")).model
 
     traced = traced_activation_bytes_per_layer(make_model, precision, batch, seq)
+    model = make_model(1)
     spec = {**adapter_spec(family, 1, method=method, precision=precision, lora_dropout=0.0), "batch_size": batch, "seq_len": seq}
-    estimated = memory_estimate.estimate(make_model(1), spec, "classification", None)["memory_estimate_parts_mb"]["activations"]
-    assert estimated * memory_estimate.MIB == pytest.approx(traced, rel=0.10)
+
+    def estimated_activations(method_as: str) -> float:
+        parts_mb = memory_estimate.estimate(model, {**spec, "method": method_as}, "classification", None)["memory_estimate_parts_mb"]
+        return parts_mb["activations"] * memory_estimate.MIB
+
+    assert estimated_activations(method) == pytest.approx(traced, rel=0.10)
     # The adapter terms bring it closer than the full fine-tuning model would (for 16-bit QLoRA on Llama,
     # that one is 20% low: the fp32 MLP tensors).
-    as_full = memory_estimate.estimate(make_model(1), {**spec, "method": "full"}, "classification", None)
-    assert abs(estimated * memory_estimate.MIB - traced) < abs(as_full["memory_estimate_parts_mb"]["activations"] * memory_estimate.MIB - traced)
+    assert abs(estimated_activations(method) - traced) < abs(estimated_activations("full") - traced)
 
 
 def test_lora_dropout_adds_a_one_byte_mask_per_adapted_input():

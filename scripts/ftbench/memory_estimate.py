@@ -174,6 +174,7 @@ def peak_bytes(parts: dict) -> float:
     """The parts do not all coexist. The backward pass starts with every kept activation and the logits'
     buffers and no gradient yet; gradients then grow as activations are freed (with checkpointing, beside
     the layer inputs and one recomputed layer). The peak is the larger of the two moments."""
+    checkpointed = parts["recompute"] > 0  # only checkpointing recomputes; its layer inputs outlast the gradients
     backward_start = parts["weight_copies"] + parts["activations"] + parts["logits"]
-    backward_end = parts["gradients"] + (parts["activations"] + parts["recompute"] if parts["recompute"] else 0)
+    backward_end = parts["gradients"] + (parts["activations"] + parts["recompute"] if checkpointed else 0)
     return parts["weights"] + parts["optimizer"] + max(backward_start, backward_end)
