@@ -35,6 +35,6 @@ rule collect:
         prices=json.dumps(PRICE_SETTINGS, sort_keys=True),
         budget=json.dumps(config.get("budget")),
     shell:
-        "python {workflow.basedir}/scripts/collect.py --parquet {output.parquet} --csv {output.csv}"
+        "python -m ftbench collect --parquet {output.parquet} --csv {output.csv}"
         " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q}"
         " {input.metrics} > {log} 2>&1"

@@ -6,11 +6,10 @@ import re
 from pathlib import Path
 import sys
 
-sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-
-from ftbench import config as ftbench_config  # noqa: E402
-from ftbench import matrix  # noqa: E402
-from ftbench.errors import FtbenchError  # noqa: E402
+# ftbench is installed (pip install -e .): see the README.
+from ftbench import config as ftbench_config
+from ftbench import matrix
+from ftbench.errors import FtbenchError
 
 # Validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
 # The GPU limit (--resources gpu=N, on the command line or from a profile) too: Snakemake would
@@ -23,27 +22,27 @@ except FtbenchError as error:
     sys.stderr.write(f"ftbench: {error}\n")
     sys.exit(1)
 
-RUNS = {run["run_id"]: run for run in matrix.expand_runs(config)}
-DATA_TASKS = matrix.data_tasks(list(RUNS.values()))
+RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
+DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))
 SHARD_SIZE_MB = matrix.shard_size_mb(config)
 
 
 wildcard_constraints:
     run_id="|".join(map(re.escape, RUNS)) or "NO_RUNS",
-    data_id="|".join(map(re.escape, DATA_TASKS)) or "NO_DATA",
+    data_id="|".join(map(re.escape, DATA_PREPARATIONS)) or "NO_DATA",
 
 
 def get_run_spec_json(wildcards):
     """Only this run's own spec reaches its job, so editing one run re-runs only that run."""
-    return json.dumps(RUNS[wildcards.run_id], sort_keys=True)
+    return RUNS[wildcards.run_id].to_json()
 
 
 def get_run_data(wildcards):
-    return f"results/data/{RUNS[wildcards.run_id]['data_id']}"
+    return f"results/data/{RUNS[wildcards.run_id].data_id}"
 
 
-def get_data_task_json(wildcards):
-    return json.dumps(DATA_TASKS[wildcards.data_id], sort_keys=True)
+def get_data_preparation_json(wildcards):
+    return json.dumps(DATA_PREPARATIONS[wildcards.data_id], sort_keys=True)
 
 
 def all_run_metrics():
@@ -92,13 +91,13 @@ TRAIN_HOST_BYTES_PER_PARAM = 8
 
 
 def run_uses_gpu(run):
-    return run["num_gpus"] > 0 and run.get("device", "auto") != "cpu"
+    return run.num_gpus > 0 and run.device != "cpu"
 
 
 def get_train_gpus(wildcards):
     """GPUs of the run's job (sbatch --gpus); 0 for CPU runs, which then request no GPU at all."""
     run = RUNS[wildcards.run_id]
-    return run["num_gpus"] if run_uses_gpu(run) else 0
+    return run.num_gpus if run_uses_gpu(run) else 0
 
 
 def get_train_threads(wildcards):
@@ -113,7 +112,7 @@ def get_train_threads(wildcards):
     if not workflow.non_local_exec:
         return workflow.cores
     if run_uses_gpu(run):
-        return TRAIN_CPUS_PER_GPU * run["num_gpus"]
+        return TRAIN_CPUS_PER_GPU * run.num_gpus
     return TRAIN_CPU_THREADS_CLUSTER
 
 
@@ -156,30 +155,30 @@ def estimate_model_params(model_def):
 def estimate_train_steps(run):
     """Optimizer steps of the run: max_steps, or epochs over the training split (global batch =
     batch_size x devices x grad_accum_steps, as the trainer counts them)."""
-    if run.get("max_steps"):
-        return run["max_steps"]
-    devices = max(1, run["num_gpus"]) if run["parallel"] in ("dp", "ddp") else 1
-    per_step = run["batch_size"] * devices * run.get("grad_accum_steps", 1)
-    examples = run["dataset_def"].get("train_size", DEFAULT_TRAIN_EXAMPLES)
-    return math.ceil((run.get("epochs") or 1) * examples / per_step)
+    if run.max_steps:
+        return run.max_steps
+    devices = max(1, run.num_gpus) if run.parallel in ("dp", "ddp") else 1
+    per_step = run.batch_size * devices * run.grad_accum_steps
+    examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
+    return math.ceil((run.epochs or 1) * examples / per_step)
 
 
 def estimate_train_seconds(run):
     """Compute seconds of one training job on the device it asks for: training tokens per device
     x 6 FLOPs per parameter (forward + backward), plus evaluation (2 per parameter), over ACHIEVED_FLOPS."""
-    params = estimate_model_params(run["model_def"])
+    params = estimate_model_params(run.model_def)
     # auto_batch_size may measure at up to auto_batch_size_max: plan for the largest.
-    if run.get("auto_batch_size"):
-        run = {**run, "batch_size": run["auto_batch_size_max"]}
-    tokens_per_device = estimate_train_steps(run) * run["batch_size"] * run.get("grad_accum_steps", 1) * run["seq_len"]
+    if run.auto_batch_size:
+        run = run.replace(batch_size=run.auto_batch_size_max)
+    tokens_per_device = estimate_train_steps(run) * run.batch_size * run.grad_accum_steps * run.seq_len
     flops = 6 * params * tokens_per_device
-    if run.get("gradient_checkpointing"):
+    if run.gradient_checkpointing:
         flops *= 4 / 3  # one more forward pass
-    if run["method"] == "qlora":
+    if run.method == "qlora":
         flops *= 2  # 4-bit weights are dequantised on every use
-    eval_examples = run.get("max_eval_samples") or run["dataset_def"].get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
-    flops += 2 * params * eval_examples * run["seq_len"]
-    rate = ACHIEVED_FLOPS[run["precision"]] if run_uses_gpu(run) else ACHIEVED_FLOPS["cpu"]
+    eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
+    flops += 2 * params * eval_examples * run.seq_len
+    rate = ACHIEVED_FLOPS[run.precision] if run_uses_gpu(run) else ACHIEVED_FLOPS["cpu"]
     return flops / rate
 
 
@@ -194,6 +193,6 @@ def get_train_runtime(wildcards, attempt=1):
 
 def get_train_mem_mb(wildcards, attempt=1):
     run = RUNS[wildcards.run_id]
-    processes = max(1, run["num_gpus"]) if run["parallel"] == "ddp" else 1
-    weights_mb = estimate_model_params(run["model_def"]) * TRAIN_HOST_BYTES_PER_PARAM / 1e6
+    processes = max(1, run.num_gpus) if run.parallel == "ddp" else 1
+    weights_mb = estimate_model_params(run.model_def) * TRAIN_HOST_BYTES_PER_PARAM / 1e6
     return math.ceil(TRAIN_MEM_FLOOR_MB + processes * weights_mb) * attempt

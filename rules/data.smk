@@ -5,7 +5,7 @@ rule prepare_data:
     log:
         "logs/prepare_data/{data_id}.log",
     params:
-        task=get_data_task_json,
+        preparation=get_data_preparation_json,
         shard_size_mb=SHARD_SIZE_MB,
     threads: 1
     # Tokenising is single-threaded here; the memory holds the source table and its token ids (a few
@@ -16,5 +16,5 @@ rule prepare_data:
     conda:
         "../envs/train.yaml"
     shell:
-        "python {workflow.basedir}/scripts/prepare_data.py --task {params.task:q}"
+        "python -m ftbench prepare-data --preparation {params.preparation:q}"
         " --shard-size-mb {params.shard_size_mb} --out {output} > {log} 2>&1"

@@ -35,5 +35,5 @@ rule report:
         recommend=json.dumps(config.get("recommend") or {}, sort_keys=True),
         captions=FIGURE_CAPTIONS,
     shell:
-        "python {workflow.basedir}/scripts/report.py --metrics {input.metrics} --steps {input.steps}"
+        "python -m ftbench report --metrics {input.metrics} --steps {input.steps}"
         " --figures {output.figures} --html {output.html} --recommend {params.recommend:q} > {log} 2>&1"

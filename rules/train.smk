@@ -24,6 +24,6 @@ rule train:
     # --time-limit-s is the job's walltime (runtime is in minutes): training stops early enough to
     # evaluate and write its results with status=timeout instead of being killed with nothing.
     shell:
-        "python {workflow.basedir}/scripts/train.py --spec {params.spec:q} --data {input.data}"
+        "python -m ftbench train --spec {params.spec:q} --data {input.data}"
         " --out {output.metrics} --threads {threads} --time-limit-s $(( {resources.runtime} * 60 ))"
         " > {log} 2>&1"

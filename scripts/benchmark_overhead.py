@@ -29,26 +29,25 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from ftbench import config as ftbench_config  # noqa: E402
-from ftbench import data, gpu_monitor, matrix, modeling, tasks, trainer  # noqa: E402
+from ftbench import data, gpu_monitor, matrix, modeling, batching, trainer  # noqa: E402
 
 
-def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
+def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
     manifest = data.verify(data_dir)
     split = data.load_split(data_dir, "train", manifest)
     device, _ = trainer.choose_device(spec, trainer.Distributed())
-    torch.manual_seed(spec["seed"])
+    torch.manual_seed(spec.seed)
     model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
-    if spec["compile"]:
+    if spec.compile:
         model = torch.compile(model)
     optimizer = trainer.make_optimizer(spec, model, device)
-    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32")
-    scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
-    order = trainer.batch_order(len(split), spec["batch_size"], warmup + steps, spec["seed"])
+    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
+    scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
+    order = trainer.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
     model.train()
     tokens = 0
     start = None
@@ -56,7 +55,7 @@ def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
         if step == warmup:
             trainer.synchronize(device)
             start = time.perf_counter()
-        batch = tasks.collate(manifest["task"], split, indices, manifest["pad_token_id"]).to(device)
+        batch = batching.collate(manifest["task"], split, indices, manifest["pad_token_id"]).to(device)
         with torch.autocast(**autocast):
             loss = model(**batch.inputs).loss
         scaler.scale(loss).backward()
@@ -69,7 +68,7 @@ def bare_loop(spec: dict, data_dir: str, steps: int, warmup: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def ftbench_loop(spec: dict, data_dir: str, sampling: bool, samples_taken: list[int]) -> float:
+def ftbench_loop(spec: RunSpec, data_dir: str, sampling: bool, samples_taken: list[int]) -> float:
     original = gpu_monitor.GpuSampler.__init__
     if not sampling:
         def no_gpus(self, cuda_indices, interval_s):
@@ -117,13 +116,13 @@ def main() -> None:
     spec = dict(matrix.expand_runs(config)[args.run])
     spec.update(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
     if args.batch_size:
-        spec["batch_size"] = args.batch_size
+        spec.batch_size = args.batch_size
     if args.sample_interval:
-        spec["gpu_sample_interval_s"] = args.sample_interval
-    if spec["parallel"] != "single":
+        spec.gpu_sample_interval_s = args.sample_interval
+    if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
-        data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], data_dir)
+        data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
         sides = {
             "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
             "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
@@ -131,8 +130,8 @@ def main() -> None:
         }
         names = list(sides)
         nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
-        results = {"run_id": spec["run_id"], "batch_size": spec["batch_size"],
-                   "gpu_sample_interval_s": spec["gpu_sample_interval_s"], "steps": args.steps, "warmup": args.warmup, "trials": []}
+        results = {"run_id": spec.run_id, "batch_size": spec.batch_size,
+                   "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": []}
         for trial in range(args.trials):
             order = names[trial % len(names):] + names[: trial % len(names)]
             speed = {name: sides[name]() for name in order}
@@ -145,7 +144,7 @@ def main() -> None:
                   f"(sampling on/off {row['nvml_on_over_off']:.3f}x)", flush=True)
     results.update(summarise_trials(results["trials"]))
     results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"{spec['run_id']} at batch {spec['batch_size']} on {results['device']}: median ftbench/bare = {results['median_ftbench_over_bare']:.3f} "
+    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}: median ftbench/bare = {results['median_ftbench_over_bare']:.3f} "
           f"(target >= 0.98, trials {results['range_ftbench_over_bare'][0]:.3f}-{results['range_ftbench_over_bare'][1]:.3f}); "
           f"NVML sampling on/off = {results['median_nvml_on_over_off']:.3f} (target >= 0.99, trials "
           f"{results['range_nvml_on_over_off'][0]:.3f}-{results['range_nvml_on_over_off'][1]:.3f})")

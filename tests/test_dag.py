@@ -26,7 +26,7 @@ def dry_run(snakemake_runner, workdir, config=None):
 
 
 def expected_ids(config: dict) -> set[str]:
-    return {run["run_id"] for run in matrix.expand_runs(config)}
+    return {run.run_id for run in matrix.expand_runs(config)}
 
 
 def test_dry_run_job_counts_for_a_small_matrix(tmp_path, tiny_config_factory, snakemake_runner):
@@ -68,11 +68,11 @@ def test_editing_one_run_reruns_only_that_run(snakemake_run, snakemake_runner, t
     """Change one run's setting (an override that matches only the LoRA run): it alone trains again."""
     source, config, _ = snakemake_run
     workdir = copy_workflow(source, tmp_path / "edited")
-    before = {run["method"]: run["run_id"] for run in matrix.expand_runs(config)}
+    before = {run.method: run.run_id for run in matrix.expand_runs(config)}
 
     edited = copy.deepcopy(config)
     edited["overrides"].append({"when": {"method": "lora"}, "set": {"learning_rate": 0.002}})
-    after = {run["method"]: run["run_id"] for run in matrix.expand_runs(edited)}
+    after = {run.method: run.run_id for run in matrix.expand_runs(edited)}
     assert after["full"] == before["full"] and after["qlora"] == before["qlora"]
     assert after["lora"] != before["lora"]
 
@@ -151,4 +151,4 @@ def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
     runs = matrix.expand_runs(ftbench_config.load_config(configfile))
     process = dry_run(snakemake_runner, tmp_path)
     assert job_counts(process) == {"prepare_data": 1, "train": len(runs), "collect": 1, "report": 1, "all": 1}
-    assert train_run_ids(process) == {run["run_id"] for run in runs}
+    assert train_run_ids(process) == {run.run_id for run in runs}

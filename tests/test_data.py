@@ -357,17 +357,17 @@ def test_package_source_errors():
 @pytest.mark.parametrize("task", ["classification", "seq2seq"])
 def test_disk_source_gives_the_same_rows_as_memory(tmp_path, task):
     """data_source: disk reads a batch's rows from Parquet row groups, in the batch's order."""
-    from ftbench import tasks
+    from ftbench import batching
 
     rows = 3000
     ids = [list(range(i % 7 + 1)) for i in range(rows)]
     labels = [i % 2 for i in range(rows)] if task == "classification" else None
     targets = [[i, i + 1] for i in range(rows)] if task == "seq2seq" else None
-    table = tasks.to_table(task, ids, labels, targets)
+    table = batching.to_table(task, ids, labels, targets)
     shards = data.write_shards(table, tmp_path, "train", 0.01)
     assert len(shards) > 1  # rows come from several files and row groups
     disk = data.DiskSplit([tmp_path / shard["file"] for shard in shards])
-    memory = tasks.from_table(table)
+    memory = batching.from_table(table)
     indices = np.random.default_rng(0).permutation(rows)[:64]
     got, want = disk.take(indices), memory.take(indices)
     assert [list(x) for x in got.input_ids] == [list(x) for x in want.input_ids]

@@ -29,7 +29,7 @@ def test_metrics_parquet_has_one_ok_row_per_run(results):
     folder, config = results
     table = pd.read_parquet(folder / "metrics.parquet")
     runs = matrix.expand_runs(config)
-    assert sorted(table["run_id"]) == sorted(run["run_id"] for run in runs)
+    assert sorted(table["run_id"]) == sorted(run.run_id for run in runs)
     assert table["run_id"].is_unique
     assert (table["status"] == "ok").all(), table[["run_id", "status", "status_reason"]].to_string()
     assert sorted(table["method"]) == ["full", "lora", "qlora"]
@@ -74,9 +74,9 @@ def test_report_html_is_self_contained_with_embedded_images(results):
 def test_each_run_folder_has_its_spec_steps_and_environment(results):
     folder, config = results
     for run in matrix.expand_runs(config):
-        run_dir = folder / "runs" / run["run_id"]
+        run_dir = folder / "runs" / run.run_id
         result = json.loads((run_dir / "metrics.json").read_text())
-        assert result["spec"] == json.loads(json.dumps(run))  # the job received exactly its own spec
+        assert result["spec"] == run.to_dict()  # the job received exactly its own spec
         assert result["metrics"]["status"] == "ok"
         assert result["environment"]["libraries"]["torch"]
         steps = pd.read_parquet(run_dir / "steps.parquet")
@@ -87,13 +87,13 @@ def test_each_run_folder_has_its_spec_steps_and_environment(results):
 def test_step_tokens_are_the_real_lengths_of_the_stored_sequences(results):
     folder, config = results
     runs = matrix.expand_runs(config)
-    (data_id,) = {run["data_id"] for run in runs}
+    (data_id,) = {run.data_id for run in runs}
     data_dir = folder / "data" / data_id
     manifest = data.verify(data_dir)
     lengths = np.array([len(ids) for ids in data.load_split(data_dir, "train", manifest).input_ids])
     for run in runs:
-        steps = pd.read_parquet(folder / "runs" / run["run_id"] / "steps.parquet")
-        order = trainer.batch_order(len(lengths), run["batch_size"], len(steps), run["seed"])
+        steps = pd.read_parquet(folder / "runs" / run.run_id / "steps.parquet")
+        order = trainer.batch_order(len(lengths), run.batch_size, len(steps), run.seed)
         expected = [int(lengths[indices].sum()) for indices in order]
         assert steps["tokens"].tolist() == expected
         assert (steps["tokens"] <= steps["padded_tokens"]).all()

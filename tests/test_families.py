@@ -1,6 +1,6 @@
 """Issue 3 on the CPU: every training configuration that can run without a GPU, on tiny models.
 
-- DDP over 2 CPU processes (gloo, started by torchrun through scripts/train.py), ranks merged;
+- DDP over 2 CPU processes (gloo, started by torchrun through `python -m ftbench train`), ranks merged;
 - each optimizer, gradient checkpointing, torch.compile, gradient accumulation, attention kernels;
 - the three model families (BERT classification, Llama causal LM, T5 seq2seq), their eval metrics
   recomputed independently from the trained model;
@@ -32,7 +32,8 @@ import torch
 import yaml
 
 from conftest import MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
-from ftbench import cli, data, launch, matrix, modeling, tasks, trainer
+from ftbench import batching, cli, data, launch, matrix, modeling, trainer
+from ftbench.runspec import RunSpec
 from ftbench import config as ftconfig
 from ftbench.errors import ConfigError
 
@@ -98,7 +99,7 @@ def lm_config(model_def: dict, name: str = "llama", **settings) -> dict:
     }
 
 
-def only_spec(config: dict) -> dict:
+def only_spec(config: dict) -> RunSpec:
     """The config's single run, after the same validation snakemake does."""
     ftconfig.validate_config(config)
     runs = matrix.expand_runs(config)
@@ -106,16 +107,16 @@ def only_spec(config: dict) -> dict:
     return runs[0]
 
 
-def llama_spec(**settings) -> dict:
+def llama_spec(**settings) -> RunSpec:
     return only_spec(lm_config(llama_def(), **settings))
 
 
-def t5_spec(**settings) -> dict:
+def t5_spec(**settings) -> RunSpec:
     return only_spec(lm_config(t5_def(), name="t5", **settings))
 
 
 def prepare_for(spec: dict, folder: Path) -> Path:
-    data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], folder)
+    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -207,7 +208,7 @@ def assert_unsupported(metrics: dict, steps: list, *reason_words: str) -> None:
 
 def train_cli(spec: dict, data_dir: Path, out: Path) -> tuple[dict, pd.DataFrame]:
     """The train rule's entry point, in this process: (metrics.json content, steps.parquet)."""
-    cli.train(["--spec", json.dumps(spec), "--data", str(data_dir), "--out", str(out)])
+    cli.train(["--spec", spec.to_json(), "--data", str(data_dir), "--out", str(out)])
     return json.loads(out.read_text()), pd.read_parquet(out.with_name("steps.parquet"))
 
 
@@ -222,7 +223,7 @@ def ddp_run(bert_spec, prepared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run" / "metrics.json"
     out.parent.mkdir()
     process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), "--spec", json.dumps(spec), "--data", str(prepared_data[0]),
+        [sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(prepared_data[0]),
          "--out", str(out), "--threads", "2"],
         capture_output=True, text=True, timeout=300,
     )
@@ -260,7 +261,7 @@ def test_ddp_global_throughput_is_the_sum_over_ranks_per_window(ddp_run):
     assert metrics["measured_time_s"] == pytest.approx(window)
     assert metrics["tokens_per_s"] == pytest.approx(sum(rank_tokens) / window)
     assert metrics["tokens_per_s_per_device"] == pytest.approx(metrics["tokens_per_s"] / 2)
-    measured_samples = spec["batch_size"] * 2 * metrics["measured_steps"]
+    measured_samples = spec.batch_size * 2 * metrics["measured_steps"]
     assert metrics["samples_per_s"] == pytest.approx(measured_samples / window)
 
 
@@ -269,8 +270,8 @@ def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_d
     spec, metrics, steps, ranks = ddp_run
     folder, manifest = prepared_data
     lengths = np.array([len(ids) for ids in data.load_split(folder, "train", manifest).input_ids])
-    batch = spec["batch_size"]
-    order = list(trainer.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec["seed"]))
+    batch = spec.batch_size
+    order = list(trainer.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec.seed))
     for rank in ranks:
         r = rank["rank"]
         assert [s["tokens"] for s in rank["steps"]] == [int(lengths[idx[r * batch:(r + 1) * batch]].sum()) for idx in order]
@@ -529,10 +530,10 @@ def test_gradient_accumulation_counts_every_micro_batch(llama_data):
 # Model families: each trains, and its eval metrics agree with an independent computation
 
 
-def eval_batch(spec: dict, data_dir: Path) -> tasks.Batch:
+def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
     manifest = data.read_manifest(data_dir)
     split = data.load_split(data_dir, "eval", manifest)
-    return tasks.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
+    return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
 
 
 def test_classification_family_bert(bert_spec, prepared_data, captured):
@@ -616,7 +617,7 @@ def test_causal_lm_on_real_text_ignores_padding(tmp_path, tiny_csv, captured):
     with torch.no_grad():
         output = model(**batch.inputs)
     labels = batch.inputs["labels"][:, 1:]
-    scored = labels != tasks.IGNORE_INDEX
+    scored = labels != batching.IGNORE_INDEX
     correct = ((output.logits[:, :-1].argmax(-1) == labels) & scored).sum().item()
     assert metrics["eval_loss"] == pytest.approx(output.loss.item(), rel=1e-5)
     assert metrics["eval_token_accuracy"] == pytest.approx(correct / scored.sum().item())
@@ -627,14 +628,14 @@ def test_eval_accumulator_shifts_causal_labels_and_skips_padding():
     """Position t predicts token t+1: logits that predict the next token exactly score 100%, padding excluded."""
     ids = torch.tensor([[5, 6, 7, 8], [9, 3, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    labels = torch.where(mask == 1, ids, tasks.IGNORE_INDEX)
+    labels = torch.where(mask == 1, ids, batching.IGNORE_INDEX)
     logits = torch.full((2, 4, 10), -10.0)
     for row in range(2):
         for t in range(3):
             target = int(ids[row, t + 1])
             logits[row, t, target] = 10.0 if mask[row, t + 1] else -10.0
-    batch = tasks.Batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, 2, 6, 8, 20)
-    scores = tasks.EvalAccumulator("causal_lm")
+    batch = batching.Batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, 2, 6, 8, 20)
+    scores = batching.EvalAccumulator("causal_lm")
     scores.add(type("Output", (), {"logits": logits})(), batch)
     result = scores.result()
     assert scores.count == 4  # 3 predictions in row 0, 1 in row 1 (its padding is not scored)
@@ -770,7 +771,7 @@ def test_unsupported_rows_do_not_crash_the_dag(tmp_path, tiny_config_factory, sn
 
 def test_config_model_without_tokenizer_trains_on_synthetic_data(tmp_path):
     spec = llama_spec()
-    assert "tokenizer" not in spec["model_def"]["source"]
+    assert "tokenizer" not in spec.model_def["source"]
     folder = prepare_for(spec, tmp_path / "data")
     manifest = data.read_manifest(folder)
     assert manifest["tokenizer"] is None and manifest["pad_token_id"] == modeling.SYNTHETIC_PAD_ID
@@ -809,21 +810,21 @@ def test_every_example_is_checked_here():
 def test_example_llama_methods():
     runs = matrix.expand_runs(load_example("llama-methods.yaml"))
     assert len(runs) == 3 * 2 * 2 + 6
-    grid = {(r["method"], r["precision"], r["gradient_checkpointing"]) for r in runs if r["optimizer"] == "adamw"
-            and not r["compile"] and r["qlora_quant_type"] in (None, "nf4") and r["qlora_double_quant"] in (None, True)}
+    grid = {(r.method, r.precision, r.gradient_checkpointing) for r in runs if r.optimizer == "adamw"
+            and not r.compile and r.qlora_quant_type in (None, "nf4") and r.qlora_double_quant in (None, True)}
     assert len(grid) == 12
-    assert {r["method"] for r in runs if r["optimizer"] == "paged_adamw_8bit"} == {"full", "lora"}
-    assert {r["method"] for r in runs if r["compile"]} == {"full", "lora"}
-    assert any(r["qlora_quant_type"] == "fp4" for r in runs)
-    assert any(r["method"] == "qlora" and r["qlora_double_quant"] is False for r in runs)
-    assert all(r["model_def"]["task"] == "causal_lm" and r["dataset_def"]["source"]["kind"] == "synthetic" for r in runs)
+    assert {r.method for r in runs if r.optimizer == "paged_adamw_8bit"} == {"full", "lora"}
+    assert {r.method for r in runs if r.compile} == {"full", "lora"}
+    assert any(r.qlora_quant_type == "fp4" for r in runs)
+    assert any(r.method == "qlora" and r.qlora_double_quant is False for r in runs)
+    assert all(r.model_def["task"] == "causal_lm" and r.dataset_def["source"]["kind"] == "synthetic" for r in runs)
 
 
 def test_example_measurement_check():
     config = load_example("measurement-check.yaml")
     runs = matrix.expand_runs(config)
-    assert len(runs) == 4 * 3 and len({r["config_id"] for r in runs}) == 4
-    assert sorted({r["seed"] for r in runs}) == [0, 1, 2]
+    assert len(runs) == 4 * 3 and len({r.config_id for r in runs}) == 4
+    assert sorted({r.seed for r in runs}) == [0, 1, 2]
     # Full multi-head attention: the FLOP counter can count it, so counted/analytic is compared.
     overrides = config["models"]["llama134m_mha"]["source"]["overrides"]
     assert overrides["num_key_value_heads"] == overrides["num_attention_heads"]
@@ -831,11 +832,11 @@ def test_example_measurement_check():
 
 def test_example_dp_vs_ddp():
     runs = matrix.expand_runs(load_example("dp-vs-ddp.yaml"))
-    assert sorted((r["parallel"], r["num_gpus"]) for r in runs) == [("ddp", 2), ("dp", 2), ("single", 1)]
-    assert len({r["batch_size"] for r in runs}) == 1  # the same per-GPU batch
+    assert sorted((r.parallel, r.num_gpus) for r in runs) == [("ddp", 2), ("dp", 2), ("single", 1)]
+    assert len({r.batch_size for r in runs}) == 1  # the same per-GPU batch
 
 
 def test_example_seq_batch_diagnostic():
     runs = matrix.expand_runs(load_example("seq-batch-diagnostic.yaml"))
     assert len(runs) == 9
-    assert {(r["seq_len"], r["batch_size"]) for r in runs} == {(s, b) for s in (256, 1024, 4096) for b in (1, 4, 16)}
+    assert {(r.seq_len, r.batch_size) for r in runs} == {(s, b) for s in (256, 1024, 4096) for b in (1, 4, 16)}

@@ -45,12 +45,13 @@ from conftest import (
     ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
 from ftbench import atomic, cli, collect, data, errors, faults, figures, matrix, report, trainer
+from ftbench.runspec import RunSpec
 from ftbench import config as ftbench_config
 from ftbench.columns import COLUMNS
 from ftbench.errors import ConfigError
 
 ENV = faults.ENV
-TRAIN_PY = ROOT / "scripts" / "train.py"
+TRAIN_COMMAND = [sys.executable, "-m", "ftbench", "train"]
 MARKER = re.compile(rf"ftbench: {ENV} \(test-only\): (?P<what>[^(]+) \(pid (?P<pid>\d+), rank (?P<rank>\d+)\)")
 
 # The tiny BERT on the CPU: 6 steps of 8 examples (2 warmup), about a second a run.
@@ -93,26 +94,26 @@ def cpu_spec(tiny_config_factory):
 
 
 def run_id_with(config: dict, fragment: str) -> str:
-    (run_id,) = [run["run_id"] for run in matrix.expand_runs(config) if fragment in run["run_id"]]
+    (run_id,) = [run.run_id for run in matrix.expand_runs(config) if fragment in run.run_id]
     return run_id
 
 
 def write_result(folder: Path, spec: dict, metrics: dict, steps: list[dict]) -> Path:
     """What the train command writes for a run: steps.parquet, then metrics.json."""
-    out = folder / spec["run_id"] / "metrics.json"
+    out = folder / spec.run_id / "metrics.json"
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
-    atomic.write_json(out, {"spec": spec, "metrics": metrics, "environment": {}})
+    atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": {}})
     return out
 
 
 def train_command(spec: dict, data_dir: Path, out: Path, fault: str | None = None, timeout: float = 300, **popen):
-    """scripts/train.py as the train rule runs it, in a subprocess; (CompletedProcess, seconds)."""
+    """`python -m ftbench train` as the train rule runs it, in a subprocess; (CompletedProcess, seconds)."""
     env = {key: value for key, value in os.environ.items() if key != ENV}
     if fault:
         env[ENV] = fault
     started = time.monotonic()
     process = subprocess.run(
-        [sys.executable, str(TRAIN_PY), "--spec", json.dumps(spec), "--data", str(data_dir), "--out", str(out),
+        [*TRAIN_COMMAND, "--spec", spec.to_json(), "--data", str(data_dir), "--out", str(out),
          "--threads", "2"],
         capture_output=True, text=True, timeout=timeout, env=env, **popen,
     )
@@ -223,7 +224,7 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
     out = tmp_path / "run" / "metrics.json"
     spec = cpu_spec(max_steps=50, warmup_steps=1)
     with pytest.raises(errors.TerminatedError, match=r"terminated \(SIGTERM\) after step 2: no result written"):
-        cli.train(["--spec", json.dumps(spec), "--data", str(prepared_data[0]), "--out", str(out)])
+        cli.train(["--spec", spec.to_json(), "--data", str(prepared_data[0]), "--out", str(out)])
     assert len(steps_done) == 3  # it stopped before step 3, not at the end of the run
     assert not out.exists() and not out.with_name("steps.parquet").exists()
     logged = capfd.readouterr().out
@@ -235,7 +236,7 @@ def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigte
     """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result."""
     out = tmp_path / "run" / "metrics.json"
     spec = cpu_spec(max_steps=100_000, warmup_steps=1)
-    cli.train(["--spec", json.dumps(spec), "--data", str(prepared_data[0]), "--out", str(out), "--time-limit-s", "2"])
+    cli.train(["--spec", spec.to_json(), "--data", str(prepared_data[0]), "--out", str(out), "--time-limit-s", "2"])
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["status"] == "timeout" and "time limit" in metrics["status_reason"]
 
@@ -325,7 +326,7 @@ def test_batch_size_search():
 def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "oom_above_batch=16")
     spec = cpu_spec(auto_batch_size=True, batch_size=4)
-    assert spec["auto_batch_size"] is True and "-autobs-" in spec["run_id"]
+    assert spec.auto_batch_size is True and "-autobs-" in spec.run_id
     metrics, steps = trainer.train_run(spec, prepared_data[0])
     assert metrics["status"] == "ok", metrics["status_reason"]
     assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (16, 32)
@@ -367,7 +368,7 @@ def test_auto_batch_size_columns_in_the_table(cpu_spec, prepared_data, monkeypat
     plain = cpu_spec()
     files = [write_result(tmp_path, spec, *trainer.train_run(spec, prepared_data[0])) for spec in (auto, plain)]
     table = collect.collect(files, tmp_path / "metrics.parquet", tmp_path / "metrics.csv").set_index("run_id")
-    row, other = table.loc[auto["run_id"]], table.loc[plain["run_id"]]
+    row, other = table.loc[auto.run_id], table.loc[plain.run_id]
     assert (row["auto_batch_size"], row["auto_batch_size_max"], row["batch_size"]) == (True, 1024, 16)
     assert (row["auto_batch_size_found"], row["auto_batch_size_oom_at"]) == (16, 32)
     assert other["auto_batch_size"] == False  # noqa: E712 - a pandas boolean
@@ -379,7 +380,7 @@ def test_auto_batch_size_settings_are_validated(tiny_config_factory):
     config = tiny_config_factory(defaults={**CPU_DEFAULTS, "auto_batch_size": True, "auto_batch_size_max": 64})
     ftbench_config.validate_config(config)
     runs = matrix.expand_runs(tiny_config_factory(matrix={**THREE_RUNS, "auto_batch_size": [False, True]}))
-    assert len(runs) == 6 and sum("-autobs-" in run["run_id"] for run in runs) == 3
+    assert len(runs) == 6 and sum("-autobs-" in run.run_id for run in runs) == 3
     for key, value, expected in (("auto_batch_size", "yes", "expected boolean"), ("auto_batch_size_max", 0, ">= 1")):
         bad = copy.deepcopy(config)
         bad["defaults"][key] = value
@@ -499,11 +500,11 @@ def test_full_disk_gives_a_clear_error_and_leaves_no_partial_file(tmp_path, writ
     target = tmp_path / ("metrics.json" if writer == "write_json" else "steps.parquet")
     target.write_text("previous result\n")
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import pandas as pd; from ftbench import atomic; "
-        f"frame = pd.DataFrame({{'x': range(200000)}}); atomic.{writer}(sys.argv[2], "
-        "frame.to_dict('list') if sys.argv[3] == 'write_json' else frame)"
+        "import sys; import pandas as pd; from ftbench import atomic; "
+        f"frame = pd.DataFrame({{'x': range(200000)}}); atomic.{writer}(sys.argv[1], "
+        "frame.to_dict('list') if sys.argv[2] == 'write_json' else frame)"
     )
-    process = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts"), str(target), writer],
+    process = subprocess.run([sys.executable, "-c", code, str(target), writer],
                              capture_output=True, text=True, timeout=120, preexec_fn=_file_size_limit(64 * 1024))
     assert process.returncode != 0
     last = process.stderr.strip().splitlines()[-1]
@@ -517,7 +518,7 @@ def test_full_disk_gives_a_clear_error_and_leaves_no_partial_file(tmp_path, writ
 # DDP: an OOM on one of two gloo ranks ends the run in bounded time with an oom row
 
 
-def ddp_spec(cpu_spec) -> dict:
+def ddp_spec(cpu_spec) -> RunSpec:
     return cpu_spec(method="full", learning_rate=0.0001, parallel="ddp", num_gpus=2, device="cpu")
 
 

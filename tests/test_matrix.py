@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 from ftbench import config as ftbench_config
 from ftbench import matrix
+from ftbench.runspec import RunSpec
 
 RUN_ID = re.compile(r"^[a-z0-9_.]+(-[a-z0-9_.]+)+-[0-9a-f]{8}$")
 
@@ -37,11 +38,11 @@ def base_config(**sections) -> dict:
 
 
 def ids(runs: list[dict]) -> list[str]:
-    return [run["run_id"] for run in runs]
+    return [run.run_id for run in runs]
 
 
 def by_key(runs: list[dict], *keys: str) -> dict:
-    return {tuple(run[key] for key in keys): run for run in runs}
+    return {tuple(getattr(run, key) for key in keys): run for run in runs}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -61,7 +62,7 @@ def test_product_size_is_the_cartesian_product():
     runs = matrix.expand_runs(config)
     assert len(runs) == 2 * 2 * 2 * 3
     assert len(set(ids(runs))) == len(runs)
-    combos = {(r["model"], r["method"], r["lora_rank"], r["batch_size"]) for r in runs}
+    combos = {(r.model, r.method, r.lora_rank, r.batch_size) for r in runs}
     assert len(combos) == len(runs)
 
 
@@ -70,26 +71,26 @@ def test_full_runs_are_not_multiplied_by_lora_settings():
         matrix={"model": ["bert"], "dataset": ["rt"], "method": ["full", "lora", "qlora"], "lora_rank": [4, 8, 16]}
     )
     runs = matrix.expand_runs(config)
-    methods = [run["method"] for run in runs]
+    methods = [run.method for run in runs]
     assert methods.count("full") == 1
     assert methods.count("lora") == 3
     assert methods.count("qlora") == 3
-    full = next(run for run in runs if run["method"] == "full")
-    assert all(full[key] is None for key in matrix.LORA_KEYS)
-    assert "-r" not in full["run_id"].split("-full-")[1].rsplit("-", 1)[0]  # no rank in the readable part
+    full = next(run for run in runs if run.method == "full")
+    assert all(getattr(full, key) is None for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"))
+    assert "-r" not in full.run_id.split("-full-")[1].rsplit("-", 1)[0]  # no rank in the readable part
 
 
 def test_lora_alpha_default_is_twice_the_rank_and_equivalent_specs_share_an_id():
     implicit = matrix.expand_runs(base_config(defaults={"lora_rank": 8, "lora_alpha": None}))
     explicit = matrix.expand_runs(base_config(defaults={"lora_rank": 8, "lora_alpha": 16}))
-    assert implicit[0]["lora_alpha"] == 16
+    assert implicit[0].lora_alpha == 16
     assert ids(implicit) == ids(explicit)
 
 
 def test_exclude_drops_matching_runs_only():
     axes = {"model": ["bert"], "dataset": ["rt"], "method": ["lora", "qlora"], "lora_rank": [4, 8]}
     runs = matrix.expand_runs(base_config(matrix=axes, exclude=[{"method": "qlora", "lora_rank": 8}]))
-    assert {(r["method"], r["lora_rank"]) for r in runs} == {("lora", 4), ("lora", 8), ("qlora", 4)}
+    assert {(r.method, r.lora_rank) for r in runs} == {("lora", 4), ("lora", 8), ("qlora", 4)}
     # an exclude entry matching nothing changes nothing
     untouched = matrix.expand_runs(base_config(matrix=axes, exclude=[{"method": "full"}]))
     assert len(untouched) == 4
@@ -102,8 +103,8 @@ def test_include_adds_runs_on_top_of_defaults_without_duplicates():
     runs = matrix.expand_runs(base_config(matrix=axes, include=[extra]))
     assert len(runs) == len(plain) + 1
     added = runs[-1]
-    assert (added["model"], added["dataset"], added["lora_rank"], added["batch_size"]) == ("bert_big", "imdb", 64, 8)
-    assert added["seq_len"] == 64  # the rest comes from defaults
+    assert (added.model, added.dataset, added.lora_rank, added.batch_size) == ("bert_big", "imdb", 64, 8)
+    assert added.seq_len == 64  # the rest comes from defaults
     # an include identical to a matrix run is the same run: one id, one job
     same = {"model": "bert", "dataset": "rt", "method": "lora"}
     assert ids(matrix.expand_runs(base_config(matrix=axes, include=[same]))) == ids(plain)
@@ -114,7 +115,7 @@ def test_include_keeps_runs_that_exclude_would_drop():
     runs = matrix.expand_runs(
         base_config(matrix=axes, exclude=[{"method": "qlora"}], include=[{"model": "bert", "dataset": "rt", "method": "qlora"}])
     )
-    assert sorted(r["method"] for r in runs) == ["lora", "qlora"]
+    assert sorted(r.method for r in runs) == ["lora", "qlora"]
 
 
 def test_overrides_apply_in_order_to_matching_runs():
@@ -130,16 +131,16 @@ def test_overrides_apply_in_order_to_matching_runs():
         )
     )
     runs = by_key(runs, "method")
-    assert runs[("full",)]["learning_rate"] == 0.00005
-    assert runs[("full",)]["batch_size"] == 16
-    assert runs[("lora",)]["learning_rate"] == 0.001
-    assert runs[("lora",)]["batch_size"] == 32
+    assert runs[("full",)].learning_rate == 0.00005
+    assert runs[("full",)].batch_size == 16
+    assert runs[("lora",)].learning_rate == 0.001
+    assert runs[("lora",)].batch_size == 32
 
 
 def test_override_that_makes_runs_equal_collapses_them():
     axes = {"model": ["bert"], "dataset": ["rt"], "method": ["lora", "qlora"], "lora_rank": [8, 16]}
     runs = matrix.expand_runs(base_config(matrix=axes, overrides=[{"when": {"method": "qlora"}, "set": {"lora_rank": 8}}]))
-    assert sorted((r["method"], r["lora_rank"]) for r in runs) == [("lora", 8), ("lora", 16), ("qlora", 8)]
+    assert sorted((r.method, r.lora_rank) for r in runs) == [("lora", 8), ("lora", 16), ("qlora", 8)]
 
 
 def test_override_can_trigger_exclude():
@@ -151,7 +152,7 @@ def test_override_can_trigger_exclude():
             exclude=[{"batch_size": 4}],
         )
     )
-    assert [r["lora_rank"] for r in runs] == [8]
+    assert [r.lora_rank for r in runs] == [8]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,17 +166,17 @@ def test_repeats_give_distinct_seeds_and_ids():
     assert len(runs) == 2 * 3
     assert len(set(ids(runs))) == 6
     for method in ("full", "lora"):
-        reps = sorted((r for r in runs if r["method"] == method), key=lambda r: r["repeat"])
-        assert [r["repeat"] for r in reps] == [0, 1, 2]
-        assert [r["seed"] for r in reps] == [5, 6, 7]
-        assert [r["run_id"].rsplit("-", 2)[1] for r in reps] == ["rep0", "rep1", "rep2"]
-        assert len({r["data_id"] for r in reps}) == 1  # repeats share the prepared data
+        reps = sorted((r for r in runs if r.method == method), key=lambda r: r.repeat)
+        assert [r.repeat for r in reps] == [0, 1, 2]
+        assert [r.seed for r in reps] == [5, 6, 7]
+        assert [r.run_id.rsplit("-", 2)[1] for r in reps] == ["rep0", "rep1", "rep2"]
+        assert len({r.data_id for r in reps}) == 1  # repeats share the prepared data
 
 
 def test_single_repeat_has_no_rep_suffix():
     runs = matrix.expand_runs(base_config())
-    assert "rep" not in runs[0]["run_id"]
-    assert runs[0]["repeat"] == 0
+    assert "rep" not in runs[0].run_id
+    assert runs[0].repeat == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,11 +189,11 @@ def test_run_ids_are_readable():
         matrix={"model": ["bert"], "dataset": ["rt"], "method": ["full", "lora"]},
     )
     runs = by_key(matrix.expand_runs(config), "method")
-    assert re.fullmatch(r"bert-rt-lora-r8-fp32-b32-s64-[0-9a-f]{8}", runs[("lora",)]["run_id"])
-    assert re.fullmatch(r"bert-rt-full-fp32-b32-s64-[0-9a-f]{8}", runs[("full",)]["run_id"])
+    assert re.fullmatch(r"bert-rt-lora-r8-fp32-b32-s64-[0-9a-f]{8}", runs[("lora",)].run_id)
+    assert re.fullmatch(r"bert-rt-full-fp32-b32-s64-[0-9a-f]{8}", runs[("full",)].run_id)
     for run in runs.values():
-        assert RUN_ID.match(run["run_id"]), run["run_id"]
-        assert "/" not in run["run_id"] and " " not in run["run_id"]
+        assert RUN_ID.match(run.run_id), run.run_id
+        assert "/" not in run.run_id and " " not in run.run_id
 
 
 def test_qlora_variants_show_in_the_id():
@@ -200,14 +201,14 @@ def test_qlora_variants_show_in_the_id():
     config = base_config(defaults={"method": "qlora", "lora_rank": 8, "precision": "bf16", "batch_size": 32, "seq_len": 64},
                          matrix={"model": ["bert"], "dataset": ["rt"], "qlora_quant_type": ["nf4", "fp4"],
                                  "qlora_double_quant": [True, False]})
-    names = sorted(run["run_id"].rsplit("-", 1)[0] for run in matrix.expand_runs(config))
+    names = sorted(run.run_id.rsplit("-", 1)[0] for run in matrix.expand_runs(config))
     assert names == ["bert-rt-qlora-r8-bf16-b32-s64", "bert-rt-qlora-r8-fp4-bf16-b32-s64",
                      "bert-rt-qlora-r8-fp4-nodq-bf16-b32-s64", "bert-rt-qlora-r8-nodq-bf16-b32-s64"]
 
 
 def test_parallel_mode_shows_in_the_id():
     runs = matrix.expand_runs(base_config(defaults={"parallel": "dp", "num_gpus": 2}))
-    assert "-dp2-" in runs[0]["run_id"]
+    assert "-dp2-" in runs[0].run_id
 
 
 def test_run_ids_are_stable_across_calls():
@@ -229,14 +230,14 @@ def test_run_ids_are_stable_across_processes():
     """The hash must not depend on Python's per-process string hashing (it names result folders)."""
     config = base_config(matrix={"model": ["bert"], "dataset": ["rt", "imdb"], "method": ["full", "lora"]})
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from ftbench import matrix; "
-        "print(json.dumps([r['run_id'] for r in matrix.expand_runs(json.loads(sys.argv[2]))]))"
+        "import json, sys; from ftbench import matrix; "
+        "print(json.dumps([r.run_id for r in matrix.expand_runs(json.loads(sys.argv[1]))]))"
     )
     outputs = []
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         result = subprocess.run(
-            [sys.executable, "-c", code, str(ROOT / "scripts"), json.dumps(config)],
+            [sys.executable, "-c", code, json.dumps(config)],
             capture_output=True, text=True, env=env, check=True,
         )
         outputs.append(json.loads(result.stdout))
@@ -245,17 +246,17 @@ def test_run_ids_are_stable_across_processes():
 
 def test_editing_one_run_changes_only_its_id():
     axes = {"model": ["bert"], "dataset": ["rt"], "method": ["full", "lora"], "lora_rank": [4, 8]}
-    before = {(r["method"], r["lora_rank"]): r for r in matrix.expand_runs(base_config(matrix=axes))}
+    before = {(r.method, r.lora_rank): r for r in matrix.expand_runs(base_config(matrix=axes))}
     after_runs = matrix.expand_runs(
         base_config(matrix=axes, overrides=[{"when": {"method": "lora", "lora_rank": 8}, "set": {"learning_rate": 0.002}}])
     )
-    after = {(r["method"], r["lora_rank"]): r for r in after_runs}
+    after = {(r.method, r.lora_rank): r for r in after_runs}
     assert after.keys() == before.keys()
-    changed = {key for key in before if before[key]["run_id"] != after[key]["run_id"]}
+    changed = {key for key in before if before[key].run_id != after[key].run_id}
     assert changed == {("lora", 8)}
     # the readable part stays; only the hash differs
-    assert before[("lora", 8)]["run_id"].rsplit("-", 1)[0] == after[("lora", 8)]["run_id"].rsplit("-", 1)[0]
-    assert after[("lora", 8)]["data_id"] == before[("lora", 8)]["data_id"]
+    assert before[("lora", 8)].run_id.rsplit("-", 1)[0] == after[("lora", 8)].run_id.rsplit("-", 1)[0]
+    assert after[("lora", 8)].data_id == before[("lora", 8)].data_id
 
 
 def test_editing_an_include_entry_changes_only_that_run():
@@ -301,17 +302,17 @@ def test_editing_a_model_or_dataset_definition_changes_its_runs_only():
     config = base_config(matrix=axes)
     config["models"]["bert_big"]["source"]["revision"] = "v2"
     after = by_key(matrix.expand_runs(config), "model")
-    assert after[("bert",)]["run_id"] == before[("bert",)]["run_id"]
-    assert after[("bert_big",)]["run_id"] != before[("bert_big",)]["run_id"]
+    assert after[("bert",)].run_id == before[("bert",)].run_id
+    assert after[("bert_big",)].run_id != before[("bert_big",)].run_id
 
 
 def test_spec_carries_everything_the_job_needs():
     run = matrix.expand_runs(base_config())[0]
     for key in matrix.RUN_DEFAULTS:
-        assert key in run
-    assert run["model_def"] == {"source": {"kind": "hub", "name": "org/bert"}}
-    assert run["dataset_def"]["text_column"] == "text"
-    json.dumps(run)  # the job receives it as JSON
+        assert hasattr(run, key)
+    assert run.model_def == {"source": {"kind": "hub", "name": "org/bert"}}
+    assert run.dataset_def["text_column"] == "text"
+    assert RunSpec.from_json(run.to_json()) == run  # the job receives it as JSON
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -324,20 +325,20 @@ def test_data_id_is_shared_by_runs_with_the_same_dataset_tokenizer_and_seq_len()
     )
     runs = matrix.expand_runs(config)
     assert len(runs) > 1
-    assert len({run["data_id"] for run in runs}) == 1
-    assert len(matrix.data_tasks(runs)) == 1
+    assert len({run.data_id for run in runs}) == 1
+    assert len(matrix.data_preparations(runs)) == 1
 
 
 def test_data_id_differs_by_seq_len_dataset_and_tokenizer():
     config = base_config(matrix={"model": ["bert", "bert_big"], "dataset": ["rt", "imdb"], "seq_len": [32, 64]})
     runs = matrix.expand_runs(config)
     assert len(runs) == 8
-    tasks = matrix.data_tasks(runs)
+    tasks = matrix.data_preparations(runs)
     assert len(tasks) == 8  # the two models have different tokenizer sources
     for run in runs:
-        task = tasks[run["data_id"]]
-        assert (task["dataset"], task["seq_len"]) == (run["dataset"], run["seq_len"])
-        assert run["data_id"].startswith(f"{run['dataset']}-s{run['seq_len']}-")
+        task = tasks[run.data_id]
+        assert (task["dataset"], task["seq_len"]) == (run.dataset, run.seq_len)
+        assert run.data_id.startswith(f"{run.dataset}-s{run.seq_len}-")
 
 
 def test_models_sharing_a_tokenizer_share_prepared_data():
@@ -348,14 +349,14 @@ def test_models_sharing_a_tokenizer_share_prepared_data():
     }
     config = base_config(models=models, matrix={"model": ["bert", "bert_wide"], "dataset": ["rt"]})
     runs = matrix.expand_runs(config)
-    assert len(runs) == 2 and runs[0]["run_id"] != runs[1]["run_id"]
-    assert runs[0]["data_id"] == runs[1]["data_id"]
+    assert len(runs) == 2 and runs[0].run_id != runs[1].run_id
+    assert runs[0].data_id == runs[1].data_id
 
 
 def test_shard_size_is_part_of_the_data_id():
     small = matrix.expand_runs(base_config(data={"shard_size_mb": 1}))
     large = matrix.expand_runs(base_config(data={"shard_size_mb": 256}))
-    assert small[0]["data_id"] != large[0]["data_id"]
+    assert small[0].data_id != large[0].data_id
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -365,9 +366,9 @@ def test_shard_size_is_part_of_the_data_id():
 def test_default_config_has_the_runs_the_issue_asks_for():
     config = ftbench_config.load_config(ROOT / "config" / "config.yaml")
     runs = matrix.expand_runs(config)
-    methods = [run["method"] for run in runs]
+    methods = [run.method for run in runs]
     assert {"full", "lora", "qlora"} <= set(methods)
-    assert len({run["lora_rank"] for run in runs if run["method"] == "lora"}) >= 2
-    assert all(run["precision"] == "fp32" for run in runs)
+    assert len({run.lora_rank for run in runs if run.method == "lora"}) >= 2
+    assert all(run.precision == "fp32" for run in runs)
     assert len(set(ids(runs))) == len(runs)
-    assert len(matrix.data_tasks(runs)) == 1  # one shared preparation
+    assert len(matrix.data_preparations(runs)) == 1  # one shared preparation

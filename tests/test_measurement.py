@@ -22,7 +22,8 @@ import pandas as pd
 import pytest
 import torch
 
-from ftbench import cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, tasks, trainer
+from ftbench.runspec import RunSpec
+from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
 
@@ -51,7 +52,7 @@ def llama_model_def() -> dict:
             "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": dict(LLAMA_OVERRIDES)}}
 
 
-def spec_for(model_def: dict, **settings) -> dict:
+def spec_for(model_def: dict, **settings) -> RunSpec:
     """The single run spec of this model on synthetic tokens, with LM_DEFAULTS and these settings."""
     config = {
         "models": {"m": model_def},
@@ -64,7 +65,7 @@ def spec_for(model_def: dict, **settings) -> dict:
     return spec
 
 
-def llama_spec(**settings) -> dict:
+def llama_spec(**settings) -> RunSpec:
     return spec_for(llama_model_def(), **settings)
 
 
@@ -79,7 +80,7 @@ def tiny_llama(**overrides):
 def llama_data(tmp_path_factory) -> Path:
     spec = llama_spec()
     folder = tmp_path_factory.mktemp("llama-tokens")
-    data.prepare(spec["dataset"], spec["dataset_def"], spec["model_def"], spec["seq_len"], folder)
+    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -98,8 +99,8 @@ def step(measured: bool, tokens: int, padded: int, samples: int, seconds: float,
 # Trap: padding is not a token
 
 
-def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> tasks.TokenisedSplit:
-    return tasks.TokenisedSplit(
+def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> batching.TokenisedSplit:
+    return batching.TokenisedSplit(
         input_ids=[np.arange(1, n + 1) for n in lengths],
         labels=np.zeros(len(lengths), dtype=np.int64),
         target_ids=[np.arange(1, n + 1) for n in targets] if targets else None,
@@ -107,7 +108,7 @@ def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> tasks.Tok
 
 
 def test_collate_counts_real_tokens_not_padded_positions():
-    batch = tasks.collate("classification", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    batch = batching.collate("classification", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
     assert batch.inputs["input_ids"].shape == (3, 5)
     assert batch.real_tokens == 3 + 5 + 1  # not 3 x 5
     assert batch.padded_tokens == 15
@@ -117,20 +118,20 @@ def test_collate_counts_real_tokens_not_padded_positions():
 
 
 def test_causal_lm_labels_ignore_padding():
-    batch = tasks.collate("causal_lm", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    batch = batching.collate("causal_lm", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
     labels = batch.inputs["labels"]
-    assert (labels != tasks.IGNORE_INDEX).sum().item() == batch.real_tokens
-    assert (labels == tasks.IGNORE_INDEX).sum().item() == batch.padded_tokens - batch.real_tokens
+    assert (labels != batching.IGNORE_INDEX).sum().item() == batch.real_tokens
+    assert (labels == batching.IGNORE_INDEX).sum().item() == batch.padded_tokens - batch.real_tokens
 
 
 def test_seq2seq_tokens_include_real_targets_only():
-    batch = tasks.collate("seq2seq", split_of(3, 5, 1, targets=(2, 4, 1)), np.array([0, 1, 2]), pad_token_id=0)
+    batch = batching.collate("seq2seq", split_of(3, 5, 1, targets=(2, 4, 1)), np.array([0, 1, 2]), pad_token_id=0)
     assert batch.real_tokens == 9 + 7
     assert batch.target_tokens == 7
     assert batch.padded_tokens == 15 + 12
     assert batch.sum_squared_lengths == 35
     assert batch.target_sum_squared_lengths == 4 + 16 + 1
-    assert (batch.inputs["labels"] != tasks.IGNORE_INDEX).sum().item() == 7
+    assert (batch.inputs["labels"] != batching.IGNORE_INDEX).sum().item() == 7
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def test_window_covers_the_measured_steps_only(clocked_run):
 
 def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
     spec, metrics, steps, _ = clocked_run
-    assert spec["grad_accum_steps"] == 2
+    assert spec.grad_accum_steps == 2
     # Synthetic sequences are exactly seq_len long: 2 micro-batches of 4 per optimizer step.
     assert [r["tokens"] for r in steps] == [2 * BATCH * SEQ] * STEPS
     assert [r["samples"] for r in steps] == [2 * BATCH] * STEPS
@@ -385,10 +386,10 @@ def test_unknown_gpu_or_dtype_gives_no_mfu_and_a_warning(device_name, dtype):
 def test_derive_efficiency_mfu_and_energy_per_token():
     metrics = {"device": "cuda", "device_name": "NVIDIA H200", "tflops_per_s": 494.7, "energy_j": 50.0,
                "measured_tokens": 1000}
-    derived = trainer.derive_efficiency(metrics, {"precision": "bf16"}, devices=1)
+    derived = trainer.derive_efficiency(metrics, RunSpec(precision="bf16"), devices=1)
     assert derived["mfu"] == pytest.approx(0.5)
     assert derived["energy_j_per_token"] == 0.05
-    derived = trainer.derive_efficiency({**metrics, "energy_j": None}, {"precision": "bf16"}, devices=1)
+    derived = trainer.derive_efficiency({**metrics, "energy_j": None}, RunSpec(precision="bf16"), devices=1)
     assert derived["energy_j_per_token"] is None
 
 
@@ -396,14 +397,14 @@ def test_derive_efficiency_on_cpu_has_no_mfu_and_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         derived = trainer.derive_efficiency({"device": "cpu", "device_name": "Intel Xeon", "tflops_per_s": 0.01,
-                                             "energy_j": None, "measured_tokens": 100}, {"precision": "fp32"}, devices=1)
+                                             "energy_j": None, "measured_tokens": 100}, RunSpec(precision="fp32"), devices=1)
     assert derived == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None, "energy_j_per_token": None}
 
 
 def test_derive_efficiency_unknown_gpu_warns():
     with pytest.warns(UserWarning):
         derived = trainer.derive_efficiency({"device": "cuda", "device_name": "Mystery GPU", "tflops_per_s": 1.0,
-                                             "energy_j": None, "measured_tokens": 1}, {"precision": "bf16"}, devices=1)
+                                             "energy_j": None, "measured_tokens": 1}, RunSpec(precision="bf16"), devices=1)
     assert derived["mfu"] is None
 
 
@@ -411,9 +412,9 @@ def test_derive_efficiency_unknown_gpu_warns():
 # Memory estimate
 
 
-def estimate_spec(**settings) -> dict:
-    return {"method": "full", "optimizer": "adamw", "batch_size": 2, "seq_len": 16, "precision": "fp32", "gradient_checkpointing": False,
-            "qlora_double_quant": None, "attn_implementation": None, **settings}
+def estimate_spec(**settings) -> RunSpec:
+    return RunSpec(**{"method": "full", "optimizer": "adamw", "batch_size": 2, "seq_len": 16, "precision": "fp32",
+                      "gradient_checkpointing": False, "qlora_double_quant": None, "attn_implementation": None, **settings})
 
 
 def parts(model, **settings) -> dict:
@@ -533,7 +534,7 @@ def test_activation_model_matches_what_autograd_keeps(family, precision):
     assert estimated * memory_estimate.MIB == pytest.approx(traced, rel=0.10)
 
 
-def adapter_spec(family: str, layers: int, **settings) -> dict:
+def adapter_spec(family: str, layers: int, **settings) -> RunSpec:
     """A run spec for a small Llama (RMSNorm, gated MLP) or BERT (LayerNorm, plain MLP) with adapters."""
     if family == "llama":
         model_def = {"task": "causal_lm", "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": {
@@ -562,10 +563,10 @@ def test_adapter_activation_model_matches_what_autograd_keeps(family, precision,
 
     traced = traced_activation_bytes_per_layer(make_model, precision, batch, seq)
     model = make_model(1)
-    spec = {**adapter_spec(family, 1, method=method, precision=precision, lora_dropout=0.0), "batch_size": batch, "seq_len": seq}
+    spec = adapter_spec(family, 1, method=method, precision=precision, lora_dropout=0.0).replace(batch_size=batch, seq_len=seq)
 
     def estimated_activations(method_as: str) -> float:
-        parts_mb = memory_estimate.estimate(model, {**spec, "method": method_as}, "classification", None)["memory_estimate_parts_mb"]
+        parts_mb = memory_estimate.estimate(model, spec.replace(method=method_as), "classification", None)["memory_estimate_parts_mb"]
         return parts_mb["activations"] * memory_estimate.MIB
 
     assert estimated_activations(method) == pytest.approx(traced, rel=0.10)
@@ -581,8 +582,8 @@ def test_lora_dropout_adds_a_one_byte_mask_per_adapted_input():
     spec = adapter_spec("llama", 2, method="lora", precision="bf16", lora_dropout=0.0)
     model = modeling.build_model(spec, None, torch.device("cpu")).model
     without = memory_estimate.estimate(model, spec, "causal_lm", 1000)["memory_estimate_parts_mb"]["activations"]
-    with_dropout = memory_estimate.estimate(model, {**spec, "lora_dropout": 0.05}, "causal_lm", 1000)["memory_estimate_parts_mb"]["activations"]
-    tokens = spec["batch_size"] * spec["seq_len"]
+    with_dropout = memory_estimate.estimate(model, spec.replace(lora_dropout=0.05), "causal_lm", 1000)["memory_estimate_parts_mb"]["activations"]
+    tokens = spec.batch_size * spec.seq_len
     assert (with_dropout - without) * memory_estimate.MIB == pytest.approx(tokens * 2 * (6 * 96 + 256))
 
 
@@ -684,7 +685,7 @@ def test_sampler_energy_integrated_from_power_without_a_counter(monkeypatch):
     assert result["energy_j"] == pytest.approx(400.0 * sampler.duration_s)
     tokens = 1234
     derived = trainer.derive_efficiency({"device": "cpu", "energy_j": result["energy_j"], "measured_tokens": tokens},
-                                        {"precision": "bf16"}, devices=2)
+                                        RunSpec(precision="bf16"), devices=2)
     assert derived["energy_j_per_token"] == pytest.approx(result["energy_j"] / tokens)
 
 
@@ -706,7 +707,7 @@ def real_result(llama_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "metrics.json"
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        cli.train(["--spec", json.dumps(spec), "--data", str(llama_data), "--out", str(out)])
+        cli.train(["--spec", spec.to_json(), "--data", str(llama_data), "--out", str(out)])
     finally:
         signal.signal(signal.SIGTERM, previous)
     result = json.loads(out.read_text())

@@ -7,7 +7,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from ftbench import projection  # noqa: E402
 

@@ -364,7 +364,7 @@ def test_collect_computes_costs_from_metrics_json(tmp_path):
         path.write_text(json.dumps({"spec": spec, "metrics": metrics, "environment": {"host": "h"}}))
         files.append(path)
     process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "collect.py"), "--parquet", str(tmp_path / "m.parquet"), "--csv",
+        [sys.executable, "-m", "ftbench", "collect", "--parquet", str(tmp_path / "m.parquet"), "--csv",
          str(tmp_path / "m.csv"), "--price-settings", json.dumps({"pricing": "spot"}),
          "--budget", json.dumps({"samples": 72000}), *map(str, files)],
         capture_output=True, text=True, check=False,
@@ -543,7 +543,7 @@ def test_report_cli(tmp_path):
     runs, steps = fixture_runs("normal")
     metrics, files = write_fixture(tmp_path, runs, steps)
     process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "report.py"), "--metrics", str(metrics), "--steps", *map(str, files),
+        [sys.executable, "-m", "ftbench", "report", "--metrics", str(metrics), "--steps", *map(str, files),
          "--figures", str(tmp_path / "figures"), "--html", str(tmp_path / "report.html"),
          "--recommend", json.dumps({"min_accuracy": 0.85})],
         capture_output=True, text=True, check=False,
@@ -602,7 +602,7 @@ def test_compare_within_threshold_is_not_flagged_and_old_sets_are_read(tmp_path)
     a.to_parquet(tmp_path / "a" / "metrics.parquet")
     b.drop(columns=list(cost.COST_COLUMNS) + ["memory_estimate_mb"]).to_parquet(tmp_path / "b" / "metrics.parquet")
     process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compare.py"), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "ftbench", "compare", "--out", str(tmp_path / "out"),
          f"first={tmp_path / 'a' / 'metrics.parquet'}", f"second={tmp_path / 'b' / 'metrics.parquet'}", "--pricing", "spot"],
         capture_output=True, text=True, check=False,
     )

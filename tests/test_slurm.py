@@ -140,7 +140,7 @@ def first_run(cluster, workdir, base_config, tiny_model_dir):
         "include": [{"model": "broken", "dataset": "tiny", "num_gpus": 0}],
     }
     configfile = write_config(workdir, config, name="config-first.yaml")
-    run_ids = [spec["run_id"] for spec in matrix.expand_runs(config)]
+    run_ids = [spec.run_id for spec in matrix.expand_runs(config)]
     before = set(cluster.submitted_job_ids())
     started = time.monotonic()
     process = run(workdir, configfile, *(f"results/runs/{run_id}/metrics.json" for run_id in run_ids))

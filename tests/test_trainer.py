@@ -75,7 +75,7 @@ METHODS = ["full", "lora", "qlora"]
 def test_run_completes_with_the_planned_steps(trained, method):
     spec, metrics, steps = trained[method]
     assert metrics["status"] == "ok", metrics.get("status_reason")
-    assert metrics["run_id"] == spec["run_id"]
+    assert metrics["run_id"] == spec.run_id
     assert metrics["total_steps"] == TOTAL_STEPS
     assert metrics["warmup_steps"] == WARMUP
     assert metrics["measured_steps"] == TOTAL_STEPS - WARMUP
@@ -94,7 +94,7 @@ def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     train_split = data.load_split(folder, "train", manifest)
     lengths = np.array([len(ids) for ids in train_split.input_ids])
     # The same seeded batch order the loop used: each step's real tokens are the stored lengths.
-    order = list(trainer.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec["seed"]))
+    order = list(trainer.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec.seed))
     for record, indices in zip(steps, order):
         assert record["samples"] == BATCH
         assert record["tokens"] == int(lengths[indices].sum())
@@ -239,7 +239,7 @@ def test_collect_builds_the_documented_table(trained, make_spec, prepared_data, 
     for index, (spec, metrics, _) in enumerate(results):
         path = tmp_path / f"run{index}" / "metrics.json"
         path.parent.mkdir()
-        path.write_text(json.dumps({"spec": spec, "metrics": metrics, "environment": env}, default=str))
+        path.write_text(json.dumps({"spec": spec.to_dict(), "metrics": metrics, "environment": env}, default=str))
         files.append(path)
     frame = collect.collect(files, tmp_path / "metrics.parquet", tmp_path / "metrics.csv")
 
@@ -247,7 +247,7 @@ def test_collect_builds_the_documented_table(trained, make_spec, prepared_data, 
     assert len(frame) == 4
     read = pd.read_parquet(tmp_path / "metrics.parquet")
     assert list(read.columns) == list(COLUMNS)
-    assert read["run_id"].tolist() == [spec["run_id"] for spec, _, _ in results]
+    assert read["run_id"].tolist() == [spec.run_id for spec, _, _ in results]
     assert pd.read_csv(tmp_path / "metrics.csv")["run_id"].tolist() == read["run_id"].tolist()
 
     ok = read[read["status"] == "ok"]

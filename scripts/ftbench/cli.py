@@ -1,4 +1,4 @@
-"""Command-line entry points that the Snakemake rules call (through the thin files in scripts/).
+"""Command-line entry points that the Snakemake rules call (``python -m ftbench <command>``).
 
 Each command prints a one-line ``ftbench: ...`` message and exits 1 on a known error, so a rule's log
 ends with the sentence a user needs instead of a traceback; unknown errors keep their traceback.
@@ -11,21 +11,22 @@ import json
 import sys
 from pathlib import Path
 
+from . import matrix
 from .errors import FtbenchError, TerminatedError
 
 
 def prepare_data(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Tokenise one dataset into Parquet shards with a manifest.")
-    parser.add_argument("--task", required=True, help="JSON: dataset, dataset_def, model_def, seq_len")
-    parser.add_argument("--shard-size-mb", type=float, default=128)
+    parser.add_argument("--preparation", required=True, help="JSON: data_id, dataset, dataset_def, model_def, seq_len")
+    parser.add_argument("--shard-size-mb", type=float, default=matrix.DEFAULT_SHARD_SIZE_MB)
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
     from . import data
 
-    task = json.loads(args.task)
-    manifest = data.prepare(task["dataset"], task["dataset_def"], task["model_def"], task["seq_len"], args.out, args.shard_size_mb)
+    job = json.loads(args.preparation)
+    manifest = data.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb)
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
-    print(f"prepared {task['dataset']} at seq_len {task['seq_len']}: {rows} rows -> {args.out}")
+    print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
 
 
 def train(argv: list[str] | None = None) -> None:
@@ -42,7 +43,9 @@ def train(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
-    spec = json.loads(args.spec)
+    from .runspec import RunSpec
+
+    spec = RunSpec.from_json(args.spec)
     stop = _stop_signal(args.time_limit_s)
     if args.rank_dir:
         _train_rank(spec, args, stop)
@@ -53,14 +56,14 @@ def train(argv: list[str] | None = None) -> None:
     from . import atomic, environment, launch, trainer
 
     slots = launch.GpuSlots()
-    assigned = launch.assign_gpus(spec["num_gpus"] if spec["device"] != "cpu" else 0, slots)
+    assigned = launch.assign_gpus(spec.num_gpus if spec.device != "cpu" else 0, slots)
     if assigned is not None:
         print(f"using GPUs {assigned}")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    if spec["parallel"] == "ddp":
+    if spec.parallel == "ddp":
         metrics, steps = _train_ddp(spec, args)
     else:
         metrics, steps = trainer.train_run(spec, args.data, stop)
@@ -68,16 +71,16 @@ def train(argv: list[str] | None = None) -> None:
         # Terminated from outside (scancel, preemption): SLURM and Snakemake count the job as failed, and
         # Snakemake may already have cleaned up its outputs, so a metrics.json written now would be taken
         # for a finished run and never trained again. Leave no output; keep what was measured in the log.
-        print(f"{spec['run_id']} measured before it was terminated: {json.dumps(metrics, default=str)}")
-        raise TerminatedError(f"run {spec['run_id']} was terminated (SIGTERM) after step {metrics.get('last_step')}: "
+        print(f"{spec.run_id} measured before it was terminated: {json.dumps(metrics, default=str)}")
+        raise TerminatedError(f"run {spec.run_id} was terminated (SIGTERM) after step {metrics.get('last_step')}: "
                               "no result written, the next invocation trains it again")
     out = Path(args.out)
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
     # metrics.json is written last: its presence means the run's results are complete.
-    atomic.write_json(out, {"spec": spec, "metrics": metrics, "environment": environment.capture()})
+    atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": environment.capture()})
     slots.release()
     summary = {key: metrics.get(key) for key in ("status", "status_reason", "tokens_per_s", "eval_accuracy")}
-    print(f"{spec['run_id']}: {summary}")
+    print(f"{spec.run_id}: {summary}")
 
 
 def _stop_signal(time_limit_s: float | None):
@@ -99,7 +102,7 @@ def _stop_signal(time_limit_s: float | None):
     return stop
 
 
-def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
+def _train_ddp(spec: RunSpec, args) -> tuple[dict, list[dict]]:
     """Launcher side of a DDP run: check it can run, start torchrun, merge the ranks' results."""
     import shutil
 
@@ -110,13 +113,13 @@ def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
         device, _ = trainer.choose_device(spec, trainer.Distributed())
         modeling.check_supported(spec, device)
     except UnsupportedConfiguration as exc:
-        return {"run_id": spec["run_id"], "status": "unsupported", "status_reason": str(exc)}, []
+        return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
     rank_dir = Path(args.out).parent / "ranks"
     shutil.rmtree(rank_dir, ignore_errors=True)
     rank_dir.mkdir(parents=True)
     code = launch.run_ddp(spec, args.data, rank_dir, args.threads, args.time_limit_s)
     results = launch.read_rank_results(rank_dir)
-    devices = trainer.devices_in_run(spec)
+    devices = spec.devices
     stopped_early = [r for r in results if r["metrics"]["status"] != "ok"]
     if len(results) < devices and stopped_early:
         # A rank stopped early (OOM, divergence) and the others were ended while waiting for it: the
@@ -131,7 +134,7 @@ def _train_ddp(spec: dict, args) -> tuple[dict, list[dict]]:
     return metrics, steps
 
 
-def _train_rank(spec: dict, args, stop) -> None:
+def _train_rank(spec: RunSpec, args, stop) -> None:
     """One DDP rank (started by torchrun): train, then write rank<R>.json."""
     import datetime
     import os
@@ -144,7 +147,7 @@ def _train_rank(spec: dict, args, stop) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dist = trainer.Distributed.from_env()
-    use_cuda = spec["device"] != "cpu" and torch.cuda.is_available()
+    use_cuda = spec.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(dist.local_rank)
     # A bounded timeout: a rank stuck in a collective (a peer died) fails instead of hanging the job.
@@ -206,7 +209,7 @@ def report(argv: list[str] | None = None) -> None:
 
 def compare(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python scripts/compare.py",
+        prog="python -m ftbench compare",
         description="Merge result sets (metrics.parquet from different machines or clusters) into one table and "
         "report: the same configuration across GPUs, throughput ratios and cost, node-to-node variance.",
     )
@@ -232,6 +235,13 @@ def compare(argv: list[str] | None = None) -> None:
         prices = cost.resolve({"table": args.prices_table, "provider": args.provider, "pricing": args.pricing})
     result = compare_module.compare(sets, args.out, prices=prices, threshold=args.threshold, title=args.title)
     print(f"compared {result['runs']} runs of {result['sets']} result sets -> {result['html']}")
+
+
+def schema(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m ftbench schema", description="Print the experiment schema as YAML.").parse_args(argv)
+    from . import config
+
+    sys.stdout.write(config.schema_yaml())
 
 
 def run(command, argv: list[str] | None = None) -> None:

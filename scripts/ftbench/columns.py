@@ -6,39 +6,19 @@ value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA m
 
 from __future__ import annotations
 
+from .runspec import spec_columns
+
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
     "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
     "config_id": ("string", "the run's configuration without repeat and seed: repeats share it"),
     "status": ("string", "ok | oom | diverged | timeout | unsupported | failed"),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
-    "model": ("string", "model name from the config"),
     "task": ("string", "classification | causal_lm | seq2seq"),
-    "dataset": ("string", "dataset name from the config"),
-    "method": ("string", "full | lora | qlora"),
-    "precision": ("string", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)"),
-    "batch_size": ("Int64", "samples per optimizer step on each device (with auto_batch_size: the batch found and measured)"),
-    "seq_len": ("Int64", "maximum tokens per sample (longer texts are truncated)"),
-    "lora_rank": ("Int64", "LoRA rank r; null for full fine-tuning"),
-    "lora_alpha": ("Float64", "LoRA scaling alpha; null for full fine-tuning"),
-    "learning_rate": ("Float64", "peak learning rate"),
-    "optimizer": ("string", "adamw | adamw_8bit | paged_adamw_8bit | sgd"),
-    "grad_accum_steps": ("Int64", "micro-batches per optimizer step"),
-    "gradient_checkpointing": ("boolean", "activation recomputation on"),
-    "compile": ("boolean", "torch.compile on"),
-    "attn_implementation": ("string", "attention kernel asked for (sdpa | eager); null: the model's default"),
-    "qlora_quant_type": ("string", "nf4 | fp4 (QLoRA only)"),
-    "qlora_double_quant": ("boolean", "QLoRA double quantisation of the quantisation constants"),
-    "qlora_compute_dtype": ("string", "QLoRA compute dtype; null: the run's precision"),
-    "num_gpus": ("Int64", "GPUs the run asked for (0: CPU)"),
-    "parallel": ("string", "single | dp | ddp"),
-    "data_source": ("string", "memory (shards decoded before training) | disk (rows read per batch)"),
-    "auto_batch_size": ("boolean", "batch_size searched before measuring: the largest that fits, found by trying"),
-    "auto_batch_size_max": ("Int64", "largest per-device batch the search tries; null without auto_batch_size"),
+    # the run's settings, as ftbench.runspec defines them
+    **spec_columns(),
     "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
     "auto_batch_size_oom_at": ("Int64", "smallest per-device batch that ran out of memory; null if none did (the limit was reached)"),
-    "repeat": ("Int64", "repeat index of this configuration (0-based)"),
-    "seed": ("Int64", "random seed of this repeat"),
     # where it ran
     "device": ("string", "cuda | cpu: where the run actually trained"),
     "device_name": ("string", "GPU name, or CPU model"),
@@ -88,7 +68,6 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W)"),
     "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J)"),
     "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
-    "gpu_sample_interval_s": ("Float64", "seconds between NVML samples (the run's setting)"),
     "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
@@ -131,13 +110,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
 
 
 # Columns copied from the run spec as they are.
-SPEC_COLUMNS = (
-    "model", "dataset", "method", "precision", "batch_size", "seq_len", "lora_rank", "lora_alpha",
-    "learning_rate", "optimizer", "grad_accum_steps", "gradient_checkpointing", "compile",
-    "attn_implementation", "qlora_quant_type", "qlora_double_quant", "qlora_compute_dtype",
-    "num_gpus", "parallel", "data_source", "auto_batch_size", "auto_batch_size_max", "repeat", "seed",
-    "gpu_sample_interval_s",
-)
+SPEC_COLUMNS = tuple(spec_columns())
 
 
 def row_from_result(result: dict) -> dict:

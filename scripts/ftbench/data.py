@@ -17,8 +17,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import atomic, sources, tasks
+from . import atomic, batching, sources, task_types
 from .errors import ConfigError, ManifestError, SourceError
+from .matrix import DEFAULT_SHARD_SIZE_MB
 from .modeling import SYNTHETIC_PAD_ID, config_vocab_size, load_tokenizer, tokenizer_source
 
 MANIFEST_NAME = "manifest.json"
@@ -159,12 +160,12 @@ def prepare(
     model_def: dict,
     seq_len: int,
     out_dir: str | Path,
-    shard_size_mb: float = 128,
+    shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
 ) -> dict:
     """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = tasks.model_task(model_def)
+    task = task_types.model_task(model_def)
     tokenizer = load_tokenizer(model_def)
     if dataset_def["source"]["kind"] == "synthetic":
         vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
@@ -190,7 +191,7 @@ def prepare(
     for split_name, table in split_tables.items():
         manifest["splits"][split_name] = {
             "rows": table.num_rows,
-            "tokens": tasks.real_tokens_in(table),
+            "tokens": batching.real_tokens_in(table),
             "shards": write_shards(table, out_dir, split_name, shard_size_mb),
         }
     atomic.write_json(out_dir / MANIFEST_NAME, manifest)
@@ -217,7 +218,7 @@ def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
         targets = None
         if task == "seq2seq":
             targets = tokenizer(text_target=frame["target"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
-        tables[split_name] = tasks.to_table(task, input_ids, labels, targets)
+        tables[split_name] = batching.to_table(task, input_ids, labels, targets)
     return tables, label_names
 
 
@@ -240,7 +241,7 @@ def synthetic_tables(dataset_def: dict, task: str, seq_len: int, vocab_size: int
         if task == "seq2seq":
             target_len = source.get("target_len", max(1, seq_len // 4))
             targets = rng.integers(low, vocab_size, size=(rows, target_len), dtype=np.int64).tolist()
-        tables[split_name] = tasks.to_table(task, ids, labels, targets)
+        tables[split_name] = batching.to_table(task, ids, labels, targets)
     label_names = [str(index) for index in range(num_labels)] if task == "classification" else None
     return tables, label_names
 
@@ -308,7 +309,7 @@ def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_sourc
     shards = [data_dir / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
     if data_source == "disk":
         return DiskSplit(shards)
-    return tasks.from_table(pa.concat_tables([pq.read_table(path) for path in shards]))
+    return batching.from_table(pa.concat_tables([pq.read_table(path) for path in shards]))
 
 
 class DiskSplit:
@@ -332,20 +333,20 @@ class DiskSplit:
                 first += parquet.metadata.row_group(group).num_rows
         self.rows = first
         self.group_starts = np.array([start for _, _, start in self.groups])
-        self._cache: dict[int, tasks.TokenisedSplit] = {}
+        self._cache: dict[int, batching.TokenisedSplit] = {}
 
     def __len__(self) -> int:
         return self.rows
 
-    def _group(self, index: int) -> tasks.TokenisedSplit:
+    def _group(self, index: int) -> batching.TokenisedSplit:
         if index not in self._cache:
             if len(self._cache) >= self.CACHED_GROUPS:
                 self._cache.pop(next(iter(self._cache)))  # oldest first
             file_index, group, _ = self.groups[index]
-            self._cache[index] = tasks.from_table(self.files[file_index].read_row_group(group))
+            self._cache[index] = batching.from_table(self.files[file_index].read_row_group(group))
         return self._cache[index]
 
-    def take(self, indices: np.ndarray) -> tasks.TokenisedSplit:
+    def take(self, indices: np.ndarray) -> batching.TokenisedSplit:
         indices = np.asarray(indices)
         group_of = np.searchsorted(self.group_starts, indices, side="right") - 1
         input_ids: list = [None] * len(indices)
@@ -363,4 +364,4 @@ class DiskSplit:
                 labels = np.empty(len(indices), dtype=np.int64) if labels is None else labels
                 labels[positions] = rows.labels
         has_targets = targets and targets[0] is not None
-        return tasks.TokenisedSplit(input_ids=input_ids, labels=labels, target_ids=targets if has_targets else None)
+        return batching.TokenisedSplit(input_ids=input_ids, labels=labels, target_ids=targets if has_targets else None)

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .runspec import RunSpec
 from .trainer import STEP_FIELDS, derive_efficiency, summarise
 
 # Worse statuses win when ranks disagree: the run is only as good as its worst rank.
@@ -104,14 +105,14 @@ def assign_gpus(num_gpus: int, slots: GpuSlots) -> str | None:
 def ddp_command(processes: int, worker_args: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-        str(Path(__file__).resolve().parents[1] / "train.py"), *worker_args,
+        "-m", "ftbench", "train", *worker_args,
     ]
 
 
-def run_ddp(spec: dict, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
+def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
     """Start one process per device with torchrun; each writes ``rank_dir/rank<R>.json``."""
-    processes = max(1, spec["num_gpus"])
-    args = ["--spec", json.dumps(spec), "--data", data_dir, "--rank-dir", str(rank_dir)]
+    processes = max(1, spec.num_gpus)
+    args = ["--spec", spec.to_json(), "--data", data_dir, "--rank-dir", str(rank_dir)]
     if threads:
         args += ["--threads", str(max(1, threads // processes))]
     if time_limit_s:
@@ -202,7 +203,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def merge_ranks(rank_results: list[dict], spec: dict, devices: int) -> tuple[dict, list[dict]]:
+def merge_ranks(rank_results: list[dict], spec: RunSpec, devices: int) -> tuple[dict, list[dict]]:
     """One run's metrics and step records from its ranks: counts summed, times and memory maxed."""
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from .runspec import RunSpec
+
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
 MIB = 2**20
 
@@ -98,21 +100,21 @@ def adapted_linears(model: torch.nn.Module) -> list[int]:
     return [module.in_features for module in model.modules() if len(getattr(module, "lora_A", None) or ()) > 0]
 
 
-def adapter_bytes_per_layer_token(model: torch.nn.Module, spec: dict, norm: str, mlp: str, inter: int, width: int,
+def adapter_bytes_per_layer_token(model: torch.nn.Module, spec: RunSpec, norm: str, mlp: str, inter: int, width: int,
                                   layers: int, sixteen_bit: bool) -> float:
     """What adapters change in the activations kept per layer and token (see the module's docstring)."""
     inputs = adapted_linears(model)
     per_element = 2 if sixteen_bit else 4
-    added = len(inputs) * spec["lora_rank"] * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
-    if spec.get("lora_dropout"):
+    added = len(inputs) * spec.lora_rank * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
+    if spec.lora_dropout:
         added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
     per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(norm, sixteen_bit)] * width
-    if spec["method"] == "qlora" and sixteen_bit:
+    if spec.method == "qlora" and sixteen_bit:
         per_layer += QLORA_MLP_BYTES[mlp] * inter
     return per_layer
 
 
-def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | None) -> dict:
+def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int | None) -> dict:
     quantised = other = trainable = 0
     for param in model.parameters():
         quant_state = getattr(param, "quant_state", None)
@@ -122,30 +124,30 @@ def estimate(model: torch.nn.Module, spec: dict, task: str, vocab_size: int | No
             other += param.numel()
         if param.requires_grad:
             trainable += param.numel()
-    sixteen_bit = spec["precision"] in ("bf16", "fp16")
-    constants = 0.0159 if spec.get("qlora_double_quant") else 0.0625
+    sixteen_bit = spec.precision in ("bf16", "fp16")
+    constants = 0.0159 if spec.qlora_double_quant else 0.0625
     weights = quantised * (0.5 + constants) + other * 4
     weight_copies = other * 2 if sixteen_bit else 0
     gradients = trainable * 4
-    optimizer = trainable * OPTIMIZER_BYTES[spec["optimizer"]]
+    optimizer = trainable * OPTIMIZER_BYTES[spec.optimizer]
 
     config = getattr(model, "config", None)
     from .flops import attention_shape
 
     layers, width = attention_shape(config)
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", 0) or 0
-    batch, seq = spec["batch_size"], spec["seq_len"]
+    batch, seq = spec.batch_size, spec.seq_len
     norm, mlp = architecture_traits(model)
     per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
     if hidden_dropout(config) > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
     inter = intermediate_width(config, width)
     per_layer_token = per_width * width + per_intermediate * inter
-    if spec["method"] in ("lora", "qlora"):
+    if spec.method in ("lora", "qlora"):
         per_layer_token += adapter_bytes_per_layer_token(model, spec, norm, mlp, inter, width, layers, sixteen_bit)
-    if spec.get("attn_implementation") == "eager":
+    if spec.attn_implementation == "eager":
         per_layer_token += 5 * heads * seq * (1 if sixteen_bit else 2)
-    if spec["gradient_checkpointing"]:
+    if spec.gradient_checkpointing:
         activations = batch * seq * layers * 4 * width  # each layer's fp32 input
         recompute = batch * seq * per_layer_token  # one layer's, while the backward pass recomputes it
         # Autocast's weight copies are not saved for backward inside checkpointed layers: they go with

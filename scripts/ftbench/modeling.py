@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from . import sources, tasks
+from . import sources, task_types
 from .errors import SourceError, UnsupportedConfiguration
+from .runspec import RunSpec
 
 # Pad id for synthetic data of a model without a tokenizer: synthetic sequences are never padded, so
 # any id below the random-token range works.
@@ -91,41 +92,41 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def check_supported(spec: dict, device: torch.device) -> None:
+def check_supported(spec: RunSpec, device: torch.device) -> None:
     """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run."""
-    if spec["precision"] == "fp16" and device.type == "cpu":
+    if spec.precision == "fp16" and device.type == "cpu":
         raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
-    needs_bnb = spec["method"] == "qlora" or spec["optimizer"] in BNB_OPTIMIZERS
+    needs_bnb = spec.method == "qlora" or spec.optimizer in BNB_OPTIMIZERS
     if needs_bnb and not bitsandbytes_available():
-        raise UnsupportedConfiguration(f"{spec['method']}/{spec['optimizer']} needs the bitsandbytes package, which is not installed")
-    if spec["optimizer"] == "paged_adamw_8bit" and device.type != "cuda":
+        raise UnsupportedConfiguration(f"{spec.method}/{spec.optimizer} needs the bitsandbytes package, which is not installed")
+    if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
-    if spec["precision"] == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if spec.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
-    if spec["parallel"] == "dp" and device.type != "cuda":
+    if spec.parallel == "dp" and device.type != "cuda":
         raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
-    if spec["compile"] and spec["parallel"] == "dp":
+    if spec.compile and spec.parallel == "dp":
         raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
 
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def build_model(spec: dict, num_labels: int | None, device: torch.device, pad_token_id: int | None = None) -> BuiltModel:
+def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None) -> BuiltModel:
     """The model for one run, on ``device``, with adapters and checkpointing applied.
 
     ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
     """
-    model_def = spec["model_def"]
+    model_def = spec.model_def
     source = model_def["source"]
-    task = tasks.TASKS[tasks.model_task(model_def)]
+    task = task_types.TASKS[task_types.model_task(model_def)]
     model_class = task.model_class()
     kwargs = {"num_labels": num_labels} if task.name == "classification" else {}
-    if spec["attn_implementation"]:
-        kwargs["attn_implementation"] = spec["attn_implementation"]
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
 
     quantised = {}
-    if spec["method"] == "qlora":
+    if spec.method == "qlora":
         # bitsandbytes quantises while loading, onto the device it loads to.
         quantised = {
             "quantization_config": _bnb_config(spec),
@@ -160,48 +161,48 @@ def build_model(spec: dict, num_labels: int | None, device: torch.device, pad_to
         model.config.pad_token_id = pad_token_id
 
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if spec["method"] == "qlora":
+    if spec.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
         # Casts norms and the head to fp32 and enables input gradients, which 4-bit training needs.
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=spec["gradient_checkpointing"], **checkpointing
+            model, use_gradient_checkpointing=spec.gradient_checkpointing, **checkpointing
         )
-    elif spec["gradient_checkpointing"]:
+    elif spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(**checkpointing)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # the KV cache only serves generation and costs memory in training
 
-    if spec["method"] in ("lora", "qlora"):
+    if spec.method in ("lora", "qlora"):
         model = _add_lora(model, spec, task)
-    if spec["method"] != "qlora":
+    if spec.method != "qlora":
         model = model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
 
 
-def _bnb_config(spec: dict):
+def _bnb_config(spec: RunSpec):
     from transformers import BitsAndBytesConfig
 
-    compute = spec["qlora_compute_dtype"] or spec["precision"]
+    compute = spec.qlora_compute_dtype or spec.precision
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=spec["qlora_quant_type"],
-        bnb_4bit_use_double_quant=spec["qlora_double_quant"],
+        bnb_4bit_quant_type=spec.qlora_quant_type,
+        bnb_4bit_use_double_quant=spec.qlora_double_quant,
         bnb_4bit_compute_dtype=DTYPES[compute],
         llm_int8_skip_modules=OUTPUT_HEADS,
     )
 
 
-def _add_lora(model, spec: dict, task: tasks.Task):
+def _add_lora(model, spec: RunSpec, task: task_types.Task):
     from peft import LoraConfig, TaskType, get_peft_model
 
     config = LoraConfig(
         # The task type makes peft keep a new classification head trainable (modules_to_save).
         task_type=getattr(TaskType, task.peft_task_type),
-        r=spec["lora_rank"],
-        lora_alpha=spec["lora_alpha"],
-        lora_dropout=spec["lora_dropout"],
-        target_modules=spec["lora_targets"],
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.lora_targets,
     )
     return get_peft_model(model, config)

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, environment, faults, flops, gpu_monitor, memory_estimate, modeling, tasks
+from . import data, environment, faults, flops, gpu_monitor, memory_estimate, modeling, batching
 from .errors import UnsupportedConfiguration
+from .runspec import AUTO_BATCH_SIZE_MAX, RunSpec
 
 STATUSES = ("ok", "oom", "diverged", "timeout", "unsupported", "failed")
 STEP_FIELDS = ["step", "measured", "step_time_s", "loader_s", "samples", "tokens", "padded_tokens", "flops", "loss", "lr"]
@@ -71,11 +72,6 @@ class StopSignal:
         return None
 
 
-def devices_in_run(spec: dict) -> int:
-    """Devices that train together: all GPUs of a dp/ddp run, else one."""
-    return max(1, spec["num_gpus"]) if spec["parallel"] in ("dp", "ddp") else 1
-
-
 def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
     """Yield ``count`` index arrays of ``global_batch`` examples, reshuffled each epoch (seeded, so every
     DDP rank sees the same order and takes its own slice).
@@ -93,29 +89,29 @@ def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
                 return
 
 
-def plan_steps(spec: dict, num_train: int) -> int:
+def plan_steps(spec: RunSpec, num_train: int) -> int:
     """Optimizer steps of the run: max_steps, or epochs over the training split."""
-    examples_per_step = spec["batch_size"] * devices_in_run(spec) * spec["grad_accum_steps"]
+    examples_per_step = spec.batch_size * spec.devices * spec.grad_accum_steps
     steps_per_epoch = num_train // examples_per_step
     if steps_per_epoch == 0:
         raise ValueError(
             f"one optimizer step needs {examples_per_step} examples (batch_size x devices x grad_accum_steps) "
             f"but the training split has {num_train}"
         )
-    if spec["max_steps"] is not None:
-        return spec["max_steps"]
-    return max(1, math.ceil(spec["epochs"] * steps_per_epoch))
+    if spec.max_steps is not None:
+        return spec.max_steps
+    return max(1, math.ceil(spec.epochs * steps_per_epoch))
 
 
-def choose_device(spec: dict, dist: Distributed) -> tuple[torch.device, str | None]:
+def choose_device(spec: RunSpec, dist: Distributed) -> tuple[torch.device, str | None]:
     """The device this process trains on and, if it differs from what was asked, why."""
-    wanted = spec["num_gpus"]
-    if spec["device"] == "cpu" or wanted == 0:
+    wanted = spec.num_gpus
+    if spec.device == "cpu" or wanted == 0:
         return torch.device("cpu"), None
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available >= wanted:
         return torch.device("cuda", dist.local_rank), None
-    if wanted == 1 and available == 0 and spec["device"] == "auto":
+    if wanted == 1 and available == 0 and spec.device == "auto":
         # The laptop case: a run written for one GPU still gives numbers, clearly marked as CPU numbers.
         return torch.device("cpu"), "no CUDA device visible; ran on the CPU"
     raise UnsupportedConfiguration(f"run asks for {wanted} GPUs but {available} are visible")
@@ -164,10 +160,10 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_optimizer(spec: dict, model: torch.nn.Module, device: torch.device):
+def make_optimizer(spec: RunSpec, model: torch.nn.Module, device: torch.device):
     params = [p for p in model.parameters() if p.requires_grad]
-    lr, decay = spec["learning_rate"], spec["weight_decay"]
-    name = spec["optimizer"]
+    lr, decay = spec.learning_rate, spec.weight_decay
+    name = spec.optimizer
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=decay)
     if name in modeling.BNB_OPTIMIZERS:
@@ -180,9 +176,9 @@ def make_optimizer(spec: dict, model: torch.nn.Module, device: torch.device):
     return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused or None)
 
 
-def make_scheduler(optimizer, spec: dict, total_steps: int):
+def make_scheduler(optimizer, spec: RunSpec, total_steps: int):
     """Linear warmup over ``lr_warmup_steps``, then linear decay to zero."""
-    warmup = spec["lr_warmup_steps"]
+    warmup = spec.lr_warmup_steps
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -252,19 +248,19 @@ def _auto_batch_size(spec, bare, split, task, pad_id, device, dist, metrics, inj
     out of memory cannot leave the others waiting); the ranks then agree on the smallest batch any of
     them found.
     """
-    devices = devices_in_run(spec)
+    devices = spec.devices
     per_process = devices // dist.world_size  # DataParallel feeds all devices from one process
-    data_cap = len(split) // (devices * spec["grad_accum_steps"])
-    cap = max(1, min(spec.get("auto_batch_size_max") or AUTO_BATCH_SIZE_MAX, data_cap))
+    data_cap = len(split) // (devices * spec.grad_accum_steps)
+    cap = max(1, min(spec.auto_batch_size_max or AUTO_BATCH_SIZE_MAX, data_cap))
     trial_model = bare
-    if spec["parallel"] == "dp" and device.type == "cuda" and devices > 1:
+    if spec.parallel == "dp" and device.type == "cuda" and devices > 1:
         trial_model = torch.nn.DataParallel(bare, device_ids=list(range(devices)))
     order = _longest_first(split)
-    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32")
+    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
 
     def step(batch_size: int, optimizer, scaler) -> None:
         indices = order[np.arange(batch_size * per_process) % len(order)]
-        batch = tasks.collate(task, split, indices, pad_id).to(device)
+        batch = batching.collate(task, split, indices, pad_id).to(device)
         injector.check_batch(batch_size)
         with torch.autocast(**autocast):
             loss = trial_model(**batch.inputs).loss.mean()  # the loss only, as in training (memory)
@@ -274,10 +270,10 @@ def _auto_batch_size(spec, bare, split, task, pad_id, device, dist, metrics, inj
         synchronize(device)
 
     def fits(batch_size: int) -> bool:
-        optimizer = make_optimizer({**spec, "learning_rate": 1.0}, trial_model, device)
+        optimizer = make_optimizer(spec.replace(learning_rate=1.0), trial_model, device)
         for group in optimizer.param_groups:
             group["lr"] = 0.0
-        scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
+        scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
         try:
             step(batch_size, optimizer, scaler)
             fitted = True
@@ -291,7 +287,7 @@ def _auto_batch_size(spec, bare, split, task, pad_id, device, dist, metrics, inj
         return fitted
 
     started = time.perf_counter()
-    found, oom_at, trials = search_batch_size(fits, spec["batch_size"], cap)
+    found, oom_at, trials = search_batch_size(fits, spec.batch_size, cap)
     if dist.active:
         # Every rank must train at the same batch: the smallest any rank found (0: none fitted somewhere).
         agreed = torch.tensor([found or 0, oom_at or 2**31 - 1], dtype=torch.int64, device=device)
@@ -314,11 +310,7 @@ def _longest_first(split) -> np.ndarray:
     return np.argsort([-len(ids) for ids in input_ids], kind="stable")
 
 
-# The largest per-device batch auto_batch_size tries unless the run sets auto_batch_size_max.
-AUTO_BATCH_SIZE_MAX = 1024
-
-
-def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
+def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = None,
               dist: Distributed | None = None) -> tuple[dict, list[dict]]:
     """Run one configuration (this process's part of it); return (metrics, step records).
 
@@ -328,16 +320,16 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
     stop = stop or StopSignal()
     dist = dist or Distributed()
     started = time.perf_counter()
-    metrics: dict = {"run_id": spec["run_id"], "status": "ok", "status_reason": None}
+    metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None}
     steps: list[dict] = []
     # Test-only fault injection (faults.py), read once per run; without FTBENCH_INJECT_FAULT it does nothing.
-    injector = faults.Injector.from_env(spec["run_id"], dist.rank)
+    injector = faults.Injector.from_env(spec.run_id, dist.rank)
     try:
         device, note = choose_device(spec, dist)
         metrics["status_reason"] = note
         metrics["device"] = device.type
         metrics["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else environment.cpu_model()
-        metrics["world_size"] = devices_in_run(spec) if (device.type == "cuda" or dist.active) else 1
+        metrics["world_size"] = spec.devices if (device.type == "cuda" or dist.active) else 1
         modeling.check_supported(spec, device)
         manifest = data.verify(data_dir)
         steps = _train(spec, data_dir, manifest, device, dist, metrics, stop, injector)
@@ -354,12 +346,12 @@ def train_run(spec: dict, data_dir: str | Path, stop: StopSignal | None = None,
     return metrics, steps
 
 
-def derive_efficiency(metrics: dict, spec: dict, devices: int) -> dict:
+def derive_efficiency(metrics: dict, spec: RunSpec, devices: int) -> dict:
     """MFU and energy per token from the summary figures (one place for single, DP and merged DDP runs)."""
     derived = {}
     if metrics.get("device") == "cuda":
         achieved = metrics["tflops_per_s"] * 1e12 if metrics.get("tflops_per_s") else None
-        derived.update(flops.mfu(achieved, metrics.get("device_name", ""), spec["precision"], devices))
+        derived.update(flops.mfu(achieved, metrics.get("device_name", ""), spec.precision, devices))
     else:
         derived.update(mfu=None, mfu_peak_tflops=None, mfu_peak_source=None)
     energy, tokens = metrics.get("energy_j"), metrics.get("measured_tokens")
@@ -369,13 +361,13 @@ def derive_efficiency(metrics: dict, spec: dict, devices: int) -> dict:
 
 def _wrap_model(model, spec, device, dist):
     """The model as trained: DataParallel / DDP / compiled as asked."""
-    if spec["parallel"] == "dp" and device.type == "cuda" and devices_in_run(spec) > 1:
-        model = torch.nn.DataParallel(model, device_ids=list(range(devices_in_run(spec))))
+    if spec.parallel == "dp" and device.type == "cuda" and spec.devices > 1:
+        model = torch.nn.DataParallel(model, device_ids=list(range(spec.devices)))
     if dist.active:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if spec["compile"]:
+    if spec.compile:
         model = torch.compile(model)
     return model
 
@@ -393,51 +385,51 @@ def _stop_reason(stop: StopSignal, typical_step_s: float, dist: Distributed, dev
 def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
            injector: faults.Injector | None = None) -> list[dict]:
     injector = injector or faults.Injector([])
-    set_seed(spec["seed"])
+    set_seed(spec.seed)
     task = manifest["task"]
     load_started = time.perf_counter()
-    train_split = data.load_split(data_dir, "train", manifest, spec["data_source"])
+    train_split = data.load_split(data_dir, "train", manifest, spec.data_source)
     eval_split = data.load_split(data_dir, "eval", manifest)
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device,
                                  pad_token_id=manifest["pad_token_id"])
     bare = built.model
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params)
     metrics["load_time_s"] = time.perf_counter() - load_started
-    if spec.get("auto_batch_size"):
+    if spec.auto_batch_size:
         # Measure at the largest batch that fits: from here on the run is that batch's run.
         # fork_rng: the trials' random numbers (dropout) are given back, so training starts as without them.
         with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
             found = _auto_batch_size(spec, bare, train_split, task, manifest["pad_token_id"], device, dist, metrics, injector)
-        spec = {**spec, "batch_size": found}
+        spec = spec.replace(batch_size=found)
         metrics["batch_size"] = found
     model = _wrap_model(bare, spec, device, dist)
     metrics.update(memory_estimate.estimate(bare, spec, task, getattr(bare.config, "vocab_size", None)))
     shape = flops.ModelShape.of(bare)
-    full_finetune = spec["method"] == "full"
+    full_finetune = spec.method == "full"
 
-    devices = devices_in_run(spec)
-    accum = spec["grad_accum_steps"]
+    devices = spec.devices
+    accum = spec.grad_accum_steps
     total_steps = plan_steps(spec, len(train_split))
-    if spec["warmup_steps"] >= total_steps:
-        raise ValueError(f"warmup_steps ({spec['warmup_steps']}) must be smaller than the run's {total_steps} steps")
+    if spec.warmup_steps >= total_steps:
+        raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     optimizer = make_optimizer(spec, model, device)
     scheduler = make_scheduler(optimizer, spec, total_steps)
-    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32")
+    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
     # GradScaler keeps small fp16 gradients from flushing to zero; bf16 has fp32's range and needs none.
-    scaler = torch.amp.GradScaler(device.type, enabled=spec["precision"] == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
     pad_id = manifest["pad_token_id"]
     if dist.rank == 0:
         metrics.update(_count_flops(bare, train_split, spec, task, pad_id, device, autocast, shape, full_finetune))
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
-    share = spec["batch_size"] * (devices // dist.world_size)
-    order = batch_order(len(train_split), spec["batch_size"] * devices, total_steps * accum, spec["seed"])
+    share = spec.batch_size * (devices // dist.world_size)
+    order = batch_order(len(train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
 
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
-    local_gpus = [] if device.type != "cuda" else list(range(devices)) if spec["parallel"] == "dp" else [device.index]
+    local_gpus = [] if device.type != "cuda" else list(range(devices)) if spec.parallel == "dp" else [device.index]
     for index in local_gpus:
         torch.cuda.reset_peak_memory_stats(index)
-    sampler = gpu_monitor.GpuSampler(local_gpus, spec["gpu_sample_interval_s"])
+    sampler = gpu_monitor.GpuSampler(local_gpus, spec.gpu_sample_interval_s)
     steps: list[dict] = []
     skipped_steps = 0
     window_start = window_end = None
@@ -446,7 +438,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     synchronize(device)
     step_start = time.perf_counter()
     for step in range(total_steps):
-        if step == spec["warmup_steps"]:
+        if step == spec.warmup_steps:
             window_start = step_start
             sampler.start()
         stop_reason = _stop_reason(stop, steps[-1]["step_time_s"] if steps else 0.0, dist, device)
@@ -454,20 +446,20 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
             metrics.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
         metrics["last_step"] = step  # kept current so an OOM or a stop says how far the run got
-        record = {"step": step, "measured": step >= spec["warmup_steps"], "samples": 0, "tokens": 0,
+        record = {"step": step, "measured": step >= spec.warmup_steps, "samples": 0, "tokens": 0,
                   "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             fetch_start = time.perf_counter()
             indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
-            batch = tasks.collate(task, train_split, indices, pad_id).to(device)
+            batch = batching.collate(task, train_split, indices, pad_id).to(device)
             record["loader_s"] += time.perf_counter() - fetch_start
             record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
                                                 batch.target_tokens, batch.target_sum_squared_lengths)
             if injector:
                 if micro == 0:
                     injector.before_step(step)
-                injector.check_batch(spec["batch_size"])
+                injector.check_batch(spec.batch_size)
             # Gradients are all-reduced only on the last micro-batch of a step.
             no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
             with no_sync:
@@ -504,7 +496,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
     # steps (timed, tokens counted) but did not update the weights.
     metrics["grad_scaler_skipped_steps"] = skipped_steps if scaler.is_enabled() else None
-    metrics.update(total_steps=total_steps, warmup_steps=spec["warmup_steps"], grad_accum_steps=accum)
+    metrics.update(total_steps=total_steps, warmup_steps=spec.warmup_steps, grad_accum_steps=accum)
     window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
     metrics["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (launch.merge_ranks) and recomputes the summary.
@@ -514,7 +506,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
     if steps:
         metrics["final_train_loss"] = steps[-1]["loss"]
         metrics["first_step_s"] = steps[0]["step_time_s"]
-        if spec["compile"] and metrics.get("step_time_median_s"):
+        if spec.compile and metrics.get("step_time_median_s"):
             # Compilation happens inside the first step; its excess over a normal step estimates it.
             metrics["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - metrics["step_time_median_s"])
     if local_gpus:
@@ -531,8 +523,8 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
 def _count_flops(bare, split, spec, task, pad_id, device, autocast, shape, full_finetune) -> dict:
     """torch.utils.flop_counter on one micro-batch, beside the analytic count for the same (padded)
     batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
-    indices = np.arange(min(spec["batch_size"], len(split)))
-    batch = tasks.collate(task, split, indices, pad_id).to(device)
+    indices = np.arange(min(spec.batch_size, len(split)))
+    batch = batching.collate(task, split, indices, pad_id).to(device)
     # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
     inputs_len = batch.inputs["input_ids"].shape[1]
     targets_len = batch.inputs["labels"].shape[1] if task == "seq2seq" else 0
@@ -561,14 +553,14 @@ def _unwrap(model):
 
 
 @torch.no_grad()
-def evaluate(model, split: tasks.TokenisedSplit, spec: dict, task: str, device: torch.device, pad_id: int) -> dict:
+def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int) -> dict:
     model.eval()
-    count = len(split) if spec["max_eval_samples"] is None else min(len(split), spec["max_eval_samples"])
-    scores = tasks.EvalAccumulator(task)
-    for start in range(0, count, spec["eval_batch_size"]):
-        indices = np.arange(start, min(start + spec["eval_batch_size"], count))
-        batch = tasks.collate(task, split, indices, pad_id).to(device)
-        with torch.autocast(device.type, dtype=modeling.DTYPES[spec["precision"]], enabled=spec["precision"] != "fp32"):
+    count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
+    scores = batching.EvalAccumulator(task)
+    for start in range(0, count, spec.eval_batch_size):
+        indices = np.arange(start, min(start + spec.eval_batch_size, count))
+        batch = batching.collate(task, split, indices, pad_id).to(device)
+        with torch.autocast(device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32"):
             output = model(**batch.inputs)
         scores.add(output, batch)
     model.train()

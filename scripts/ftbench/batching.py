@@ -1,10 +1,4 @@
-"""What differs between model families: how examples are tokenised, batched, scored.
-
-- classification: an encoder (BERT-like) with a new classification head; loss = cross-entropy over
-  classes; quality = accuracy.
-- causal_lm: a decoder (Llama-like); loss = next-token cross-entropy over the real tokens; quality =
-  eval loss, perplexity and next-token accuracy.
-- seq2seq: an encoder-decoder (T5-like); loss = cross-entropy over the target tokens.
+"""How each model task type (``task_types.py``) stores, batches and scores its examples.
 
 Token counting convention (used for every throughput figure): the real, unpadded tokens the model
 processes in a step, i.e. input tokens, plus target tokens for seq2seq (the decoder processes them too).
@@ -57,30 +51,6 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
         return dataclasses.replace(self, inputs=moved)
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    auto_model: str  # transformers Auto class
-    peft_task_type: str  # peft TaskType member
-    needs: tuple[str, ...]  # dataset keys this task requires
-
-    def model_class(self):
-        import transformers
-
-        return getattr(transformers, self.auto_model)
-
-
-TASKS = {
-    "classification": Task("classification", "AutoModelForSequenceClassification", "SEQ_CLS", ("label_column",)),
-    "causal_lm": Task("causal_lm", "AutoModelForCausalLM", "CAUSAL_LM", ()),
-    "seq2seq": Task("seq2seq", "AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", ("target_column",)),
-}
-
-
-def model_task(model_def: dict) -> str:
-    return model_def.get("task", "classification")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""RunSpec: the one list of run settings.
+
+Every setting a run can have is a field of ``RunSpec`` with its default, its allowed values (a JSON
+Schema fragment), a one-line doc, whether it is a column of ``results/metrics.parquet`` and how it shows
+in the readable run name. Everything else is derived from this list:
+
+- the experiment schema's ``run_settings`` and ``matrix`` blocks (``config.load_schema`` injects them);
+- the spec columns of the Parquet table (``columns.COLUMNS``);
+- the readable part of a run id (``readable_name``);
+- which settings stop mattering under others (``normalise``: LoRA keys for full fine-tuning, ...).
+
+Adding a knob is one field here plus the code that uses it. This module imports nothing heavy (no
+torch), so validating a config at parse time stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Bumping this changes every run id: do it when the meaning of a spec key changes.
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What ftbench knows about one run setting (kept in the dataclass field's metadata)."""
+
+    doc: str
+    schema: dict  # JSON Schema of one value (matrix axes are lists of these)
+    column: str | None = None  # pandas dtype of its metrics.parquet column; None: not a column
+    # Part of the readable run name, or None when the setting adds nothing (e.g. at its usual value).
+    name_part: Callable[["RunSpec"], str | None] | None = None
+    # When this returns False for a run's settings, the setting has no effect and is normalised to None
+    # (so runs that differ only in it share one id).
+    applies: Callable[[dict], bool] | None = None
+
+
+def setting(default: Any, doc: str, schema: dict, column: str | None = None, name_part=None, applies=None):
+    meta = Setting(doc=doc, schema=schema, column=column, name_part=name_part, applies=applies)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata={"setting": meta})
+    return field(default=default, metadata={"setting": meta})
+
+
+def _nullable(schema: dict) -> dict:
+    return {"oneOf": [{"type": "null"}, schema]}
+
+
+def _is_adapter(settings: dict) -> bool:
+    return settings.get("method") != "full"
+
+
+def _is_qlora(settings: dict) -> bool:
+    return settings.get("method") == "qlora"
+
+
+LORA_TARGETS_SCHEMA = {
+    "oneOf": [
+        {"const": "all-linear"},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}, "uniqueItems": True},
+    ]
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: its settings (fields with a ``setting`` in their metadata) and its identity.
+
+    A run spec is what a training job receives, as JSON (``to_json`` / ``from_json``). Settings come from
+    the experiment's defaults, matrix, overrides and includes (``matrix.expand_runs``); the identity
+    fields (``run_id``, ``config_id``, ``data_id``, the model and dataset definitions) are filled there.
+    """
+
+    # --- what is trained on what
+    model: str = setting(None, "model name from the config", {"type": "string", "minLength": 1}, "string",
+                         name_part=lambda s: s.model)
+    dataset: str = setting(None, "dataset name from the config", {"type": "string", "minLength": 1}, "string",
+                           name_part=lambda s: s.dataset)
+    method: str = setting("lora", "full | lora | qlora (4-bit base via bitsandbytes + LoRA)",
+                          {"enum": ["full", "lora", "qlora"]}, "string", name_part=lambda s: s.method)
+    lora_rank: int = setting(8, "LoRA rank r; null for full fine-tuning", {"type": "integer", "minimum": 1, "maximum": 4096},
+                             "Int64", name_part=lambda s: f"r{s.lora_rank}" if s.method != "full" else None,
+                             applies=_is_adapter)
+    qlora_quant_type: str = setting("nf4", "nf4 | fp4 (QLoRA only)", {"enum": ["nf4", "fp4"]}, "string",
+                                    name_part=lambda s: s.qlora_quant_type if s.method == "qlora" and s.qlora_quant_type != "nf4" else None,
+                                    applies=_is_qlora)
+    qlora_double_quant: bool = setting(True, "QLoRA double quantisation of the quantisation constants", {"type": "boolean"},
+                                       "boolean", name_part=lambda s: "nodq" if s.method == "qlora" and not s.qlora_double_quant else None,
+                                       applies=_is_qlora)
+    precision: str = setting("fp32", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)",
+                             {"enum": ["fp32", "fp16", "bf16"]}, "string", name_part=lambda s: s.precision)
+    batch_size: int = setting(32, "samples per optimizer step on each device (with auto_batch_size: the batch found and measured)",
+                              {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64", name_part=lambda s: f"b{s.batch_size}")
+    seq_len: int = setting(128, "maximum tokens per sample (longer texts are truncated)",
+                           {"type": "integer", "minimum": 8, "maximum": 1048576}, "Int64", name_part=lambda s: f"s{s.seq_len}")
+    grad_accum_steps: int = setting(1, "micro-batches per optimizer step", {"type": "integer", "minimum": 1, "maximum": 4096},
+                                    "Int64", name_part=lambda s: f"ga{s.grad_accum_steps}" if s.grad_accum_steps > 1 else None)
+    optimizer: str = setting("adamw", "adamw (fused on CUDA) | adamw_8bit | paged_adamw_8bit (bitsandbytes) | sgd",
+                             {"enum": ["adamw", "adamw_8bit", "paged_adamw_8bit", "sgd"]}, "string",
+                             name_part=lambda s: s.optimizer if s.optimizer != "adamw" else None)
+    gradient_checkpointing: bool = setting(False, "activation recomputation on", {"type": "boolean"}, "boolean",
+                                           name_part=lambda s: "gc" if s.gradient_checkpointing else None)
+    auto_batch_size: bool = setting(
+        False, "batch_size searched before measuring: the largest that fits, found by trying (batch_size is where the search starts)",
+        {"type": "boolean"}, "boolean", name_part=lambda s: "autobs" if s.auto_batch_size else None)
+    compile: bool = setting(False, "torch.compile on", {"type": "boolean"}, "boolean",
+                            name_part=lambda s: "compiled" if s.compile else None)
+    data_source: str = setting("memory", "memory (shards decoded into RAM before training) | disk (rows read per batch)",
+                               {"enum": ["memory", "disk"]}, "string",
+                               name_part=lambda s: "disk" if s.data_source == "disk" else None)
+    parallel: str = setting("single", "single | dp (DataParallel) | ddp (DistributedDataParallel through torchrun)",
+                            {"enum": ["single", "dp", "ddp"]}, "string",
+                            name_part=lambda s: f"{s.parallel}{s.num_gpus}" if s.parallel != "single" else None)
+    num_gpus: int = setting(1, "GPUs the run asks for (0: CPU); with no GPU visible a 1-GPU run falls back to the CPU",
+                            {"type": "integer", "minimum": 0, "maximum": 64}, "Int64")
+
+    # --- LoRA / QLoRA details
+    lora_alpha: float | None = setting(None, "LoRA scaling alpha (null: 2 x rank); null for full fine-tuning",
+                                       _nullable({"type": "number", "exclusiveMinimum": 0}), "Float64", applies=_is_adapter)
+    lora_dropout: float = setting(0.05, "dropout on the LoRA branch", {"type": "number", "minimum": 0, "maximum": 0.9},
+                                  applies=_is_adapter)
+    lora_targets: Any = setting("all-linear", "module names to adapt, or all-linear", LORA_TARGETS_SCHEMA, applies=_is_adapter)
+    qlora_compute_dtype: str | None = setting(None, "QLoRA compute dtype; null: the run's precision",
+                                              {"enum": [None, "fp32", "fp16", "bf16"]}, "string", applies=_is_qlora)
+
+    # --- optimisation
+    learning_rate: float = setting(5e-4, "peak learning rate", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "Float64")
+    lr_warmup_steps: int = setting(0, "linear learning-rate warmup steps, then linear decay to 0", {"type": "integer", "minimum": 0})
+    weight_decay: float = setting(0.0, "AdamW / SGD weight decay", {"type": "number", "minimum": 0, "maximum": 1})
+    epochs: float | None = setting(1, "passes over the training split (ignored when max_steps is set)",
+                                   {"type": "number", "exclusiveMinimum": 0, "maximum": 1000},
+                                   applies=lambda settings: settings.get("max_steps") is None)
+    max_steps: int | None = setting(None, "optimizer steps of the run, warmup included (null: epochs decide)",
+                                    _nullable({"type": "integer", "minimum": 1}))
+    seed: int = setting(0, "random seed of this repeat (the configured seed + repeat index)", {"type": "integer", "minimum": 0}, "Int64")
+
+    # --- how it runs and is measured
+    attn_implementation: str | None = setting(None, "attention kernel asked for (sdpa | eager); null: the model's default",
+                                              {"enum": [None, "sdpa", "eager"]}, "string")
+    auto_batch_size_max: int | None = setting(
+        1024, "largest per-device batch auto_batch_size tries; null without auto_batch_size",
+        {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64",
+        applies=lambda settings: bool(settings.get("auto_batch_size")))
+    device: str = setting("auto", "auto: the GPUs asked for, or the CPU for a 1-GPU run on a machine without one | cpu | cuda",
+                          {"enum": ["auto", "cpu", "cuda"]})
+    warmup_steps: int = setting(3, "first steps run but excluded from timing (allocator growth, autotuning, compilation)",
+                                {"type": "integer", "minimum": 0, "maximum": 100000})
+    eval_batch_size: int = setting(64, "samples per evaluation batch", {"type": "integer", "minimum": 1})
+    max_eval_samples: int | None = setting(None, "eval examples scored (null: the whole eval split)",
+                                           _nullable({"type": "integer", "minimum": 1}))
+    # A measuring knob, but part of the spec so the run records how it was measured. 0.5 s: at 0.1 s an
+    # H100 run lost 3.5% of its throughput to sampling (scripts/benchmark_overhead.py); the driver averages
+    # utilisation over 1/6 to 1 s anyway, and energy comes from the driver's counter whatever the interval.
+    gpu_sample_interval_s: float = setting(0.5, "seconds between NVML samples (utilisation, memory, power)",
+                                           {"type": "number", "minimum": 0.01, "maximum": 10}, "Float64")
+
+    # --- identity: filled by matrix.make_spec, not settable in a config
+    repeat: int = 0
+    spec_version: int = SPEC_VERSION
+    model_def: dict = field(default_factory=dict)
+    dataset_def: dict = field(default_factory=dict)
+    data_id: str = ""
+    config_id: str = ""
+    run_id: str = ""
+
+    # --- conversions
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"run spec: unknown keys {unknown}; this ftbench knows {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes) -> "RunSpec":
+        return dataclasses.replace(self, **changes)
+
+    # --- derived facts used by the trainer, the resource estimate and the cost model alike
+    @property
+    def uses_gpu(self) -> bool:
+        """The run asks a scheduler for GPUs (a CPU run asks for none)."""
+        return self.num_gpus > 0 and self.device != "cpu"
+
+    @property
+    def devices(self) -> int:
+        """Devices that train together: all GPUs of a dp/ddp run, else one."""
+        return max(1, self.num_gpus) if self.parallel in ("dp", "ddp") else 1
+
+    @property
+    def processes(self) -> int:
+        """Processes of the run: one per device for ddp, else one."""
+        return max(1, self.num_gpus) if self.parallel == "ddp" else 1
+
+    @property
+    def examples_per_step(self) -> int:
+        """Training examples of one optimizer step (global batch)."""
+        return self.batch_size * self.devices * self.grad_accum_steps
+
+    @property
+    def task(self) -> str:
+        return self.model_def.get("task", "classification")
+
+
+def settings_fields() -> list[dataclasses.Field]:
+    """The fields of RunSpec that are run settings (in declaration order)."""
+    return [f for f in dataclasses.fields(RunSpec) if "setting" in f.metadata]
+
+
+def setting_of(name: str) -> Setting:
+    return next(f.metadata["setting"] for f in settings_fields() if f.name == name)
+
+
+# Settings a run has when neither `defaults` nor the matrix gives them (model and dataset have none).
+RUN_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for f in settings_fields()
+    if f.name not in ("model", "dataset")
+}
+
+# The largest per-device batch auto_batch_size tries unless the run sets auto_batch_size_max.
+AUTO_BATCH_SIZE_MAX = RUN_DEFAULTS["auto_batch_size_max"]
+
+
+def run_settings_schema() -> dict:
+    """JSON Schema of one run's settings (``defaults``, ``include`` entries, ``overrides``)."""
+    properties = {}
+    for f in settings_fields():
+        meta = f.metadata["setting"]
+        properties[f.name] = {**meta.schema, "description": meta.doc}
+    return {
+        "description": "Settings of one run. In `defaults` each is a single value; in `matrix` a non-empty list of values.",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
+def matrix_schema() -> dict:
+    """JSON Schema of the ``matrix`` block: each setting as a non-empty list of allowed values."""
+    properties = {}
+    for f in settings_fields():
+        meta = f.metadata["setting"]
+        axis = {"type": "array", "minItems": 1, "items": meta.schema, "description": meta.doc}
+        if f.name != "lora_targets":  # lists of lists: uniqueness of unhashable items is not worth it
+            axis["uniqueItems"] = True
+        properties[f.name] = axis
+    return {
+        "description": "Axes. Each key takes a non-empty list; one run per combination of all axes.",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["model", "dataset"],
+        "properties": properties,
+    }
+
+
+def spec_columns() -> dict[str, tuple[str, str]]:
+    """Parquet columns copied from the run spec: name -> (pandas dtype, meaning)."""
+    columns = {f.name: (f.metadata["setting"].column, f.metadata["setting"].doc)
+               for f in settings_fields() if f.metadata["setting"].column}
+    columns["repeat"] = ("Int64", "repeat index of this configuration (0-based)")
+    return columns
+
+
+def normalise(settings: dict) -> dict:
+    """Drop what does not affect a run so that equivalent runs share one id."""
+    settings = dict(settings)
+    for f in settings_fields():
+        applies = f.metadata["setting"].applies
+        if applies is not None and not applies(settings):
+            settings[f.name] = None
+    if settings["method"] != "full" and settings["lora_alpha"] is None:
+        settings["lora_alpha"] = 2 * settings["lora_rank"]  # the common choice that keeps the update scale stable
+    if settings["parallel"] == "single":
+        settings["num_gpus"] = min(settings["num_gpus"], 1)
+    return settings
+
+
+def readable_name(spec: RunSpec, repeats: int = 1) -> str:
+    """``minilm-rt-lora-r8-fp32-b32-s64``: the settings that tell runs apart, in field order."""
+    parts = []
+    for f in settings_fields():
+        part = f.metadata["setting"].name_part
+        value = part(spec) if part else None
+        if value is not None:
+            parts.append(str(value))
+    if repeats > 1:
+        parts.append(f"rep{spec.repeat}")
+    return "-".join(parts)
