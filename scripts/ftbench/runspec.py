@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -212,6 +213,23 @@ class RunSpec:
     @property
     def task(self) -> str:
         return self.model_def.get("task", "classification")
+
+    def planned_steps(self, train_examples: int) -> int:
+        """Optimizer steps of the run, warmup included: max_steps, or epochs over the training split.
+
+        An epoch is the whole global batches the split holds (the last incomplete one is dropped, so every
+        step has the same shape). The trainer plans with the split's real size; the resource estimate
+        with the dataset's train_size (or a default), so both count steps the same way.
+        """
+        steps_per_epoch = train_examples // self.examples_per_step
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"one optimizer step needs {self.examples_per_step} examples (batch_size x devices x grad_accum_steps) "
+                f"but the training split has {train_examples}"
+            )
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, math.ceil(self.epochs * steps_per_epoch))
 
 
 def settings_fields() -> list[dataclasses.Field]:

@@ -89,20 +89,6 @@ def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
                 return
 
 
-def plan_steps(spec: RunSpec, num_train: int) -> int:
-    """Optimizer steps of the run: max_steps, or epochs over the training split."""
-    examples_per_step = spec.batch_size * spec.devices * spec.grad_accum_steps
-    steps_per_epoch = num_train // examples_per_step
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"one optimizer step needs {examples_per_step} examples (batch_size x devices x grad_accum_steps) "
-            f"but the training split has {num_train}"
-        )
-    if spec.max_steps is not None:
-        return spec.max_steps
-    return max(1, math.ceil(spec.epochs * steps_per_epoch))
-
-
 def choose_device(spec: RunSpec, dist: Distributed) -> tuple[torch.device, str | None]:
     """The device this process trains on and, if it differs from what was asked, why."""
     wanted = spec.num_gpus
@@ -409,7 +395,7 @@ def _train(spec, data_dir, manifest, device, dist, metrics, stop: StopSignal,
 
     devices = spec.devices
     accum = spec.grad_accum_steps
-    total_steps = plan_steps(spec, len(train_split))
+    total_steps = spec.planned_steps(len(train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     optimizer = make_optimizer(spec, model, device)
