@@ -41,6 +41,15 @@ include: "rules/collect.smk"
 include: "rules/report.smk"
 
 
+# A dry run only warns about a lock and still exits 0 with a plan the real run would refuse: an earlier
+# Snakemake killed with SIGKILL (or a power loss) leaves its locks behind. Say so and fail the dry run.
+if workflow.output_settings.dryrun and any(Path(".snakemake", "locks").glob("*.lock")):
+    sys.stderr.write(
+        "ftbench: this directory is locked by another snakemake, running or killed (kill -9, lost session); "
+        "if none is running here, run `snakemake --unlock` (with the same --configfile/--profile), then again\n"
+    )
+    sys.exit(1)
+
 for _message in ftbench_config.experiment_warnings(config):
     sys.stderr.write(f"ftbench: warning: {_message}\n")
 

@@ -243,3 +243,16 @@ def test_repair_refuses_when_the_source_now_gives_other_data(tmp_path):
     pd.DataFrame(make_rows({"neg": 50, "pos": 50}, seed=7)).to_csv(path, index=False)  # the source was edited
     with pytest.raises(FtbenchError, match="gives other data than the manifest records"):
         data.repair(folder)
+
+
+def test_dry_run_under_a_stale_lock_fails_and_says_how_to_unlock(tmp_path, tiny_config_factory, snakemake_runner):
+    """Snakemake's own dry run only warns about a lock and exits 0 with a plan the real run refuses."""
+    write_config(tmp_path, tiny_config_factory())
+    locks = tmp_path / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.input.lock").write_text("results/metrics.parquet\n")  # as a Snakemake killed with SIGKILL leaves it
+    (locks / "0.output.lock").write_text("results/report.html\n")
+    line = ftbench_line(snakemake_runner(tmp_path, "-n"))
+    assert "locked by another snakemake" in line and "snakemake --unlock" in line
+    assert snakemake_runner(tmp_path, "--unlock").returncode == 0
+    assert snakemake_runner(tmp_path, "-n").returncode == 0
