@@ -256,3 +256,33 @@ def test_dry_run_under_a_stale_lock_fails_and_says_how_to_unlock(tmp_path, tiny_
     assert "locked by another snakemake" in line and "snakemake --unlock" in line
     assert snakemake_runner(tmp_path, "--unlock").returncode == 0
     assert snakemake_runner(tmp_path, "-n").returncode == 0
+
+
+GPT2_SMALL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64}
+
+
+def config_model(**overrides) -> dict:
+    return {"task": "causal_lm", "source": {"kind": "config", "architecture": "GPT2Config", "overrides": {**GPT2_SMALL, **overrides},
+                                            "tokenizer": MINILM["source"]}}
+
+
+def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
+    """GPT-2's config says 50,257 tokens; with a 30,522-token tokenizer the model must have 30,522."""
+    import torch
+
+    from ftbench import modeling
+    from ftbench.runspec import RunSpec
+
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    manifest = data.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    assert manifest["vocab_size"] == 30522
+    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
+    assert model.get_input_embeddings().num_embeddings == 30522
+
+
+def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp_path):
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
+                                           r"tokenizer the data was prepared with has 30522 tokens"):
+        data.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")

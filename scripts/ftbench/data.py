@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from . import atomic, batching, sources, task_types
 from .errors import ConfigError, ManifestError, SourceError
 from .matrix import DEFAULT_SHARD_SIZE_MB
-from .modeling import SYNTHETIC_PAD_ID, config_vocab_size, load_failure, load_tokenizer, tokenizer_source
+from .modeling import SYNTHETIC_PAD_ID, config_vocab, config_vocab_size, load_failure, load_tokenizer, tokenizer_source
+from .runspec import RunSpec
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -193,12 +194,16 @@ def prepare(
     seq_len: int,
     out_dir: str | Path,
     shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
+    model_name: str = "model",
 ) -> dict:
     """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = task_types.model_task(model_def)
     tokenizer = load_tokenizer(model_def)
+    if tokenizer is not None and model_def["source"]["kind"] == "config":
+        # Refuse a config model whose vocab_size contradicts its tokenizer now, not in every training job.
+        config_vocab(RunSpec(model=model_name), model_def["source"].get("overrides", {}), len(tokenizer))
     if dataset_def["source"]["kind"] == "synthetic":
         vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
         if vocab_size is None:
@@ -216,6 +221,8 @@ def prepare(
         "tokenizer": tokenizer_source(model_def),
         "tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else None,
         "pad_token_id": tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID,
+        # Token ids run below this: a config-built model takes it as its vocabulary size.
+        "vocab_size": len(tokenizer) if tokenizer is not None else config_vocab_size(model_def),
         "seq_len": seq_len,
         "label_names": label_names,
         # Source rows left out, by rule and source split: rows with a missing or empty field, rows of other
@@ -223,7 +230,8 @@ def prepare(
         "rows_dropped": dropped,
         "shard_size_mb": shard_size_mb,
         # What produced these shards, so `python -m ftbench repair-data` can produce them again.
-        "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model_def": model_def, "seq_len": seq_len},
+        "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
+                        "seq_len": seq_len},
         "splits": {},
     }
     for split_name, table in split_tables.items():
@@ -381,7 +389,8 @@ def repair(data_dir: str | Path) -> list[Path]:
         raise ManifestError(f"{data_dir}: the manifest predates repair-data (no preparation recorded); delete "
                             f"{data_dir} and run snakemake again (runs on this data train again)")
     with tempfile.TemporaryDirectory(prefix=".repair-", dir=data_dir.parent) as scratch:
-        fresh = prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], scratch, manifest["shard_size_mb"])
+        fresh = prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], scratch, manifest["shard_size_mb"],
+                        job["model"])
         expected = {shard["file"]: shard["sha256"] for split in manifest["splits"].values() for shard in split["shards"]}
         produced = {shard["file"]: shard["sha256"] for split in fresh["splits"].values() for shard in split["shards"]}
         if produced != expected:

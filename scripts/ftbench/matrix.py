@@ -130,6 +130,7 @@ def data_preparations(runs: list[RunSpec]) -> dict[str, dict]:
                 "data_id": run.data_id,
                 "dataset": run.dataset,
                 "dataset_def": run.dataset_def,
+                "model": run.model,  # the first model that reads it: error messages name its config keys
                 "model_def": run.model_def,
                 "seq_len": run.seq_len,
             },

@@ -129,10 +129,12 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None) -> BuiltModel:
+def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None,
+                vocab_size: int | None = None) -> BuiltModel:
     """The model for one run, on ``device``, with adapters and checkpointing applied.
 
     ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
+    ``vocab_size``: the tokenizer's (the manifest has it); a config-built model takes it as its vocabulary.
     """
     model_def = spec.model_def
     source = model_def["source"]
@@ -155,7 +157,10 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        config = config_class(**source.get("overrides", {}), **kwargs)
+        overrides = dict(source.get("overrides", {}))
+        if vocab_size is not None:
+            overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
+        config = config_class(**overrides, **kwargs)
         if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
             # T5's convention: the decoder starts from the pad token. A bare config has no start token and
             # the first forward pass would fail while shifting the labels right.
@@ -199,6 +204,20 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         model = model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+
+
+def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:
+    """A config-built model's vocabulary is its tokenizer's: an architecture's default (GPT-2's 50,257)
+    beside a tokenizer of 30,522 would train embeddings no token ever reaches, or index past the table.
+    A vocab_size set explicitly must agree with the tokenizer."""
+    explicit = overrides.get("vocab_size")
+    if explicit is not None and explicit != tokenizer_vocab:
+        raise ConfigError(
+            f"config key models.{spec.model}.source.overrides.vocab_size: {explicit}, but the tokenizer the data was "
+            f"prepared with has {tokenizer_vocab} tokens; remove vocab_size (the model then takes the tokenizer's) or "
+            "make them equal"
+        )
+    return tokenizer_vocab
 
 
 def _bnb_config(spec: RunSpec):
