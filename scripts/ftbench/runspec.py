@@ -214,6 +214,12 @@ class RunSpec:
     def task(self) -> str:
         return self.model_def.get("task", "classification")
 
+    def auto_batch_size_cap(self, train_examples: int) -> int:
+        """The largest per-device batch auto_batch_size may try: auto_batch_size_max, and no more than one
+        optimizer step's worth of the training split."""
+        data_cap = train_examples // (self.devices * self.grad_accum_steps)
+        return max(1, min(self.auto_batch_size_max or AUTO_BATCH_SIZE_MAX, data_cap))
+
     def planned_steps(self, train_examples: int) -> int:
         """Optimizer steps of the run, warmup included: max_steps, or epochs over the training split.
 
