@@ -427,6 +427,19 @@ def test_compare_within_threshold_is_not_flagged_and_old_sets_are_read(tmp_path)
     assert "every configuration ran on one device model only" in page
 
 
+def test_compare_outside_the_repository_names_the_option_to_pass(tmp_path):
+    runs, _ = fixture_runs("single")
+    runs.to_parquet(tmp_path / "metrics.parquet")
+    command = [sys.executable, "-m", "ftbench", "compare", "--out", str(tmp_path / "out"), str(tmp_path / "metrics.parquet")]
+    process = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert process.returncode == 1
+    assert process.stderr == ("ftbench: compare: --prices-table config/prices.yaml not found "
+                              "(run from the repository root or pass --prices-table PATH)\n")
+    process = subprocess.run([*command, "--prices-table", str(PRICES_TABLE), "--captions-dir", str(ROOT / "rules" / "captions" / "figures"),
+                              "--gpu-peaks", str(GPU_TABLE)], capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr
+
+
 def test_compare_rejects_what_is_not_a_result_set(tmp_path):
     with pytest.raises(FtbenchError, match="not found"):
         compare.merge([(None, tmp_path / "missing.parquet")])
