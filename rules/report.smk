@@ -1,8 +1,11 @@
-# One-sentence caption per figure (also used by report.html): {figure name: text}, for the template.
+# One-sentence caption per figure: {figure name: text}. The template rules/captions/figure.rst shows it in
+# Snakemake's own report; the command gets the same captions as JSON for report.html.
 FIGURE_CAPTIONS = {
     path.stem: " ".join(path.read_text(encoding="utf-8").split())
     for path in sorted((Path(workflow.basedir) / "rules" / "captions" / "figures").glob("*.rst"))
 }
+# The GPU table: each GPU's memory, drawn as a line on the memory figure.
+GPU_TABLE = str(Path(workflow.basedir) / "config" / "gpus.yaml")
 
 
 rule report:
@@ -12,6 +15,7 @@ rule report:
     input:
         metrics="results/metrics.parquet",
         steps=all_run_steps(),
+        gpu_table=GPU_TABLE,
     output:
         html=report("results/report.html", caption="captions/report.rst", category="Report"),
         # A figure with no data is not drawn (report.html says why), so the folder holds what exists.
@@ -34,6 +38,8 @@ rule report:
     params:
         recommend=json.dumps(config.get("recommend") or {}, sort_keys=True),
         captions=FIGURE_CAPTIONS,
+        captions_json=json.dumps(FIGURE_CAPTIONS, sort_keys=True),
     shell:
         "python -m ftbench report --metrics {input.metrics} --steps {input.steps}"
-        " --figures {output.figures} --html {output.html} --recommend {params.recommend:q} > {log} 2>&1"
+        " --figures {output.figures} --html {output.html} --recommend {params.recommend:q}"
+        " --captions {params.captions_json:q} --gpu-peaks {input.gpu_table:q} > {log} 2>&1"

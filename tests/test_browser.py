@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report import fixture_runs, write_fixture
+from test_report import CAPTIONS, GPU_TABLE, fixture_runs, write_fixture
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -197,7 +197,8 @@ def test_report_in_chromium(tmp_path, browser):
     metrics, step_files = write_fixture(tmp_path / "results", runs, steps)
     html = tmp_path / "results" / "report.html"
     written = report.build_report(metrics, step_files, tmp_path / "results" / "figures", html,
-                                  recommend_settings={"min_accuracy": 0.8, "max_memory_mb": 30000})
+                                  recommend_settings={"min_accuracy": 0.8, "max_memory_mb": 30000},
+                                  captions=CAPTIONS, gpu_table=GPU_TABLE)
     drawn = [name for name, result in written.items() if not isinstance(result, str)]
 
     browser.open(html)

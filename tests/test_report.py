@@ -1,15 +1,18 @@
-"""Cost, figures, the HTML report, Snakemake's report and compare, from fixture result tables.
+"""Figures, the HTML report, Snakemake's report and compare, from fixture result tables.
 
 The fixtures are metrics.parquet files built here with the documented columns (ftbench.columns.COLUMNS,
 so they follow any column added there) and costs filled in by ftbench.cost exactly as collect does:
 normal runs, repeats, an all-OOM experiment, a single run, several GPU types (one missing from the
-price table), language-model runs and a GPU-scaling series.
+price table), language-model runs and a GPU-scaling series. test_cost.py, test_analysis.py and
+test_browser.py build on them. The price table, GPU table and captions are the repository's, passed in
+as the rules pass them.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import html
 import json
 import math
 import re
@@ -22,11 +25,15 @@ import pandas as pd
 import pytest
 import yaml
 
-from ftbench import collect, compare, config as ftbench_config, cost, figures, report
+from conftest import ROOT
+from ftbench import analysis, collect, compare, cost, figures, report
 from ftbench.columns import COLUMNS
-from ftbench.errors import ConfigError, FtbenchError
+from ftbench.errors import FtbenchError
 
-ROOT = Path(__file__).resolve().parents[1]
+PRICES_TABLE = ROOT / "config" / "prices.yaml"
+GPU_TABLE = ROOT / "config" / "gpus.yaml"
+CAPTIONS = {path.stem: " ".join(path.read_text(encoding="utf-8").split())
+            for path in (ROOT / "rules" / "captions" / "figures").glob("*.rst")}
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-40GB"
@@ -54,7 +61,8 @@ def make_run(index: int, method: str = "lora", status: str = "ok", device_name: 
     if extra.pop("repeats", 1) > 1:
         name_parts.append(f"rep{repeat}")
     world = num_gpus if parallel in ("dp", "ddp") and not cpu else 1
-    settings = json.dumps([config_name, device_name], sort_keys=True)
+    # as matrix.make_spec names it: the readable name and a hash of the settings (the device is no setting)
+    settings = json.dumps(config_name)
     row.update(
         run_id="-".join(name_parts) + f"-{index:08x}",
         config_id=f"{config_name}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}", status=status, status_reason=reason, model="m", task=task,
@@ -162,11 +170,16 @@ def fixture_rows(kind: str, **extra) -> list[dict]:
     raise ValueError(kind)
 
 
-def fixture_runs(kind: str, prices: cost.Prices | None = None) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+def prices(settings: dict | None = None) -> cost.Prices:
+    """The repository's price table with an experiment's ``prices`` settings (which may name another table)."""
+    return cost.resolve({"table": str(PRICES_TABLE), **(settings or {})})
+
+
+def fixture_runs(kind: str) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     """(a run table as collect writes it, {run_id: steps}) for one fixture kind."""
     rows = fixture_rows(kind)
     frame = collect.typed(pd.DataFrame(rows, columns=list(COLUMNS)))
-    frame, _ = cost.add_costs(frame, prices or cost.resolve(), warn=False)
+    frame, _ = cost.add_costs(frame, prices(), warn=False)
     frame = collect.typed(frame)
     steps = {row["run_id"]: make_steps(row, seed=i) for i, row in enumerate(rows) if row["status"] in ("ok", "diverged") and row["tokens_per_s"]}
     return frame, steps
@@ -188,9 +201,10 @@ def write_fixture(folder: Path, runs: pd.DataFrame, steps: dict[str, pd.DataFram
 def build(tmp_path: Path, kind: str, **settings):
     runs, steps = fixture_runs(kind)
     metrics, files = write_fixture(tmp_path / kind, runs, steps)
-    html = tmp_path / kind / "report.html"
-    written = report.build_report(metrics, files, tmp_path / kind / "figures", html, recommend_settings=settings or None)
-    return runs, written, html.read_text(encoding="utf-8")
+    page = tmp_path / kind / "report.html"
+    written = report.build_report(metrics, files, tmp_path / kind / "figures", page, recommend_settings=settings or None,
+                                  captions=CAPTIONS, gpu_table=GPU_TABLE)
+    return runs, written, page.read_text(encoding="utf-8")
 
 
 def images(page: str) -> list[str]:
@@ -203,252 +217,56 @@ def runs_table_rows(page: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cost formulas
+# Figures: what each shows
 
 
-def test_cost_columns_are_documented():
-    assert set(cost.COST_COLUMNS) <= set(COLUMNS)
-    order = [c for c in COLUMNS if c in cost.COST_COLUMNS]
-    assert order == list(cost.COST_COLUMNS)
+def bar_lengths(ax) -> dict[str, float]:
+    """{configuration label: bar length} of a horizontal bar chart."""
+    labels = {round(tick): text.get_text() for tick, text in zip(ax.get_yticks(), ax.get_yticklabels())}
+    return {labels[round(bar.get_y() + bar.get_height() / 2)]: bar.get_width() for bar in ax.patches}
 
 
-def test_cost_per_million_tokens_uses_price_per_hour_over_tokens_per_hour():
-    # $2 per hour at 1,000 tokens/s: 3.6M tokens per hour -> $0.5556 per 1M tokens
-    assert cost.cost_per_1m_tokens(2.0, 1000.0) == pytest.approx(2.0 / 3.6)
-    assert cost.cost_per_1k_samples(2.0, 10.0) == pytest.approx(2.0 / 36.0)
-    assert cost.cost_per_1m_tokens(2.0, 0.0) is None and cost.cost_per_1m_tokens(None, 1000.0) is None
-    assert cost.cost_per_1m_tokens(0.0, 1000.0) == 0.0  # free hardware is a price, not a missing one
+def drawn(name: str, runs: pd.DataFrame, steps: pd.DataFrame | None = None):
+    spec = next(spec for spec in figures.FIGURES if spec.name == name)
+    return figures.draw(spec, runs, pd.DataFrame(columns=report.STEP_COLUMNS) if steps is None else steps)
 
 
-def test_multi_gpu_run_pays_for_every_gpu_with_global_throughput():
-    prices = cost.resolve({"provider": "gpu_cloud", "pricing": "on_demand"})
-    row = make_run(1, "full", parallel="ddp", num_gpus=4, tokens_per_s=40000.0)
-    values, warning = cost.run_costs(row, prices)
-    assert warning is None
-    assert values["gpu_model"] == "H100 SXM" and values["billed_devices"] == 4
-    assert values["price_per_hour"] == pytest.approx(4 * 2.99)
-    # global tokens/s with all 4 GPUs' price; the per-device rate with 4 prices would be 4x too high
-    assert values["cost_per_1m_tokens"] == pytest.approx(4 * 2.99 / (40000 * 3600) * 1e6)
-    assert values["cost_per_1k_samples"] == pytest.approx(4 * 2.99 / (100 * 3600) * 1e3)
+def test_throughput_figure_shows_the_median_and_every_repeat_of_finished_runs():
+    runs = analysis.prepare(fixture_runs("mixed")[0])
+    ax = drawn("throughput", runs).axes.flat[0]
+    finished = runs[runs["status"] == "ok"]
+    assert bar_lengths(ax) == pytest.approx(finished.groupby("config_label")["tokens_per_s"].median().astype(float).to_dict())
+    assert sum(len(dots.get_offsets()) for dots in ax.collections) == len(finished)  # a dot per repeat
+    assert not any("r64" in label for label in bar_lengths(ax))  # the diverged run measured a step, but is left out
 
 
-def test_billed_devices():
-    assert cost.billed_devices("cpu", 1, 1, "single") == 1
-    assert cost.billed_devices("cpu", 1, 4, "ddp") == 1
-    assert cost.billed_devices("cuda", 1, 1, "single") == 1
-    assert cost.billed_devices("cuda", 2, 2, "dp") == 2
-    assert cost.billed_devices("cuda", None, 4, "ddp") == 4
-    assert cost.billed_devices("cuda", None, 4, "single") == 1
+def test_memory_figure_shows_unfinished_configurations_estimates_and_capacities():
+    runs = analysis.prepare(fixture_runs("mixed")[0], gpu_table=analysis.read_gpu_table(GPU_TABLE))
+    ax = drawn("peak_memory", runs).axes.flat[0]
+    lengths = bar_lengths(ax)
+    assert lengths["full-b64-s512 @ H100 80GB HBM3 (oom)"] == 80500
+    assert lengths["lora-r64-b16-s512 @ H100 80GB HBM3 (diverged)"] == 12000
+    assert len(lengths) == runs.loc[runs["peak_memory_mb"].notna(), "config_key"].nunique()
+    capacities = {line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"}
+    assert capacities == {80 * 1024, 40 * 1024}
+    estimates = ax.collections[-1].get_offsets()[:, 0]  # a diamond per configuration, in the bars' order
+    assert len(estimates) == len(lengths) and np.allclose(estimates, [0.8 * length for length in lengths.values()])
 
 
-def test_cpu_runs_are_priced_per_machine_hour():
-    prices = cost.resolve()
-    values, warning = cost.run_costs(make_run(1, device_name=CPU_NAME, tokens_per_s=1000.0), prices)
-    assert warning is None and values["gpu_model"] == "cpu"
-    assert values["cost_per_1m_tokens"] == pytest.approx(prices.per_device_hour["cpu"] / 3.6)
+def test_accuracy_vs_cost_names_the_configurations_on_the_pareto_front():
+    runs = analysis.prepare(fixture_runs("normal")[0])
+    ax = drawn("accuracy_vs_cost", runs).axes.flat[0]
+    assert sorted(text.get_text() for text in ax.texts) == ["full", "lora-r16", "lora-r8"]  # qlora is dominated
 
 
-def test_gpu_missing_from_the_price_table_warns_and_gets_no_cost():
-    runs, _ = fixture_runs("normal")
-    runs.loc[0, "device_name"] = UNPRICED
-    priced, warnings = cost.add_costs(runs, cost.resolve(), warn=False)
-    assert len(warnings) == 1 and UNPRICED in warnings[0] and "price table" in warnings[0]
-    assert priced.loc[0, ["price_per_hour", "cost_per_1m_tokens", "projected_cost"]].isna().all()
-    assert pd.isna(priced.loc[0, "gpu_model"]) and "no entry" in priced.loc[0, "price_source"]
-    assert priced.loc[1:, "cost_per_1m_tokens"].notna().all()
-    with pytest.warns(UserWarning, match="not in price table"):
-        cost.add_costs(runs, cost.resolve())
-
-
-def test_model_without_a_price_for_the_provider_gets_no_cost():
-    prices = cost.resolve({"provider": "hyperscaler", "pricing": "spot"})
-    values, warning = cost.run_costs(make_run(1, device_name="NVIDIA GeForce RTX 4090"), prices)
-    assert values["gpu_model"] == "RTX 4090" and values["cost_per_1m_tokens"] is None
-    assert "hyperscaler/spot" in warning
-
-
-def test_provider_pricing_and_overrides(tmp_path):
-    row = make_run(1, tokens_per_s=10000.0)
-    spot = cost.run_costs(row, cost.resolve({"pricing": "spot"}))[0]
-    on_demand = cost.run_costs(row, cost.resolve({"pricing": "on_demand"}))[0]
-    assert spot["price_per_device_hour"] < on_demand["price_per_device_hour"]
-    hyper = cost.run_costs(row, cost.resolve({"provider": "hyperscaler"}))[0]
-    table = yaml.safe_load((ROOT / "config" / "prices.yaml").read_text())
-    assert hyper["price_per_device_hour"] == table["providers"]["hyperscaler"]["on_demand"]["H100 SXM"]
-    override = cost.run_costs(row, cost.resolve({"per_device_hour": {"H100 SXM": 1.0}}))[0]
-    assert override["cost_per_1m_tokens"] == pytest.approx(1.0 / (10000 * 3600) * 1e6)
-    assert "prices.per_device_hour" in override["price_source"]
-    # a table of one's own
-    own = tmp_path / "prices.yaml"
-    own.write_text(yaml.safe_dump({"models": [{"name": "any", "match": "."}, {"name": "cpu", "match": None}],
-                                   "providers": {"mine": {"on_demand": {"any": 7.0}}}}))
-    mine = cost.run_costs(row, cost.resolve({"table": str(own)}))[0]
-    assert mine["price_per_device_hour"] == 7.0 and mine["gpu_model"] == "any"
-
-
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        ({"provider": "nope"}, "config key prices.provider: 'nope' is not in price table"),
-        ({"per_device_hour": {"H1000": 1.0}}, "config key prices.per_device_hour.H1000: not a model"),
-        ({"table": "/nonexistent/prices.yaml"}, "config key prices.table: price table /nonexistent/prices.yaml not found"),
-    ],
-)
-def test_price_settings_errors_name_the_key(settings, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        cost.resolve(settings)
-
-
-def test_broken_price_table_is_reported(tmp_path):
-    bad = tmp_path / "prices.yaml"
-    bad.write_text(yaml.safe_dump({"models": [{"name": "x", "match": "("}], "providers": {}}))
-    with pytest.raises(ConfigError, match="not a regular expression"):
-        cost.resolve({"table": str(bad)})
-    bad.write_text(yaml.safe_dump({"models": [{"name": "x", "match": "x"}], "providers": {"p": {"on_demand": {"y": 1}}}}))
-    with pytest.raises(ConfigError, match=r"providers.p.on_demand.y: not a model"):
-        cost.resolve({"table": str(bad)})
-
-
-def test_budget_projection_gpu_hours_and_cost():
-    # 1e9 tokens x 2 epochs at 10,000 tokens/s = 55.6 wall hours; on 4 GPUs 222 GPU-hours
-    assert cost.budget_hours({"tokens": 1e9, "epochs": 2}, 10000.0, 25.0) == pytest.approx(2e9 / 1e4 / 3600)
-    assert cost.budget_hours({"samples": 1e6}, 10000.0, 25.0) == pytest.approx(1e6 / 25 / 3600)
-    assert cost.budget_hours(None, 10000.0, 25.0) is None
-    prices = cost.resolve({"per_device_hour": {"H100 SXM": 2.0}})
-    row = make_run(1, parallel="ddp", num_gpus=4, tokens_per_s=10000.0)
-    values, _ = cost.run_costs(row, prices, budget={"tokens": 1e9, "epochs": 2})
-    hours = 2e9 / 1e4 / 3600
-    assert values["projected_gpu_hours"] == pytest.approx(4 * hours)
-    assert values["projected_cost"] == pytest.approx(4 * hours * 2.0)
-    # the measurement's own projection (column projected_hours) wins over the budget given here
-    row["projected_hours"] = 10.0
-    values, _ = cost.run_costs(row, prices, budget={"tokens": 1e9})
-    assert values["projected_gpu_hours"] == pytest.approx(40.0) and values["projected_cost"] == pytest.approx(80.0)
-
-
-def test_energy_cost_from_joules_per_token():
-    # 0.5 J/token x 1M tokens = 500 kJ = 0.1389 kWh; at $0.15/kWh = $0.0208
-    assert cost.energy_cost(0.5, 1e6, 0.15) == pytest.approx(0.5e6 / 3.6e6 * 0.15)
-    prices = cost.resolve({"electricity_per_kwh": 0.30})
-    row = make_run(1, tokens_per_s=10000.0)
-    values, _ = cost.run_costs(row, prices, budget={"tokens": 3.6e7})  # one hour at 10,000 tokens/s
-    assert values["energy_cost_per_1m_tokens"] == pytest.approx(row["energy_j_per_token"] * 1e6 / 3.6e6 * 0.30)
-    assert values["projected_energy_cost"] == pytest.approx(row["energy_j_per_token"] * 3.6e7 / 3.6e6 * 0.30)
-    cpu_values, _ = cost.run_costs(make_run(2, device_name=CPU_NAME), prices)
-    assert cpu_values["energy_cost_per_1m_tokens"] is None  # no NVML on a CPU: null, not 0
-
-
-def test_runs_without_a_device_or_throughput_get_no_cost():
-    prices = cost.resolve()
-    unsupported, warning = cost.run_costs(make_run(1, status="unsupported", tokens_per_s=None), prices)
-    assert warning is None and all(v is None for v in unsupported.values())
-    oom, _ = cost.run_costs(make_run(2, status="oom", tokens_per_s=None), prices)
-    assert oom["price_per_hour"] == pytest.approx(2.99) and oom["cost_per_1m_tokens"] is None
-
-
-def test_collect_computes_costs_from_metrics_json(tmp_path):
-    """collect's own path: metrics.json files in, costed table out (a CPU run and an unpriced GPU run)."""
-    files = []
-    for index, (device, name) in enumerate([("cpu", CPU_NAME), ("cuda", UNPRICED)]):
-        spec = {key: None for key in ("model", "dataset", "lora_rank", "lora_alpha", "attn_implementation")}
-        spec.update(model="m", dataset="d", method="lora", precision="fp32", batch_size=8, seq_len=64, learning_rate=1e-3,
-                    optimizer="adamw", grad_accum_steps=1, gradient_checkpointing=False, compile=False, num_gpus=1,
-                    parallel="single", repeat=0, seed=0, model_def={"task": "classification"})
-        spec["run_id"] = f"run{index}"
-        if index == 0:
-            spec["budget"] = {"tokens": 7.2e6}  # a budget in the run's own spec wins over --budget
-        metrics = {"run_id": f"run{index}", "status": "ok", "device": device, "device_name": name, "world_size": 1,
-                   "tokens_per_s": 1000.0, "samples_per_s": 20.0, "peak_rss_mb": 100.0}
-        path = tmp_path / f"run{index}" / "metrics.json"
-        path.parent.mkdir()
-        path.write_text(json.dumps({"spec": spec, "metrics": metrics, "environment": {"host": "h"}}))
-        files.append(path)
-    process = subprocess.run(
-        [sys.executable, "-m", "ftbench", "collect", "--parquet", str(tmp_path / "m.parquet"), "--csv",
-         str(tmp_path / "m.csv"), "--price-settings", json.dumps({"pricing": "spot"}),
-         "--budget", json.dumps({"samples": 72000}), *map(str, files)],
-        capture_output=True, text=True, check=False,
-    )
-    assert process.returncode == 0, process.stderr
-    assert f"warning: run run1: GPU '{UNPRICED}' is not in price table" in process.stderr
-    table = pd.read_parquet(tmp_path / "m.parquet")
-    assert list(table.columns) == list(COLUMNS)
-    spot_cpu = cost.resolve({"pricing": "spot"}).per_device_hour["cpu"]
-    assert table.loc[0, "cost_per_1m_tokens"] == pytest.approx(spot_cpu / 3.6)
-    assert pd.isna(table.loc[1, "cost_per_1m_tokens"])
-    assert table.loc[0, "projected_gpu_hours"] == pytest.approx(2.0)  # 7.2M tokens at 1,000 tokens/s
-    assert table.loc[0, "projected_cost"] == pytest.approx(2.0 * spot_cpu)
-    assert table.loc[1, "projected_gpu_hours"] == pytest.approx(1.0)  # 72,000 samples at 20 samples/s
-    assert pd.isna(table.loc[1, "projected_cost"])  # hours are known, the price is not
-
-
-# ---------------------------------------------------------------------------------------------------
-# Configurations, Pareto front, recommendation
-
-
-def test_repeats_share_a_configuration_and_unstable_ones_are_flagged():
-    runs = figures.prepare(fixture_runs("repeats")[0])
-    assert runs["config_key"].nunique() == 2
-    configs = report.configurations(runs).set_index("method")
-    assert configs.loc["lora", "runs"] == 3 and configs.loc["lora", "tokens_per_s"] == pytest.approx(20000)
-    speeds = np.array([15000, 18500, 13000])
-    assert configs.loc["full", "tokens_per_s_cv"] == pytest.approx(speeds.std(ddof=1) / speeds.mean())
-    assert bool(configs.loc["full", "unstable"]) is True and bool(configs.loc["lora", "unstable"]) is False
-    assert "rep" not in configs.loc["full", "configuration"]
-
-
-def test_configurations_on_different_gpus_are_kept_apart():
-    runs = figures.prepare(fixture_runs("multi_gpu")[0])
-    assert runs["config_key"].nunique() == len(runs)
-    assert runs["config_label"].is_unique
-    assert runs["config_label"].str.contains(" @ H100").sum() == 4
-
-
-def test_pareto_front():
-    points = pd.DataFrame({"cost": [1.0, 2.0, 3.0, 1.5, 4.0, 2.0], "quality": [0.70, 0.80, 0.90, 0.65, 0.85, 0.80]},
-                          index=list("abcdef"))
-    front = figures.pareto_front(points)
-    assert list(front.index) == ["a", "b", "c"]  # d and e are dominated; f ties b and adds nothing
-
-
-def test_recommendation_cheapest_per_method_and_under_constraints():
-    configs = report.configurations(figures.prepare(fixture_runs("normal")[0]))
-    result = report.recommend(configs)
-    assert result["basis"] == "cost"
-    per_method = result["per_method"].set_index("method")
-    assert list(per_method.index) == ["full", "lora", "qlora"]
-    assert "r8" in per_method.loc["lora", "configuration"]  # r8 is faster than r16, so cheaper
-    assert result["best"]["configuration"] == per_method["cost_per_1m_tokens"].idxmin() or result["best"]["method"] == "lora"
-    best = report.recommend(configs, min_accuracy=0.87)["best"]
-    assert best["method"] in ("full", "lora") and best["accuracy"] >= 0.87
-    assert "r16" in best["configuration"]  # lora r16 (0.88) is cheaper than full (0.90)
-    best = report.recommend(configs, min_accuracy=0.87, max_memory_mb=15000)["best"]
-    assert best is None
-    best = report.recommend(configs, max_memory_mb=15000)["best"]
-    assert best["method"] == "qlora"
-
-
-def test_recommendation_without_prices_ranks_by_throughput():
-    runs, _ = fixture_runs("normal")
-    runs["cost_per_1m_tokens"] = pd.NA
-    result = report.recommend(report.configurations(figures.prepare(runs)))
-    assert result["basis"] == "throughput"
-    assert result["per_method"].set_index("method").loc["lora", "tokens_per_s"] == 22000
-
-
-def test_language_model_runs_use_token_accuracy():
-    runs = figures.prepare(fixture_runs("lm")[0])
-    quality, name = figures.quality_column(runs)
-    assert name == "eval token accuracy"
-    assert quality.tolist() == pytest.approx([0.42, 0.40, 0.39])
-    mixed = figures.prepare(pd.concat([fixture_runs("lm")[0], fixture_runs("single")[0]], ignore_index=True))
-    assert figures.quality_column(mixed)[1] == "eval accuracy (token accuracy for LM runs)"
-
-
-def test_gpu_capacity_from_the_gpu_table():
-    assert figures.gpu_capacity_mb(H100) == pytest.approx(80 * 1024)
-    assert figures.gpu_capacity_mb("Some Future GPU") is None
-    assert figures.gpu_capacity_mb(None) is None
+def test_figures_get_a_panel_per_model():
+    normal = fixture_runs("normal")[0]
+    other = normal.assign(model="other", run_id=normal["run_id"].str.replace("m-d", "other-d"),
+                          config_id=normal["config_id"].str.replace("m-d", "other-d"))
+    runs = analysis.prepare(pd.concat([normal, other], ignore_index=True))
+    grid = drawn("throughput", runs)
+    assert [ax.get_title() for ax in grid.axes.flat] == ["model = m", "model = other"]
+    assert [len(bar_lengths(ax)) for ax in grid.axes.flat] == [4, 4]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -464,17 +282,10 @@ def test_report_normal_runs(tmp_path):
     assert len(runs_table_rows(page)) == len(runs)
     assert "Cheapest meeting accuracy &ge; 0.87 and peak memory &le; 30000 MiB" in page
     assert 'id="recommend-per-method"' in page
-    for spec in figures.FIGURES:
-        if spec.name in drawn:
-            assert html_escape(spec.caption) in page
+    for name in drawn:
+        assert f"{CAPTIONS[name]}</figcaption>" in html.unescape(page)
     assert not re.search(r'(src|href)="(https?:)?//', page)
     assert "<h2 id=\"environment\">" in page and "abc1234" in page
-
-
-def html_escape(text: str) -> str:
-    import html
-
-    return html.escape(text, quote=True)
 
 
 def test_report_with_repeats(tmp_path):
@@ -564,12 +375,12 @@ def test_compare_across_gpus_and_nodes(tmp_path):
     paths = []
     for name, rows in (("siteA", a_rows), ("siteB", b_rows), ("siteC", c_rows)):
         frame = collect.typed(pd.DataFrame(rows, columns=list(COLUMNS)))
-        frame, _ = cost.add_costs(frame, cost.resolve({"pricing": "spot"}), warn=False)  # each set priced its own way
+        frame, _ = cost.add_costs(frame, prices({"pricing": "spot"}), warn=False)  # each set priced its own way
         path = tmp_path / name / "results" / "metrics.parquet"
         path.parent.mkdir(parents=True)
         collect.typed(frame).to_parquet(path)
         paths.append(path)
-    result = compare.compare([(None, p) for p in paths], tmp_path / "out", prices=cost.resolve())
+    result = compare.compare([(None, p) for p in paths], tmp_path / "out", prices=prices(), captions=CAPTIONS, gpu_table=GPU_TABLE)
     assert result["sets"] == 3 and result["runs"] == 13
     merged = pd.read_parquet(tmp_path / "out" / "compare.parquet")
     assert list(merged.columns) == [compare.SET_COLUMN, *COLUMNS]
@@ -578,7 +389,7 @@ def test_compare_across_gpus_and_nodes(tmp_path):
     assert (merged.loc[merged["gpu_model"] == "H100 SXM", "price_per_device_hour"] == 2.99).all()
 
     devices = result["across_devices"]
-    lora = devices[devices["configuration"] == "m-d-lora-r8-bf16-b16-s512"].set_index("device")
+    lora = devices[devices["configuration"] == "lora-r8"].set_index("device")  # named by what tells it apart
     assert lora.loc["A100-SXM4-40GB", "throughput_ratio"] == pytest.approx(11000 / np.median([22000, 22000 * 1.08]))
     assert lora.loc["H100 80GB HBM3", "throughput_ratio"] == pytest.approx(1.0)
     assert lora.loc["A100-SXM4-40GB", "cost_ratio"] == pytest.approx(
@@ -604,7 +415,7 @@ def test_compare_within_threshold_is_not_flagged_and_old_sets_are_read(tmp_path)
     process = subprocess.run(
         [sys.executable, "-m", "ftbench", "compare", "--out", str(tmp_path / "out"),
          f"first={tmp_path / 'a' / 'metrics.parquet'}", f"second={tmp_path / 'b' / 'metrics.parquet'}", "--pricing", "spot"],
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, cwd=ROOT,  # the default tables are the repository's
     )
     assert process.returncode == 0, process.stderr
     assert "lacks 12 column(s)" in process.stderr
@@ -616,43 +427,25 @@ def test_compare_within_threshold_is_not_flagged_and_old_sets_are_read(tmp_path)
     assert "every configuration ran on one device model only" in page
 
 
+def test_compare_outside_the_repository_names_the_option_to_pass(tmp_path):
+    runs, _ = fixture_runs("single")
+    runs.to_parquet(tmp_path / "metrics.parquet")
+    command = [sys.executable, "-m", "ftbench", "compare", "--out", str(tmp_path / "out"), str(tmp_path / "metrics.parquet")]
+    process = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert process.returncode == 1
+    assert process.stderr == ("ftbench: compare: --prices-table config/prices.yaml not found "
+                              "(run from the repository root or pass --prices-table PATH)\n")
+    process = subprocess.run([*command, "--prices-table", str(PRICES_TABLE), "--captions-dir", str(ROOT / "rules" / "captions" / "figures"),
+                              "--gpu-peaks", str(GPU_TABLE)], capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr
+
+
 def test_compare_rejects_what_is_not_a_result_set(tmp_path):
     with pytest.raises(FtbenchError, match="not found"):
         compare.merge([(None, tmp_path / "missing.parquet")])
     pd.DataFrame({"x": [1]}).to_parquet(tmp_path / "other.parquet")
     with pytest.raises(FtbenchError, match="not an ftbench metrics table"):
         compare.merge([(None, tmp_path / "other.parquet")])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Config keys: prices and recommend
-
-
-def _base_config() -> dict:
-    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-
-
-def test_default_config_has_valid_prices_and_recommend_keys():
-    config = _base_config()
-    ftbench_config.validate_config(config)
-    assert cost.resolve(config.get("prices")).provider
-
-
-@pytest.mark.parametrize(
-    ("section", "message"),
-    [
-        ({"prices": {"provder": "x"}}, "config key prices.provder: unknown key"),
-        ({"prices": {"pricing": "reserved"}}, "config key prices.pricing: 'reserved' is not allowed"),
-        ({"prices": {"per_device_hour": {"H100 SXM": -1}}}, "config key prices.per_device_hour.H100 SXM: -1 is out of range"),
-        ({"recommend": {"min_accuracy": 1.5}}, "config key recommend.min_accuracy: 1.5 is out of range"),
-        ({"recommend": {"max_memory": 1}}, "config key recommend.max_memory: unknown key"),
-    ],
-)
-def test_prices_and_recommend_keys_are_strict(section, message):
-    config = copy.deepcopy(_base_config())
-    config.update(section)
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        ftbench_config.validate_config(config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -668,7 +461,7 @@ def priced_workflow(snakemake_run, tmp_path_factory):
     source, config, _ = snakemake_run
     workdir = copy_workflow(source, tmp_path_factory.mktemp("priced") / "workflow")
     table = workdir / "prices.yaml"
-    table.write_text((ROOT / "config" / "prices.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    table.write_text(PRICES_TABLE.read_text(encoding="utf-8"), encoding="utf-8")
     config = copy.deepcopy(config)
     config["prices"] = {"table": "prices.yaml"}
     config["recommend"] = {"min_accuracy": 0.3}
@@ -747,4 +540,4 @@ def test_snakemake_report_has_the_figures(priced_workflow):
     assert "Adding report.html" in log
     text = out.read_text(encoding="utf-8")
     for name in drawn:  # each figure's own caption file, rendered through rules/captions/figure.rst
-        assert " ".join(figures.caption(name).split()[:6]) in text, name
+        assert " ".join(CAPTIONS[name].split()[:6]) in text, name

@@ -198,11 +198,14 @@ def report(argv: list[str] | None = None) -> None:
     parser.add_argument("--html", required=True)
     parser.add_argument("--title", default="ftbench report")
     parser.add_argument("--recommend", default="{}", help="JSON: {min_accuracy, max_memory_mb} for the recommendation")
+    parser.add_argument("--captions", default="{}", help="JSON: {figure name: its one-sentence caption}")
+    parser.add_argument("--gpu-peaks", default=None, help="GPU table (config/gpus.yaml): the memory line of GPUs whose name gives no size")
     args = parser.parse_args(argv)
     from . import report as report_module
 
     written = report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title,
-                                         recommend_settings=json.loads(args.recommend) or {})
+                                         recommend_settings=json.loads(args.recommend) or {},
+                                         captions=json.loads(args.captions), gpu_table=args.gpu_peaks)
     for name, result in written.items():
         print(f"figure {name}: {result if isinstance(result, str) else 'drawn'}")
     print(f"report -> {args.html}")
@@ -217,16 +220,25 @@ def compare(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", metavar="[NAME=]METRICS_PARQUET",
                         help="a result set's metrics.parquet, optionally named (NAME=path); default name: its folder")
     parser.add_argument("--out", required=True, help="folder for compare.html, compare.parquet, compare.csv and figures/")
-    parser.add_argument("--prices-table", default=None, help="re-price every set with this table (default: config/prices.yaml)")
+    parser.add_argument("--prices-table", default="config/prices.yaml", help="re-price every set with this table (default: %(default)s)")
     parser.add_argument("--provider", default=None, help="provider of the price table (default: the table's default)")
     parser.add_argument("--pricing", default=None, choices=["on_demand", "spot"])
     parser.add_argument("--keep-prices", action="store_true", help="keep each set's own costs instead of re-pricing")
     parser.add_argument("--threshold", type=float, default=0.05, help="flag node-to-node variation above this CV (default 0.05)")
     parser.add_argument("--title", default="ftbench comparison")
+    parser.add_argument("--captions-dir", default="rules/captions/figures", help="one <figure>.rst caption per figure (default: %(default)s)")
+    parser.add_argument("--gpu-peaks", default="config/gpus.yaml", help="GPU table: the memory line of GPUs whose name gives no size (default: %(default)s)")
     args = parser.parse_args(argv)
     from . import compare as compare_module
     from . import cost
 
+    # The defaults are relative to the working directory: the repository root.
+    needed = {"--prices-table": None if args.keep_prices else args.prices_table, "--captions-dir": args.captions_dir,
+              "--gpu-peaks": args.gpu_peaks}
+    for option, path in needed.items():
+        if path is not None and not Path(path).exists():
+            raise FtbenchError(f"compare: {option} {path} not found (run from the repository root or pass {option} PATH)")
+    captions = {path.stem: " ".join(path.read_text(encoding="utf-8").split()) for path in sorted(Path(args.captions_dir).glob("*.rst"))}
     sets = []
     for item in args.results:
         name, _, path = item.rpartition("=") if "=" in item else ("", "", item)
@@ -234,7 +246,8 @@ def compare(argv: list[str] | None = None) -> None:
     prices = None
     if not args.keep_prices:
         prices = cost.resolve({"table": args.prices_table, "provider": args.provider, "pricing": args.pricing})
-    result = compare_module.compare(sets, args.out, prices=prices, threshold=args.threshold, title=args.title)
+    result = compare_module.compare(sets, args.out, prices=prices, threshold=args.threshold, title=args.title,
+                                    captions=captions, gpu_table=args.gpu_peaks)
     print(f"compared {result['runs']} runs of {result['sets']} result sets -> {result['html']}")
 
 

@@ -9,32 +9,31 @@ Each result set is a ``metrics.parquet`` written by ``collect``; every row carri
 - node-to-node variance: the same configuration on the same device model on different hosts; a
   coefficient of variation (std / mean of the hosts' medians) above the threshold (default 5%) is flagged.
 
-A configuration is what a run's settings say without its repeat index and seed (figures.CONFIG_COLUMNS).
+Configurations are matched across sets by their settings (analysis.prepare with across_machines).
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import sys
-import warnings
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")  # no display on cluster nodes and CI
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from . import atomic, cost, figures, report  # noqa: E402
-from .collect import typed  # noqa: E402
-from .columns import COLUMNS  # noqa: E402
-from .errors import FtbenchError  # noqa: E402
-from .figures import ok_runs, short_device  # noqa: E402
+from . import analysis, atomic, cost, figures, pages, report
+from .analysis import ok_runs
+from .collect import typed
+from .columns import COLUMNS
+from .errors import FtbenchError
 
 SET_COLUMN = "result_set"
+# The report's figures that compare drawn over every set's runs too.
+SHARED_FIGURES = ("throughput", "cost", "accuracy_vs_cost", "peak_memory")
+TITLES = {
+    "throughput_ratio": "median tokens/s on this device / on the baseline device",
+    "cost_ratio": "$ per 1M tokens on this device / on the baseline device",
+    "cv": "std / mean of the hosts' median tokens/s",
+    "host_medians": "median tokens/s per host",
+}
 
 
 def set_name(path: Path) -> str:
@@ -76,7 +75,6 @@ def merge(sets: list[tuple[str | None, str | Path]], prices: cost.Prices | None 
         frames.append(frame)
         notes.extend(set_notes)
     merged = pd.concat(frames, ignore_index=True)
-    merged.attrs["sources"] = sources  # result set name -> the file it came from
     if prices is not None:
         old_gpu_hours = merged["projected_gpu_hours"].copy()
         repriced, price_warnings = cost.add_costs(merged.drop(columns=[SET_COLUMN]), prices, warn=False)
@@ -85,84 +83,64 @@ def merge(sets: list[tuple[str | None, str | Path]], prices: cost.Prices | None 
         repriced.loc[keep, "projected_gpu_hours"] = old_gpu_hours[keep]
         repriced.loc[keep, "projected_cost"] = old_gpu_hours[keep] * repriced.loc[keep, "price_per_device_hour"]
         merged = pd.concat([merged[[SET_COLUMN]], typed(repriced)], axis=1)
-        merged.attrs["sources"] = sources
         notes.extend(sorted(set(price_warnings)))
+    merged.attrs["sources"] = sources  # result set name -> the file it came from
     return merged, notes
 
 
-def _configs(runs: pd.DataFrame) -> pd.Series:
-    """A device-independent configuration key per run, from the settings columns (not config_id, whose
-    hash covers machine-specific details such as a model's local path)."""
-    return figures.settings_key(runs).map(lambda key: hashlib.sha256(key.encode()).hexdigest()[:8])
-
-
-def _config_labels(runs: pd.DataFrame) -> pd.Series:
-    return figures.strip_id(runs["run_id"])
+def _finished(runs: pd.DataFrame) -> pd.DataFrame:
+    """Finished runs with a throughput, with their short ``device`` name."""
+    ok = ok_runs(runs)
+    ok = ok[ok["tokens_per_s"].notna()].copy()
+    ok["device"] = ok["device_name"].fillna("unknown device").map(analysis.short_device)
+    ok["tokens_per_s"] = ok["tokens_per_s"].astype(float)
+    return ok
 
 
 def across_devices(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (configuration, device model): median tokens/s and $ per 1M tokens at that median, with ratios to the
-    baseline device (the device of the first result set that ran this configuration)."""
-    ok = ok_runs(runs)
-    ok = ok[ok["tokens_per_s"].notna()].copy()
+    """One row per (configuration, device model) of prepared runs: median tokens/s and $ per 1M tokens at that
+    median, with ratios to the baseline device (the device of the first result set that ran this configuration)."""
     columns = ["configuration", "device", "result_sets", "hosts", "runs", "tokens_per_s", "throughput_ratio",
                "cost_per_1m_tokens", "cost_ratio", "baseline_device"]
+    ok = _finished(runs)
     if ok.empty:
         return pd.DataFrame(columns=columns)
-    ok["device"] = ok["device_name"].fillna("unknown device").map(short_device)
-    ok["cfg"] = _configs(ok)
-    ok["configuration"] = _config_labels(ok)
     set_order = {name: index for index, name in enumerate(runs[SET_COLUMN].unique())}
-    rows = []
-    for key, group in ok.groupby("cfg", sort=False):
-        per_device = []
-        for device, runs_on in group.groupby("device", sort=False):
-            per_device.append({
-                "configuration": runs_on["configuration"].iloc[0],
-                "device": device,
-                "result_sets": ", ".join(sorted(runs_on[SET_COLUMN].unique(), key=set_order.get)),
-                "first_set": min(set_order[s] for s in runs_on[SET_COLUMN].unique()),
-                "hosts": runs_on["host"].nunique(),
-                "runs": len(runs_on),
-                "tokens_per_s": float(runs_on["tokens_per_s"].astype(float).median()),
-                # at the median throughput, so cost_ratio = price ratio / throughput ratio exactly
-                "cost_per_1m_tokens": _nan(cost.cost_per_1m_tokens(report._median(runs_on, "price_per_hour"),
-                                                                    float(runs_on["tokens_per_s"].astype(float).median()))),
-            })
-        baseline = min(per_device, key=lambda row: row["first_set"])
-        for row in per_device:
-            row["baseline_device"] = baseline["device"]
-            row["throughput_ratio"] = row["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else math.nan
-            row["cost_ratio"] = (row["cost_per_1m_tokens"] / baseline["cost_per_1m_tokens"]
-                                 if baseline["cost_per_1m_tokens"] and not math.isnan(baseline["cost_per_1m_tokens"]) else math.nan)
-            rows.append(row)
-    return pd.DataFrame(rows)[columns]
-
-
-def _nan(value: float | None) -> float:
-    return math.nan if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+    ok["set_index"] = ok[SET_COLUMN].map(set_order)
+    table = ok.groupby(["config", "device"], sort=False).agg(
+        configuration=("config_name", "first"),
+        result_sets=(SET_COLUMN, lambda s: ", ".join(sorted(s.unique(), key=set_order.get))),
+        first_set=("set_index", "min"),
+        hosts=("host", "nunique"),
+        runs=("run_id", "size"),
+        tokens_per_s=("tokens_per_s", "median"),
+        price_per_hour=("price_per_hour", "median"),
+    ).reset_index()
+    # at the median throughput, so cost_ratio = price ratio / throughput ratio exactly
+    table["cost_per_1m_tokens"] = [cost.cost_per_1m_tokens(None if analysis.is_missing(price) else float(price), speed)
+                                   for price, speed in zip(table["price_per_hour"], table["tokens_per_s"])]
+    table["cost_per_1m_tokens"] = table["cost_per_1m_tokens"].astype(float)
+    baseline = table.loc[table.groupby("config", sort=False)["first_set"].idxmin()].set_index("config")
+    table["baseline_device"] = table["config"].map(baseline["device"])
+    table["throughput_ratio"] = table["tokens_per_s"] / table["config"].map(baseline["tokens_per_s"])
+    table["cost_ratio"] = table["cost_per_1m_tokens"] / table["config"].map(baseline["cost_per_1m_tokens"])
+    return table[columns]
 
 
 def node_variance(runs: pd.DataFrame, threshold: float = 0.05) -> pd.DataFrame:
     """Same configuration, same device model, different hosts: the hosts' median tokens/s and their CV."""
-    ok = ok_runs(runs)
-    ok = ok[ok["tokens_per_s"].notna()].copy()
     columns = ["configuration", "device", "hosts", "host_medians", "tokens_per_s", "cv", "flagged"]
-    if ok.empty:
-        return pd.DataFrame(columns=columns)
-    ok["device"] = ok["device_name"].fillna("unknown device").map(short_device)
+    ok = _finished(runs)
     ok["node"] = ok["host"].fillna(ok[SET_COLUMN])
-    ok["cfg"] = _configs(ok)
-    ok["configuration"] = _config_labels(ok)
     rows = []
-    for (_, device), group in ok.groupby(["cfg", "device"], sort=False):
-        medians = group.groupby("node", sort=True)["tokens_per_s"].median().astype(float)
+    for _, group in ok.groupby("config_key", sort=False):
+        medians = group.groupby("node", sort=True)["tokens_per_s"].median()
         if len(medians) < 2:
             continue
-        cv = float(medians.std(ddof=1) / medians.mean()) if medians.mean() > 0 else math.nan
+        cv = float(medians.std(ddof=1) / medians.mean()) if medians.mean() > 0 else float("nan")
         rows.append({
-            "configuration": group["configuration"].iloc[0],
-            "device": device,
+            "configuration": group["config_name"].iloc[0],
+            "device": group["device"].iloc[0],
             "hosts": len(medians),
             "host_medians": "; ".join(f"{host}: {value:,.0f}" for host, value in medians.items()),
             "tokens_per_s": float(medians.median()),
@@ -172,125 +150,68 @@ def node_variance(runs: pd.DataFrame, threshold: float = 0.05) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def figure_throughput_ratio(table: pd.DataFrame):
-    """Throughput of each configuration on each device relative to the baseline device."""
-    data = table[table["device"] != table["baseline_device"]]
-    if data.empty:
-        return "every configuration ran on one device model only"
-    data = data.sort_values("throughput_ratio")
-    labels = data["configuration"] + " @ " + data["device"] + " vs " + data["baseline_device"]
-    fig, ax = plt.subplots(figsize=(9, figures._height(len(data))))
-    y = np.arange(len(data))
-    ax.barh(y, data["throughput_ratio"], color=["#55a868" if r >= 1 else "#c44e52" for r in data["throughput_ratio"]])
-    ax.axvline(1.0, color="#222", linewidth=1)
-    for yi, value in zip(y, data["throughput_ratio"]):
-        ax.text(value, yi, f" {value:.2f}x", va="center", fontsize=8)
-    ax.set_yticks(y, labels, fontsize=8)
-    ax.set_xlabel("tokens/s relative to the baseline device (1.0 = same)")
-    ax.set_xlim(0, float(data["throughput_ratio"].max()) * 1.2)
-    fig.tight_layout()
-    return fig
+def sets_table(merged: pd.DataFrame) -> pd.DataFrame:
+    """One row per result set: its file, runs, finished runs, hosts, devices, commits and torch versions."""
+    def joined(values: pd.Series) -> str:
+        return ", ".join(sorted(values.dropna().astype(str).unique()))
 
-
-COMPARE_FIGURES = [
-    ("throughput_ratio", "Throughput ratio across GPUs",
-     "Median tokens/s of each configuration on each device model divided by its median on the baseline device "
-     "(the first result set's), so 2.0x means twice as fast.", figure_throughput_ratio),
-]
-SHARED_FIGURES = ("throughput", "cost", "accuracy_vs_cost", "peak_memory")
+    table = merged.groupby(SET_COLUMN, sort=False).agg(
+        runs=("run_id", "size"),
+        ok=("status", lambda s: int(s.isin(["ok"]).sum())),
+        hosts=("host", joined),
+        devices=("device_name", joined),
+        git_commit=("git_commit", lambda s: joined(s.astype("string").str[:10])),
+        torch_version=("torch_version", joined),
+    ).reset_index()
+    table.insert(1, "file", table[SET_COLUMN].map(merged.attrs["sources"]))
+    return table
 
 
 def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: cost.Prices | None = None,
-            threshold: float = 0.05, title: str = "ftbench comparison") -> dict:
+            threshold: float = 0.05, title: str = "ftbench comparison", captions: dict[str, str] | None = None,
+            gpu_table: str | Path | None = None) -> dict:
+    """Write compare.parquet, compare.csv, figures/ and compare.html into ``out``; ``captions`` and
+    ``gpu_table`` as for report.build_report."""
     out = Path(out)
     merged, notes = merge(sets, prices)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     atomic.write_parquet(out / "compare.parquet", merged)
     atomic.write_csv(out / "compare.csv", merged)
-    devices = across_devices(merged)
-    variance = node_variance(merged, threshold)
-    runs = figures.prepare(merged.drop(columns=[SET_COLUMN]))
-    runs.insert(0, SET_COLUMN, merged[SET_COLUMN].to_numpy())
-    fig_dir = out / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path | str] = {}
-    blocks = []
-    for name, heading, caption, draw in COMPARE_FIGURES:
-        result = draw(devices) if not devices.empty else "no finished run has a throughput"
-        blocks.append(_figure_block(name, heading, caption, result, fig_dir, written))
-    steps = pd.DataFrame(columns=["run_id", "step", "measured", "step_time_s", "loss"])
-    for spec in figures.FIGURES:
-        if spec.name in SHARED_FIGURES:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                result = figures.draw(spec, runs, steps)
-            blocks.append(_figure_block(spec.name, spec.title, spec.caption, result, fig_dir, written))
+    runs = analysis.prepare(merged, across_machines=True,
+                            gpu_table=analysis.read_gpu_table(gpu_table) if gpu_table else None)
+    devices = across_devices(runs)
+    variance = node_variance(runs, threshold)
+    shared = analysis.common_parts(runs)
+    steps = pd.DataFrame(columns=report.STEP_COLUMNS)
+    drawn = {figures.THROUGHPUT_RATIO.name: figures.draw(figures.THROUGHPUT_RATIO, devices) if not devices.empty
+             else "no finished run has a throughput"}
+    drawn.update({spec.name: figures.draw(spec, runs, steps, shared=shared) for spec in figures.FIGURES if spec.name in SHARED_FIGURES})
+    written = figures.save(drawn, out / "figures")
 
-    sets_table = merged.groupby(SET_COLUMN, sort=False).agg(
-        runs=("run_id", "size"),
-        ok=("status", lambda s: int((s == "ok").sum())),
-        hosts=("host", lambda s: ", ".join(sorted(s.dropna().astype(str).unique()))),
-        devices=("device_name", lambda s: ", ".join(sorted(s.dropna().astype(str).unique()))),
-        git_commit=("git_commit", lambda s: ", ".join(sorted(s.dropna().astype(str).str[:10].unique()))),
-        torch_version=("torch_version", lambda s: ", ".join(sorted(s.dropna().astype(str).unique()))),
-    ).reset_index()
-    sets_table.insert(1, "file", sets_table[SET_COLUMN].map(merged.attrs["sources"]))
-    flagged = variance[variance["flagged"]] if not variance.empty else variance
-    price_note = (f"Costs re-priced with {prices.table_path} ({prices.label}) so they are comparable."
-                  if prices is not None else "Costs as each set's own collect computed them (--keep-prices).")
-    summary = [f"<p><b>{len(sets_table)}</b> result sets, <b>{len(merged)}</b> runs. {report.esc(price_note)}</p>"]
-    if not flagged.empty:
-        summary.append(f'<div class="notes"><b>Node-to-node variation above {threshold:.0%}</b><ul>'
-                       + "".join(f"<li>{report.esc(r['configuration'])} on {report.esc(r['device'])}: CV {r['cv']:.1%} "
-                                 f"({report.esc(r['host_medians'])})</li>" for _, r in flagged.iterrows()) + "</ul></div>")
-    if notes:
-        summary.append('<div class="notes"><b>Notes</b><ul>' + "".join(f"<li>{report.esc(n)}</li>" for n in notes) + "</ul></div>")
-    titles = {
-        "throughput_ratio": "median tokens/s on this device / on the baseline device",
-        "cost_ratio": "$ per 1M tokens on this device / on the baseline device",
-        "cv": "std / mean of the hosts' median tokens/s",
-        "flagged": f"cv above {threshold:.0%}",
-        "host_medians": "median tokens/s per host",
-    }
-    table_columns = [SET_COLUMN] + [c for c in report.TABLE_COLUMNS if c in runs and (c in report.ALWAYS_SHOWN or runs[c].notna().any())]
+    table_columns = [SET_COLUMN] + report.shown_columns(runs, report.TABLE_COLUMNS, report.ALWAYS_SHOWN)
     for column in ("host", "gpu_model"):
-        if column not in table_columns and column in runs:
+        if column not in table_columns:
             table_columns.insert(table_columns.index("device_name") + 1 if "device_name" in table_columns else 1, column)
-    runs_table = report.table_html(runs, table_columns, table_id="runs", row_class=lambda row: "status-" + str(row["status"]))
-    sections = [
-        f"<h1>{report.esc(title)}</h1>",
-        "<h2>Result sets</h2>", "".join(summary),
-        report.table_html(sets_table, list(sets_table.columns), table_id="sets"),
-        "<h2>The same configuration across GPUs</h2>",
-        table_html_or_note(devices, "across-devices", titles, "no finished run has a throughput"),
-        f"<h2>Node-to-node variance (flag &gt; {threshold:.0%})</h2>",
-        table_html_or_note(variance, "node-variance", titles,
-                           "no configuration ran on the same device model on more than one host"),
-        "<h2>Figures</h2>", "".join(blocks),
-        "<h2>All runs</h2><p>One row per run of every set.</p>",
-        f'<div class="scroll">{runs_table}</div>',
-        "<h3>How the numbers are taken</h3><ul>" + "".join(f"<li>{report.esc(c)}</li>" for c in report.CONVENTIONS) + "</ul>",
-    ]
     html_path = out / "compare.html"
-    atomic.write_text(html_path, report.page(title, sections))
-    return {"html": html_path, "runs": len(merged), "sets": len(sets_table), "across_devices": devices,
+    pages.render(
+        "compare.html.j2", html_path,
+        title=title,
+        sets=pages.table(sets_table(merged), ["result_set", "file", "runs", "ok", "hosts", "devices", "git_commit", "torch_version"],
+                         table_id="sets"),
+        run_count=len(merged),
+        price_note=(f"Costs re-priced with {prices.table_path} ({prices.label}) so they are comparable." if prices is not None
+                    else "Costs as each set's own collect computed them (--keep-prices)."),
+        threshold=f"{threshold:.0%}",
+        flagged=variance[variance["flagged"]].to_dict("records"),
+        notes_list=notes,
+        shared=shared,
+        across_devices=pages.table(devices, list(devices.columns), table_id="across-devices", titles=TITLES),
+        node_variance=pages.table(variance, list(variance.columns), table_id="node-variance",
+                                  titles={**TITLES, "flagged": f"cv above {threshold:.0%}"}),
+        figures=report.figure_blocks(written, captions or {}),
+        runs=report.runs_table(runs, table_columns),
+        conventions=report.CONVENTIONS,
+    )
+    return {"html": html_path, "runs": len(merged), "sets": merged[SET_COLUMN].nunique(), "across_devices": devices,
             "node_variance": variance, "figures": written, "notes": notes}
-
-
-def table_html_or_note(frame: pd.DataFrame, table_id: str, titles: dict, note: str) -> str:
-    if frame.empty:
-        return f'<p class="left-out">Nothing to show: {report.esc(note)}.</p>'
-    return report.table_html(frame, list(frame.columns), table_id=table_id, titles=titles)
-
-
-def _figure_block(name, heading, caption, result, fig_dir: Path, written: dict) -> str:
-    if isinstance(result, str):
-        written[name] = result
-        return f'<p class="left-out"><b>{report.esc(heading)}</b>: left out, {report.esc(result)}.</p>'
-    path = fig_dir / f"{name}.png"
-    with atomic.atomic_path(path) as tmp:
-        result.savefig(tmp, format="png", dpi=100)
-    plt.close(result)
-    written[name] = path
-    return report.figures_html_one(name, heading, caption, path)

@@ -1,4 +1,4 @@
-"""What a run costs, from its measured throughput and a price table (config/prices.yaml).
+"""What a run costs, from its measured throughput and a price table (config/prices.yaml, passed in by the caller).
 
 Computed at ``collect`` time, so editing a price re-runs collect and report and never retrains. The
 conventions, stated once:
@@ -19,7 +19,6 @@ conventions, stated once:
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -29,9 +28,12 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from .analysis import is_missing
 from .errors import ConfigError
 
-DEFAULT_PRICES_PATH = Path(__file__).resolve().parents[2] / "config" / "prices.yaml"
+# The price table when a caller names none: relative to the working directory, the repository root where
+# Snakemake and `python -m ftbench` run.
+DEFAULT_PRICES_TABLE = Path("config/prices.yaml")
 PRICINGS = ("on_demand", "spot")
 CPU_MODEL = "cpu"
 J_PER_KWH = 3.6e6
@@ -71,7 +73,7 @@ class Prices:
         return None
 
 
-def load_table(path: str | Path = DEFAULT_PRICES_PATH) -> dict:
+def load_table(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config key prices.table: price table {path} not found")
@@ -109,7 +111,7 @@ def _table_problems(table: Any) -> str | None:
     return None
 
 
-def resolve(settings: dict | None = None, default_table: str | Path = DEFAULT_PRICES_PATH) -> Prices:
+def resolve(settings: dict | None = None, default_table: str | Path = DEFAULT_PRICES_TABLE) -> Prices:
     """The prices of an experiment: its ``prices`` config key (all optional) over the table's defaults."""
     settings = settings or {}
     table_path = settings.get("table") or default_table
@@ -156,9 +158,9 @@ def billed_devices(device: str | None, world_size: Any, num_gpus: Any, parallel:
     """Devices a run pays for: its GPUs that trained together; 1 for a CPU machine."""
     if device == "cpu":
         return 1
-    if _present(world_size) and int(world_size) >= 1:
+    if not is_missing(world_size) and int(world_size) >= 1:
         return int(world_size)
-    if parallel in ("dp", "ddp") and _present(num_gpus):
+    if parallel in ("dp", "ddp") and not is_missing(num_gpus):
         return max(1, int(num_gpus))
     return 1
 
@@ -194,12 +196,8 @@ def energy_cost(energy_j_per_token: float | None, tokens: float | None, per_kwh:
     return energy_j_per_token * tokens / J_PER_KWH * per_kwh
 
 
-def _present(value: Any) -> bool:
-    return value is not None and value is not pd.NA and not (isinstance(value, float) and math.isnan(value))
-
-
 def _positive(value: Any, allow_zero: bool = False) -> bool:
-    if not _present(value):
+    if is_missing(value):
         return False
     return value >= 0 if allow_zero else value > 0
 
@@ -212,7 +210,7 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
     """(cost columns of one run, a warning or None). ``row`` is one row of the run table."""
     out = dict.fromkeys(COST_COLUMNS)
     device = row.get("device")
-    if not _present(device):
+    if is_missing(device):
         return out, None  # never started (unsupported before choosing a device): nothing to price
     devices = billed_devices(device, row.get("world_size"), row.get("num_gpus"), row.get("parallel"))
     out["billed_devices"] = devices
@@ -237,17 +235,17 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
         out["cost_per_1k_samples"] = cost_per_1k_samples(out["price_per_hour"], row.get("samples_per_s"))
 
     hours = row.get("projected_hours")
-    if not _present(hours):
+    if is_missing(hours):
         hours = budget_hours(budget, row.get("tokens_per_s"), row.get("samples_per_s"))
-    if _present(hours):
+    if not is_missing(hours):
         out["projected_gpu_hours"] = hours * devices
-        if _present(out["price_per_device_hour"]):
+        if not is_missing(out["price_per_device_hour"]):
             out["projected_cost"] = out["projected_gpu_hours"] * out["price_per_device_hour"]
 
     per_token = row.get("energy_j_per_token")
-    if _present(per_token):
+    if not is_missing(per_token):
         out["energy_cost_per_1m_tokens"] = energy_cost(per_token, 1e6, prices.electricity_per_kwh)
-        if _present(hours) and _positive(row.get("tokens_per_s")):
+        if not is_missing(hours) and _positive(row.get("tokens_per_s")):
             out["projected_energy_cost"] = energy_cost(per_token, row["tokens_per_s"] * hours * 3600.0, prices.electricity_per_kwh)
     return out, warning
 
@@ -260,7 +258,7 @@ def add_costs(frame: pd.DataFrame, prices: Prices, budget: dict | list | None = 
     budgets = budget if isinstance(budget, list) else [budget] * len(frame)
     rows, warnings_list = [], []
     for record, run_budget in zip(frame.to_dict("records"), budgets):
-        values, warning = run_costs({k: (None if not _present(v) else v) for k, v in record.items()}, prices, run_budget)
+        values, warning = run_costs({k: (None if is_missing(v) else v) for k, v in record.items()}, prices, run_budget)
         rows.append(values)
         if warning:
             warnings_list.append(warning)

@@ -1,0 +1,145 @@
+"""The run table's analysis (scripts/ftbench/analysis.py): configurations and their labels, medians over
+repeats, the recommendation, the Pareto front, scaling lines, device memory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ftbench import analysis
+from ftbench.errors import FtbenchError
+from test_report import GPU_TABLE, H100, fixture_runs, make_run
+
+# ---------------------------------------------------------------------------------------------------
+# Configurations, Pareto front, recommendation
+
+
+def test_repeats_share_a_configuration_and_unstable_ones_are_flagged():
+    runs = analysis.prepare(fixture_runs("repeats")[0])
+    assert runs["config_key"].nunique() == 2
+    configs = analysis.configurations(runs).set_index("method")
+    assert configs.loc["lora", "runs"] == 3 and configs.loc["lora", "tokens_per_s"] == pytest.approx(20000)
+    speeds = np.array([15000, 18500, 13000])
+    assert configs.loc["full", "tokens_per_s_cv"] == pytest.approx(speeds.std(ddof=1) / speeds.mean())
+    assert bool(configs.loc["full", "unstable"]) is True and bool(configs.loc["lora", "unstable"]) is False
+    assert "rep" not in configs.loc["full", "configuration"]
+
+
+def test_configurations_on_different_gpus_are_kept_apart():
+    runs = analysis.prepare(fixture_runs("multi_gpu")[0])
+    assert runs["config_key"].nunique() == len(runs)
+    assert runs["config_label"].is_unique
+    assert runs["config_label"].str.contains(" @ H100").sum() == 4
+
+
+def test_pareto_front():
+    points = pd.DataFrame({"cost": [1.0, 2.0, 3.0, 1.5, 4.0, 2.0], "quality": [0.70, 0.80, 0.90, 0.65, 0.85, 0.80]},
+                          index=list("abcdef"))
+    front = analysis.pareto_front(points)
+    assert list(front.index) == ["a", "b", "c"]  # d and e are dominated; f ties b and adds nothing
+
+
+def test_recommendation_cheapest_per_method_and_under_constraints():
+    configs = analysis.configurations(analysis.prepare(fixture_runs("normal")[0]))
+    result = analysis.recommend(configs)
+    assert result["basis"] == "cost"
+    per_method = result["per_method"].set_index("method")
+    assert list(per_method.index) == ["full", "lora", "qlora"]
+    assert "r8" in per_method.loc["lora", "configuration"]  # r8 is faster than r16, so cheaper
+    assert result["best"]["configuration"] == per_method["cost_per_1m_tokens"].idxmin() or result["best"]["method"] == "lora"
+    best = analysis.recommend(configs, min_accuracy=0.87)["best"]
+    assert best["method"] in ("full", "lora") and best["accuracy"] >= 0.87
+    assert "r16" in best["configuration"]  # lora r16 (0.88) is cheaper than full (0.90)
+    best = analysis.recommend(configs, min_accuracy=0.87, max_memory_mb=15000)["best"]
+    assert best is None
+    best = analysis.recommend(configs, max_memory_mb=15000)["best"]
+    assert best["method"] == "qlora"
+
+
+def test_recommendation_without_prices_ranks_by_throughput():
+    runs, _ = fixture_runs("normal")
+    runs["cost_per_1m_tokens"] = pd.NA
+    result = analysis.recommend(analysis.configurations(analysis.prepare(runs)))
+    assert result["basis"] == "throughput"
+    assert result["per_method"].set_index("method").loc["lora", "tokens_per_s"] == 22000
+
+
+def test_language_model_runs_use_token_accuracy():
+    runs = analysis.prepare(fixture_runs("lm")[0])
+    quality, name = analysis.quality_column(runs)
+    assert name == "eval token accuracy"
+    assert quality.tolist() == pytest.approx([0.42, 0.40, 0.39])
+    mixed = analysis.prepare(pd.concat([fixture_runs("lm")[0], fixture_runs("single")[0]], ignore_index=True))
+    assert analysis.quality_column(mixed)[1] == "eval accuracy (token accuracy for LM runs)"
+
+
+def test_gpu_capacity_from_the_name_or_the_gpu_table(tmp_path):
+    gpus = analysis.read_gpu_table(GPU_TABLE)
+    assert analysis.gpu_capacity_mb(H100, gpus) == pytest.approx(80 * 1024)  # from its name
+    assert analysis.gpu_capacity_mb("NVIDIA H200", gpus) == pytest.approx(141 * 1024)  # from the table
+    assert analysis.gpu_capacity_mb("NVIDIA H200", []) is None
+    assert analysis.gpu_capacity_mb("Some Future GPU", gpus) is None
+    assert analysis.gpu_capacity_mb(None, gpus) is None
+    runs = analysis.prepare(fixture_runs("multi_gpu")[0], gpu_table=gpus)
+    assert set(runs["device_memory_mb"].dropna()) == {80 * 1024, 40 * 1024}  # the B200 is in neither
+    (tmp_path / "gpus.yaml").write_text("models: []\n")
+    with pytest.raises(FtbenchError, match="GPU table .*gpus.yaml: cannot read its `gpus` list"):
+        analysis.read_gpu_table(tmp_path / "gpus.yaml")
+
+
+@pytest.mark.parametrize(("value", "missing"), [
+    (None, True), (pd.NA, True), (math.nan, True), (np.float32("nan"), True), (pd.NaT, True),
+    (0, False), (0.0, False), ("", False), ("ok", False), ([1, 2], False), (False, False),
+])
+def test_is_missing(value, missing):
+    assert analysis.is_missing(value) is missing
+
+
+def test_labels_keep_what_tells_configurations_apart():
+    runs = analysis.prepare(fixture_runs("normal")[0])
+    assert list(runs["config_label"]) == ["full", "lora-r8", "lora-r16", "qlora-r8"]
+    assert analysis.common_parts(runs) == "m d bf16 b16 s512"
+    assert (runs["config_label"] == runs["config_name"]).all()  # one device model: no device in the label
+
+
+def test_a_configuration_is_its_config_id_and_across_machines_its_settings():
+    """Two runs whose settings columns match but whose config ids differ (a setting without a column, such
+    as weight_decay, or a model at another local path): one report keeps them apart; compare, matching
+    result sets from different machines, takes them for one configuration."""
+    first = make_run(1, "lora")
+    second = {**make_run(2, "lora"), "config_id": first["config_id"][:-8] + "0badcafe"}
+    table = pd.DataFrame([first, second])
+    apart = analysis.prepare(table)
+    assert apart["config_key"].nunique() == 2
+    assert apart["config_label"].is_unique  # the same readable name, told apart by the configuration's hash
+    assert all(label.startswith("m-d-lora-r8-bf16-b16-s512 [") for label in apart["config_label"])
+    assert analysis.prepare(table, across_machines=True)["config_key"].nunique() == 1
+    assert analysis.prepare(table.assign(config_id=None))["config_key"].nunique() == 1  # older tables: settings
+
+
+def test_run_labels_number_the_repeats():
+    runs = analysis.prepare(fixture_runs("repeats")[0])
+    labels = analysis.run_labels(runs)
+    assert labels.is_unique and labels.index.tolist() == runs["run_id"].tolist()
+    assert sorted(labels)[:3] == ["full #0", "full #1", "full #2"]
+
+
+def test_accuracy_and_cost_marks_the_front_of_each_model():
+    runs = analysis.prepare(pd.concat([fixture_runs("normal")[0], fixture_runs("normal")[0].assign(
+        model="other", config_id=lambda t: t["config_id"].str.replace("m-d", "other-d"),
+        run_id=lambda t: t["run_id"].str.replace("m-d", "other-d"))], ignore_index=True))
+    points = analysis.accuracy_and_cost(runs)
+    assert len(points) == 8
+    for _, panel in points.groupby("model"):
+        assert sorted(panel.loc[panel["on_front"], "method"]) == ["full", "lora", "lora"]  # qlora is dominated
+
+
+def test_scaling_lines_start_from_one_gpu_with_the_ideal_line():
+    runs = analysis.prepare(fixture_runs("scaling")[0])
+    lines = analysis.scaling_lines(analysis.scaling(runs))
+    by_mode = {mode: dict(zip(group["devices"], group["tokens_per_s"])) for mode, group in lines.groupby("parallel")}
+    assert by_mode == {"dp": {1: 15000, 2: 21000}, "ddp": {1: 15000, 2: 28500, 4: 55000},
+                       "ideal": {1: 15000, 2: 30000, 4: 60000}}
