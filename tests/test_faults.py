@@ -17,7 +17,7 @@ Out-of-memory errors, NaN losses and crashes are injected on the CPU with the te
 Already covered elsewhere (not repeated): 50+ malformed configs, each checked for its message
 (tests/test_config.py); bit-flipped, truncated, replaced and missing shards refused naming the shard
 (tests/test_data.py, and tests/test_trainer.py before training); a GPU missing from the price table gives
-a warning and null cost (tests/test_report.py::test_gpu_missing_from_the_price_table_warns_and_gets_no_cost);
+a warning and null cost (tests/test_cost.py::test_gpu_missing_from_the_price_table_warns_and_gets_no_cost);
 an experiment of unsupported runs (fp16 and 4 GPUs on a CPU) still gives its table
 (tests/test_families.py::test_unsupported_rows_do_not_crash_the_dag).
 """
@@ -44,7 +44,7 @@ import torch
 from conftest import (
     ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
-from ftbench import atomic, cli, collect, data, errors, faults, figures, matrix, report, trainer
+from ftbench import analysis, atomic, cli, collect, data, errors, faults, matrix, report, trainer
 from ftbench.runspec import RunSpec
 from ftbench import config as ftbench_config
 from ftbench.columns import COLUMNS
@@ -291,11 +291,11 @@ def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, 
     diverged = table.iloc[1]
     assert diverged["tokens_per_s"] > 0  # it measured one step before diverging...
 
-    runs = figures.prepare(table)
-    throughput = figures.by_config(runs, "tokens_per_s")
+    runs = analysis.prepare(table)
+    configs = analysis.configurations(runs).set_index("configuration")
+    throughput = configs["tokens_per_s"].dropna()
     assert len(throughput) == 1  # ...but the throughput figure shows the ok run alone
-    assert throughput["median"].iloc[0] == pytest.approx(table.iloc[2]["tokens_per_s"])
-    configs = report.configurations(runs).set_index("configuration")
+    assert throughput.iloc[0] == pytest.approx(table.iloc[2]["tokens_per_s"])
     assert configs["ok"].tolist() == [0, 0, 1]
     assert configs["tokens_per_s"].notna().sum() == 1
 
