@@ -6,12 +6,13 @@ Out-of-memory errors, NaN losses and crashes are injected on the CPU with the te
 - injected OOM -> status=oom row (single process, and on one of two gloo DDP ranks in bounded time,
   also when the other rank is stuck); the report renders it;
 - injected NaN -> status=diverged, stopped before the optimizer step; non-ok runs are left out of the
-  throughput figures; GradScaler skips are counted (unit test: fp16 needs a GPU);
+  throughput figures (GradScaler skips are counted: tests/test_optimizers.py, as fp16 needs a GPU);
 - unknown exceptions fail the job with a traceback and no metrics file;
 - SIGKILL of a training job under --keep-going, SIGKILL of Snakemake then --rerun-incomplete, two
   concurrent invocations (the lock), a full disk (RLIMIT_FSIZE) while writing results, a tampered shard
   through the train command, an experiment where every run fails;
-- auto_batch_size: the search (unit), and a run that finds its batch against an injected memory limit;
+- auto_batch_size: a run that finds its batch against an injected memory limit (the search itself:
+  tests/test_batch_size_search.py);
 - bad input: one line naming the key or file, from validation and from ``snakemake -n``.
 
 Already covered elsewhere (not repeated): 50+ malformed configs, each checked for its message
@@ -42,9 +43,10 @@ import pytest
 import torch
 
 from conftest import (
-    ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
+    SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
 from ftbench import atomic, cli, collect, data, errors, faults, figures, matrix, report, trainer
+from ftbench.metrics import STEP_FIELDS
 from ftbench.runspec import RunSpec
 from ftbench import config as ftbench_config
 from ftbench.columns import COLUMNS
@@ -101,7 +103,7 @@ def run_id_with(config: dict, fragment: str) -> str:
 def write_result(folder: Path, spec: dict, metrics: dict, steps: list[dict]) -> Path:
     """What the train command writes for a run: steps.parquet, then metrics.json."""
     out = folder / spec.run_id / "metrics.json"
-    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
+    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=STEP_FIELDS))
     atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": {}})
     return out
 
@@ -247,25 +249,6 @@ def test_unknown_exception_propagates_without_a_row(cpu_spec, prepared_data, mon
         trainer.train_run(cpu_spec(), prepared_data[0])
 
 
-def test_grad_scaler_skipped_steps_are_counted():
-    """fp16 needs a CUDA GPU here, so the counting is tested on a CPU GradScaler: a step whose gradients
-    hold inf is skipped (weights unchanged) and counted; a finite one is not."""
-    layer = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=2.0**16)
-    before = layer.weight.detach().clone()
-    scaler.scale(layer(torch.tensor([[math.inf, 1.0]])).sum()).backward()
-    assert trainer.scaler_step(scaler, optimizer) is True
-    assert torch.equal(layer.weight, before)
-    optimizer.zero_grad()
-    scaler.scale(layer(torch.tensor([[1.0, 1.0]])).sum()).backward()
-    assert trainer.scaler_step(scaler, optimizer) is False
-    assert not torch.equal(layer.weight, before)
-    optimizer.zero_grad()
-    layer(torch.tensor([[1.0, 1.0]])).sum().backward()
-    assert trainer.scaler_step(torch.amp.GradScaler("cpu", enabled=False), optimizer) is False
-
-
 def test_runs_without_a_grad_scaler_have_no_skip_count(cpu_spec, prepared_data):
     metrics, _ = trainer.train_run(cpu_spec(), prepared_data[0])
     assert metrics["status"] == "ok"
@@ -309,18 +292,6 @@ def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, 
 
 # ---------------------------------------------------------------------------------------------------
 # auto_batch_size
-
-
-def test_batch_size_search():
-    fits_up_to_8 = lambda batch: batch <= 8  # noqa: E731
-    assert trainer.search_batch_size(fits_up_to_8, 2, 1024) == (8, 16, [[2, True], [4, True], [8, True], [16, False]])
-    # The start does not fit: halve until one does.
-    assert trainer.search_batch_size(fits_up_to_8, 32, 1024) == (8, 16, [[32, False], [16, False], [8, True]])
-    # Nothing runs out of memory: stop at the cap, no boundary seen.
-    assert trainer.search_batch_size(lambda b: True, 8, 100) == (100, None, [[8, True], [16, True], [32, True], [64, True], [100, True]])
-    assert trainer.search_batch_size(lambda b: True, 500, 100) == (100, None, [[100, True]])
-    # Not even one sample fits.
-    assert trainer.search_batch_size(lambda b: False, 4, 1024) == (None, 1, [[4, False], [2, False], [1, False]])
 
 
 def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, prepared_data, monkeypatch):
