@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
+from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
 from ftbench import batching, cli, data, ddp, matrix, modeling, trainer
 from ftbench.runspec import RunSpec
 from ftbench import config as ftconfig
@@ -51,18 +51,9 @@ T5_OVERRIDES = {
     "vocab_size": 1000, "decoder_start_token_id": 0,
 }
 TARGET_LEN = 8
-SEQ = 32
-LM_BATCH = 4
-LM_STEPS = 4
-LM_WARMUP = 1
+SEQ, LM_BATCH, LM_STEPS, LM_WARMUP = (LM_DEFAULTS[key] for key in ("seq_len", "batch_size", "max_steps", "warmup_steps"))
 SYNTHETIC_TRAIN = 64
 SYNTHETIC_EVAL = 16
-
-LM_DEFAULTS = {
-    "method": "full", "precision": "fp32", "batch_size": LM_BATCH, "seq_len": SEQ, "max_steps": LM_STEPS,
-    "warmup_steps": LM_WARMUP, "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
-    "eval_batch_size": SYNTHETIC_EVAL,
-}
 
 BERT_DEFAULTS = {
     "method": "lora", "precision": "fp32", "batch_size": 8, "seq_len": SEQ, "lora_rank": 4,
@@ -285,6 +276,7 @@ def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_d
 # Optimizers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, class_name", [("adamw", "AdamW"), ("sgd", "SGD"), ("adamw_8bit", "AdamW8bit")])
 def test_each_optimizer_trains(name, class_name, bert_spec, prepared_data, captured):
     metrics, steps = trainer.train_run(bert_spec(method="full", optimizer=name, learning_rate=0.0001), prepared_data[0])
@@ -311,6 +303,7 @@ def test_paged_adamw_8bit_is_unsupported_on_cpu(bert_spec, prepared_data):
 # Gradient checkpointing, attention kernels, compile, gradient accumulation
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_on_and_off_both_train(bert_spec, prepared_data, captured):
     results = {}
     for checkpointing in (False, True):
@@ -326,6 +319,7 @@ def test_gradient_checkpointing_on_and_off_both_train(bert_spec, prepared_data, 
     assert results[True][0]["flops_analytic_microbatch"] == results[False][0]["flops_analytic_microbatch"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_attention_implementation_is_applied(implementation, llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(attn_implementation=implementation), llama_data)
@@ -358,6 +352,7 @@ def test_compile_trains_and_reports_compile_time_apart(llama_data, monkeypatch):
     assert math.isfinite(metrics["eval_loss"])
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_every_micro_batch(llama_data):
     spec = llama_spec(grad_accum_steps=2, max_steps=3)
     metrics, steps = trainer.train_run(spec, llama_data)
@@ -381,6 +376,7 @@ def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
     return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
 
 
+@pytest.mark.slow
 def test_classification_family_bert(bert_spec, prepared_data, captured):
     spec = bert_spec(method="full", learning_rate=0.0001)
     metrics, steps = trainer.train_run(spec, prepared_data[0])
@@ -396,6 +392,7 @@ def test_classification_family_bert(bert_spec, prepared_data, captured):
     assert metrics["eval_loss"] == pytest.approx(output.loss.item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_causal_lm_family_llama(llama_data, captured):
     spec = llama_spec()
     metrics, steps = trainer.train_run(spec, llama_data)
@@ -416,6 +413,7 @@ def test_causal_lm_family_llama(llama_data, captured):
     assert 0 < metrics["eval_loss"] < 2 * math.log(LLAMA_OVERRIDES["vocab_size"])
 
 
+@pytest.mark.slow
 def test_seq2seq_family_t5(t5_data, captured):
     spec = t5_spec()
     metrics, steps = trainer.train_run(spec, t5_data)
@@ -435,6 +433,7 @@ def test_seq2seq_family_t5(t5_data, captured):
     assert metrics["eval_token_accuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.slow
 def test_seq2seq_config_model_without_decoder_start_token(tmp_path):
     """A bare T5Config has no decoder_start_token_id (a checkpoint's config.json does): the decoder starts from pad."""
     overrides = {key: value for key, value in T5_OVERRIDES.items() if key != "decoder_start_token_id"}
@@ -443,6 +442,7 @@ def test_seq2seq_config_model_without_decoder_start_token(tmp_path):
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
 
 
+@pytest.mark.slow
 def test_causal_lm_on_real_text_ignores_padding(tmp_path, tiny_csv, captured):
     """A config-built Llama with a tokenizer, on real (padded) text: eval loss and token accuracy skip padding."""
     config = {
@@ -493,6 +493,7 @@ def test_eval_accumulator_shifts_causal_labels_and_skips_padding():
 # QLoRA knobs and LoRA targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_type, double_quant", [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)])
 def test_qlora_quant_type_and_double_quant(quant_type, double_quant, llama_data, captured):
     spec = llama_spec(method="qlora", qlora_quant_type=quant_type, qlora_double_quant=double_quant,
@@ -509,6 +510,7 @@ def test_qlora_quant_type_and_double_quant(quant_type, double_quant, llama_data,
     assert metrics["trainable_params"] == 4 * 1024 * LLAMA_OVERRIDES["num_hidden_layers"]
 
 
+@pytest.mark.slow
 def test_qlora_double_quant_lowers_the_weight_estimate(llama_data):
     weights = {}
     for double_quant in (False, True):
@@ -517,12 +519,14 @@ def test_qlora_double_quant_lowers_the_weight_estimate(llama_data):
     assert weights[True] < weights[False]
 
 
+@pytest.mark.slow
 def test_qlora_compute_dtype(llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(method="qlora", qlora_compute_dtype="bf16"), llama_data)
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
     assert {m.compute_dtype for m in linear4bit_layers(captured["model"]).values()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_qlora_classification_head_stays_out_of_quantisation(bert_spec, prepared_data, captured):
     metrics, steps = trainer.train_run(bert_spec(method="qlora"), prepared_data[0])
     assert_ok(metrics, steps, 6, 2)
@@ -540,6 +544,7 @@ def test_qlora_bert_pooler_stays_out_of_quantisation(bert_spec):
     assert not [name for name in linear4bit_layers(built.model) if "pooler" in name]  # ...the pooler is not
 
 
+@pytest.mark.slow
 def test_lora_all_linear_targets_every_projection_but_the_head(llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(method="lora", lora_targets="all-linear"), llama_data)
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
@@ -614,6 +619,7 @@ def test_unsupported_rows_do_not_crash_the_dag(tmp_path, tiny_config_factory, sn
 # Config-built models without a tokenizer; the shipped example experiments
 
 
+@pytest.mark.slow
 def test_config_model_without_tokenizer_trains_on_synthetic_data(tmp_path):
     spec = llama_spec()
     assert "tokenizer" not in spec.model_def["source"]

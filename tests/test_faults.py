@@ -174,6 +174,7 @@ def test_faults_apply_to_their_rank_and_run_only():
 # OOM and divergence in one process: status rows, never a crash
 
 
+@pytest.mark.slow
 def test_injected_oom_becomes_an_oom_row(cpu_spec, prepared_data, monkeypatch, capfd):
     monkeypatch.setenv(ENV, "oom@3")
     metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
@@ -187,6 +188,7 @@ def test_injected_oom_becomes_an_oom_row(cpu_spec, prepared_data, monkeypatch, c
     assert f"{ENV} (test-only): out of memory at step 3" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data, monkeypatch):
     optimizer_steps = []
     real_step = trainer.scaler_step
@@ -208,6 +210,7 @@ def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data
     assert metrics["measured_steps"] == 2 and metrics["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec, prepared_data, tmp_path,
                                                                           monkeypatch, keep_sigterm, capfd):
     """scancel (SIGTERM) mid-run: the job fails with one line and writes neither metrics.json nor
@@ -234,6 +237,7 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
     assert '"measured_steps": 2' in logged
 
 
+@pytest.mark.slow
 def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigterm):
     """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result."""
     out = tmp_path / "run" / "metrics.json"
@@ -243,18 +247,21 @@ def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigte
     assert metrics["status"] == "timeout" and "time limit" in metrics["status_reason"]
 
 
+@pytest.mark.slow
 def test_unknown_exception_propagates_without_a_row(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "error@1")
     with pytest.raises(RuntimeError, match="injected failure at step 1"):
         trainer.train_run(cpu_spec(), prepared_data[0])
 
 
+@pytest.mark.slow
 def test_runs_without_a_grad_scaler_have_no_skip_count(cpu_spec, prepared_data):
     metrics, _ = trainer.train_run(cpu_spec(), prepared_data[0])
     assert metrics["status"] == "ok"
     assert metrics["grad_scaler_skipped_steps"] is None  # null (no fp16), never 0
 
 
+@pytest.mark.slow
 def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, prepared_data, monkeypatch, tmp_path):
     """oom, diverged and ok runs collected into the documented table; the report renders, and only the
     ok run counts in the throughput figures and the configuration summary."""
@@ -294,6 +301,7 @@ def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, 
 # auto_batch_size
 
 
+@pytest.mark.slow
 def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "oom_above_batch=16")
     spec = cpu_spec(auto_batch_size=True, batch_size=4)
@@ -307,6 +315,7 @@ def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, p
     assert metrics["tokens_per_s"] > 0 and 0 <= metrics["eval_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_auto_batch_size_trials_leave_training_unchanged(cpu_spec, prepared_data, monkeypatch):
     """The trials (learning rate 0, random state given back) do not change what is then measured: the
     same losses as a plain run at the batch found."""
@@ -318,6 +327,7 @@ def test_auto_batch_size_trials_leave_training_unchanged(cpu_spec, prepared_data
     assert metrics["eval_accuracy"] == plain_metrics["eval_accuracy"]
 
 
+@pytest.mark.slow
 def test_auto_batch_size_capped_by_the_setting_and_the_data(cpu_spec, prepared_data):
     metrics, _ = trainer.train_run(cpu_spec(auto_batch_size=True, auto_batch_size_max=12), prepared_data[0])
     assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (12, None)
@@ -325,6 +335,7 @@ def test_auto_batch_size_capped_by_the_setting_and_the_data(cpu_spec, prepared_d
     assert metrics["auto_batch_size_found"] == 100  # the 100 training examples
 
 
+@pytest.mark.slow
 def test_auto_batch_size_when_nothing_fits_is_an_oom_row(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "oom_above_batch=0")
     metrics, steps = trainer.train_run(cpu_spec(auto_batch_size=True, batch_size=4), prepared_data[0])
@@ -333,6 +344,7 @@ def test_auto_batch_size_when_nothing_fits_is_an_oom_row(cpu_spec, prepared_data
     assert steps == []
 
 
+@pytest.mark.slow
 def test_auto_batch_size_columns_in_the_table(cpu_spec, prepared_data, monkeypatch, tmp_path):
     monkeypatch.setenv(ENV, "oom_above_batch=16")
     auto = cpu_spec(auto_batch_size=True)

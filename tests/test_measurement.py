@@ -22,6 +22,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import LM_DEFAULTS
 from ftbench.runspec import RunSpec
 from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, trainer
 from ftbench import config as ftconfig
@@ -36,16 +37,7 @@ LLAMA_OVERRIDES = {
 LLAMA_LAYER_LINEAR = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128
 LLAMA_LM_HEAD = 1000 * 64
 LLAMA_EMBEDDINGS = 1000 * 64
-SEQ = 32
-BATCH = 4
-STEPS = 5
-WARMUP = 2
-
-LM_DEFAULTS = {
-    "method": "full", "precision": "fp32", "batch_size": BATCH, "seq_len": SEQ, "max_steps": STEPS,
-    "warmup_steps": WARMUP, "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
-    "eval_batch_size": 16,
-}
+SEQ, BATCH, STEPS, WARMUP = (LM_DEFAULTS[key] for key in ("seq_len", "batch_size", "max_steps", "warmup_steps"))
 
 
 def llama_model_def() -> dict:
@@ -185,6 +177,7 @@ def is_synced_duration(seconds: float) -> bool:
     return seconds > 0 and abs(seconds / 1000.0 - round(seconds / 1000.0)) < 1e-9
 
 
+@pytest.mark.slow
 def test_step_times_are_read_after_a_device_sync(clocked_run):
     _, metrics, steps, clock = clocked_run
     assert clock.syncs >= len(steps) + 1  # at least once before the loop and once per step
@@ -194,6 +187,7 @@ def test_step_times_are_read_after_a_device_sync(clocked_run):
     assert metrics["measured_time_s"] == metrics["window_s"]
 
 
+@pytest.mark.slow
 def test_window_covers_the_measured_steps_only(clocked_run):
     _, metrics, steps, _ = clocked_run
     measured = [r for r in steps if r["measured"]]
@@ -207,6 +201,7 @@ def test_window_covers_the_measured_steps_only(clocked_run):
     assert metrics["tokens_per_s_per_device"] == metrics["tokens_per_s"]  # one device
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
     spec, metrics, steps, _ = clocked_run
     assert spec.grad_accum_steps == 2
@@ -220,6 +215,7 @@ def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
     assert metrics["flops_per_step_analytic"] == flops.step_flops(shape, True, 2 * BATCH * SEQ, 2 * BATCH * SEQ**2)
 
 
+@pytest.mark.slow
 def test_loader_time_is_part_of_step_time(clocked_run):
     _, metrics, steps, _ = clocked_run
     for record in steps:
@@ -286,6 +282,7 @@ def test_model_shape_splits_encoder_and_decoder():
     assert (shape.encoder_layers, shape.layers, shape.width) == (2, 3, 64)
 
 
+@pytest.mark.slow
 def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
     """flop_counter on the run's own micro-batch vs 6N + attention. Eager attention: the counter does not
     see the CPU SDPA kernel (it would miss the attention term)."""
@@ -298,6 +295,7 @@ def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
     assert metrics["flops_counted_ratio"] == pytest.approx(metrics["flops_counted_microbatch"] / analytic)
 
 
+@pytest.mark.slow
 def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
     metrics, _ = trainer.train_run(llama_spec(method="lora", attn_implementation="eager",
                                               lora_targets=["q_proj", "v_proj", "gate_proj"]), llama_data)
@@ -576,6 +574,7 @@ class FakeNvml:
         return types.SimpleNamespace(used=(1 + handle) * 2**30)
 
 
+@pytest.mark.slow
 def test_run_samples_at_the_interval_its_spec_gives(monkeypatch, llama_data):
     built = []
 
@@ -641,6 +640,7 @@ def real_result(llama_data, tmp_path_factory):
     return result, table
 
 
+@pytest.mark.slow
 def test_every_metric_of_a_real_run_is_a_column(real_result):
     result, _ = real_result
     metrics = result["metrics"]
@@ -650,6 +650,7 @@ def test_every_metric_of_a_real_run_is_a_column(real_result):
     assert metrics["window_s"] == metrics["measured_time_s"]
 
 
+@pytest.mark.slow
 def test_collected_values_are_the_run_values(real_result):
     result, table = real_result
     row = table.iloc[0]
@@ -664,6 +665,7 @@ def test_collected_values_are_the_run_values(real_result):
             assert row[key] == value, key
 
 
+@pytest.mark.slow
 def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
     """An OOM run's measured peak is where it failed, not the run's peak: no ratio for it."""
     from ftbench.columns import row_from_result
@@ -675,6 +677,7 @@ def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
     assert row_from_result(failed)["memory_estimate_ratio"] is None
 
 
+@pytest.mark.slow
 def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
     _, table = real_result
     row = table.iloc[0]
