@@ -3,6 +3,10 @@
 #   snakemake --cores 2                      run the experiment in config/config.yaml
 #   snakemake --cores 2 --configfile X.yaml  run another experiment
 #   snakemake -n                             show what would run (validates the config first)
+#   python -m ftbench check X.yaml           check an experiment file alone (file, line and key of a problem)
+
+from pathlib import Path
+import sys
 
 from snakemake.utils import min_version
 
@@ -16,11 +20,38 @@ if not workflow.config_settings.configfiles:
     configfile: "config/config.yaml"
 
 
+# Snakemake's YAML loader keeps the last of two equal keys silently (a second model of the same name
+# would replace the first): read the experiment files again with ftbench's strict loader, which stops
+# with the file and line.
+from ftbench import config as ftbench_config
+from ftbench.errors import FtbenchError
+
+try:
+    for _path in workflow.config_settings.configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]:
+        ftbench_config.load_yaml(_path)
+except FtbenchError as error:
+    sys.stderr.write(f"ftbench: {error}\n")
+    sys.exit(1)
+
+
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/train.smk"
 include: "rules/collect.smk"
 include: "rules/report.smk"
+
+
+# A dry run only warns about a lock and still exits 0 with a plan the real run would refuse: an earlier
+# Snakemake killed with SIGKILL (or a power loss) leaves its locks behind. Say so and fail the dry run.
+if workflow.output_settings.dryrun and any(Path(".snakemake", "locks").glob("*.lock")):
+    sys.stderr.write(
+        "ftbench: this directory is locked by another snakemake, running or killed (kill -9, lost session); "
+        "if none is running here, run `snakemake --unlock` (with the same --configfile/--profile), then again\n"
+    )
+    sys.exit(1)
+
+for _message in ftbench_config.experiment_warnings(config):
+    sys.stderr.write(f"ftbench: warning: {_message}\n")
 
 
 rule all:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ftbench import config as ftbench_config
 from ftbench import batching, data, gpu_monitor, matrix, modeling, trainer
+from ftbench import config as ftbench_config
 from ftbench.devices import Distributed, choose_device, synchronize
 from ftbench.optimizers import make_optimizer
 from ftbench.runspec import RunSpec
@@ -114,12 +114,12 @@ def main() -> None:
     args = parser.parse_args()
 
     config = ftbench_config.load_config(args.config)
-    spec = dict(matrix.expand_runs(config)[args.run])
-    spec.update(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
+    spec = matrix.expand_runs(config)[args.run]
+    spec = spec.replace(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
     if args.batch_size:
-        spec.batch_size = args.batch_size
+        spec = spec.replace(batch_size=args.batch_size)
     if args.sample_interval:
-        spec.gpu_sample_interval_s = args.sample_interval
+        spec = spec.replace(gpu_sample_interval_s=args.sample_interval)
     if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:

@@ -82,7 +82,7 @@ CASES = [
     ("unknown-method", ("matrix", "method"), ["full", "lorra"], "matrix.method[1]", ["'lorra'", "'full', 'lora', 'qlora'"]),
     ("unknown-precision", ("defaults", "precision"), "fp8", "defaults.precision", ["expected one of", "'fp32'", "'fp16'", "'bf16'"]),
     ("unknown-optimizer", ("defaults", "optimizer"), "adam", "defaults.optimizer", ["expected one of", "'adamw'", "'sgd'"]),
-    ("unknown-parallel", ("matrix", "parallel"), ["fsdp"], "matrix.parallel[0]", ["expected one of", "'single'", "'dp'", "'ddp'"]),
+    ("unknown-parallel", ("matrix", "parallel"), ["zero3"], "matrix.parallel[0]", ["expected one of", "'single'", "'dp'", "'ddp'"]),
     ("unknown-source-kind", ("models", "tiny", "source", "kind"), "s3", "models.tiny.source.kind", ["expected one of", "'hub'", "'path'", "'package'"]),
     # references the schema cannot check
     ("unknown-model-in-matrix", ("matrix", "model"), ["tiny", "bert"], "matrix.model[1]", ["'bert'", "defined models: minilm, tiny"]),

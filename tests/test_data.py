@@ -81,23 +81,27 @@ def test_labels_filter_and_order(tmp_path):
     assert Counter(labels.tolist()) == {1: 12, 0: 8}  # 30/50 fresh -> id 1
 
 
-def test_deduplicate_drops_every_copy_of_a_repeated_text(tmp_path):
+def test_deduplicate_keeps_one_copy_and_drops_conflicting_labels(tmp_path):
     rows = make_rows({"neg": 60, "pos": 40})
     duplicated = [dict(row) for row in rows[:10]]
     duplicated[0]["label"] = "pos" if duplicated[0]["label"] == "neg" else "neg"  # a conflicting copy too
     path = tmp_path / "dups.csv"
     pd.DataFrame(rows + duplicated).to_csv(path, index=False)
-    dataset_def = tiny_dataset_def(path, train_size=60, eval_size=30)
+    dataset_def = tiny_dataset_def(path, train_size=60, eval_size=39)
 
-    train, evaluation = data.load_raw_splits(dataset_def, "dups")
+    dropped: dict = {}
+    train, evaluation = data.load_raw_splits(dataset_def, "dups", dropped=dropped)
     texts = pd.concat([train["text"], evaluation["text"]])
-    assert texts.is_unique
-    assert not set(texts) & {row["text"] for row in duplicated}
+    assert texts.is_unique  # no text can be in both splits
+    # 9 exact repeats keep one copy each; the text with two labels is gone in every copy.
+    assert set(texts) & {row["text"] for row in duplicated} == {row["text"] for row in duplicated[1:]}
+    assert duplicated[0]["text"] not in set(texts)
+    assert dropped["train"] == {"missing_or_empty": 0, "other_labels": 0, "conflicting_labels": 2, "duplicates": 9}
 
-    with pytest.raises(ConfigError, match="usable rows"):  # 90 unique rows remain: 60 + 40 > 90
+    with pytest.raises(ConfigError, match="usable rows"):  # 99 unique rows remain: 60 + 40 > 99
         data.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=40), "dups")
-    kept = data.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=40, deduplicate=False), "dups")
-    assert len(kept[0]) + len(kept[1]) == 100
+    kept = data.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=50, deduplicate=False), "dups")
+    assert len(kept[0]) + len(kept[1]) == 110
 
 
 def test_empty_and_missing_texts_are_dropped(tmp_path):

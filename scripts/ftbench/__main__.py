@@ -5,6 +5,8 @@
     python -m ftbench collect ...        gather runs into results/metrics.parquet (rule collect)
     python -m ftbench report ...         figures and results/report.html (rule report)
     python -m ftbench compare ...        merge result sets from several machines into one report
+    python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
+    python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
 """
 
@@ -14,12 +16,51 @@ import sys
 
 from . import cli
 
+def check(argv: list[str]) -> None:
+    """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
+    ftbench can see the file: this names the file, line and column (and every other config problem)."""
+    import argparse
+
+    from . import config, matrix
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench check", description=check.__doc__)
+    parser.add_argument("experiment", help="experiment YAML file (what you pass to snakemake --configfile)")
+    args = parser.parse_args(argv)
+    experiment = config.load_config(args.experiment)
+    for message in config.experiment_warnings(experiment):
+        print(f"ftbench: warning: {message}", file=sys.stderr)
+    runs = matrix.expand_runs(experiment)
+    print(f"{args.experiment}: valid; {len(runs)} runs")
+    for run in runs:
+        print(f"  {run.run_id}")
+
+
+def repair_data(argv: list[str]) -> None:
+    """A prepared data folder whose shards were damaged (a tampered or truncated file, a lost shard) is
+    prepared again; if the source still gives the same data, the shards are put back and the runs trained
+    on it keep their results."""
+    import argparse
+
+    from . import data
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench repair-data", description=repair_data.__doc__)
+    parser.add_argument("data_dir", help="results/data/<data_id> (the folder the error names)")
+    args = parser.parse_args(argv)
+    restored = data.repair(args.data_dir)
+    if not restored:
+        print(f"{args.data_dir}: every shard matches its manifest; nothing to repair")
+    for path in restored:
+        print(f"restored {path} (same sha256 as the manifest)")
+
+
 COMMANDS = {
     "prepare-data": cli.prepare_data,
     "train": cli.train,
     "collect": cli.collect,
     "report": cli.report,
     "compare": cli.compare,
+    "check": check,
+    "repair-data": repair_data,
     "schema": cli.schema,
 }
 

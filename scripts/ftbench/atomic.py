@@ -21,6 +21,9 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    # mkstemp creates the file readable by its owner only (0600); a result must be readable as any file
+    # the user writes (teammates on a shared cluster file system), so give it the mode the umask allows.
+    os.fchmod(fd, 0o666 & ~_current_umask())
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -36,6 +39,13 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
                                  "temporary file is removed)") from exc
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _current_umask() -> int:
+    # The umask can only be read by setting it; set it straight back (one thread writes results).
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(target: str | os.PathLike, text: str) -> None:

@@ -24,7 +24,8 @@ def prepare_data(argv: list[str] | None = None) -> None:
     from . import data
 
     job = json.loads(args.preparation)
-    manifest = data.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb)
+    manifest = data.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
+                            job.get("model", "model"))
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
     print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
 

@@ -43,16 +43,55 @@ def schema_yaml() -> str:
     return header + yaml.safe_dump(load_schema(), sort_keys=False, width=120, allow_unicode=True)
 
 
-def load_config(path: str | Path) -> dict:
-    """Read a YAML experiment file and validate it; raise ConfigError with one line on any problem."""
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int, first_line: int):
+        super().__init__(key)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping with the same key twice is an error: plain YAML
+    loaders (Snakemake's too) keep the last value silently, so a second model of the same name would
+    replace the first unnoticed."""
+
+    def construct_mapping(self, node, deep=False):
+        first_lines: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in first_lines:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1, first_lines[key])
+                first_lines[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base loader reports it
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A YAML file with duplicate keys and syntax errors reported as one line naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path}: not found")
     try:
         with open(path, encoding="utf-8") as handle:
-            config = yaml.safe_load(handle)
-    except yaml.YAMLError as exc:
+            return yaml.load(handle, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise ConfigError(
+            f"config file {path}, line {exc.line}: duplicate key {exc.key!r} (first given on line {exc.first_line}); "
+            "YAML would keep only the last one: rename or remove one of them"
+        ) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
+        raise ConfigError(f"config file {path}{where}: not valid YAML ({problem})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a YAML experiment file and validate it; raise ConfigError with one line on any problem."""
+    config = load_yaml(path)
     validate_config(config)
     return config
 
@@ -177,6 +216,7 @@ def check_references(config: dict) -> None:
     runs = matrix.expand_runs(config)
     if not runs:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
+    check_budget(config)
     check_dataset_columns(config, runs)
     for run in runs:
         check_run(run, config)
@@ -188,9 +228,60 @@ def check_references(config: dict) -> None:
             )
 
 
+def check_budget(config: dict) -> None:
+    budget = config.get("budget")
+    if budget is not None and "tokens" not in budget and "samples" not in budget:
+        raise ConfigError(
+            f"config key budget: give tokens or samples (the size of the training run to project), got only "
+            f"{', '.join(sorted(budget))}; or leave budget out"
+        )
+
+
+def experiment_warnings(config: dict) -> list[str]:
+    """Entries that change nothing: most likely a misspelt value or a copy-paste, worth a warning."""
+    from . import matrix
+
+    unused = matrix.unused_entries(config)
+    messages = []
+    for index in unused["exclude"]:
+        messages.append(f"config key exclude[{index}]: {config['exclude'][index]} matches no run of the matrix; "
+                        "check its setting names and values")
+    for index in unused["overrides"]:
+        messages.append(f"config key overrides[{index}].when: {config['overrides'][index]['when']} matches no run "
+                        "of the matrix; its `set` is never applied")
+    for index in unused["include"]:
+        messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix already has; "
+                        "it is measured once")
+    return messages
+
+
+# Settings whose values are declared in RunSpec but not yet implemented by the trainer: refused at parse
+# time with the reason, never run as if they were something else. Each entry goes when its code lands.
+NOT_YET_RUNNABLE = {
+    ("parallel", "fsdp"): "FSDP2 sharding",
+    ("batching", "group_by_length"): "length-grouped batches",
+    ("batching", "pack"): "packed batches",
+    ("batching", "padding_free"): "padding-free batches",
+    ("kernels", "liger"): "Liger kernels",
+    ("engine", "hf_trainer"): "the Hugging Face Trainer engine",
+    ("attn_implementation", "flex_attention"): "flex attention",
+    ("attn_implementation", "flash_attention_2"): "FlashAttention 2",
+    ("warmup_until_stable", True): "warmup until step times settle",
+}
+
+
 def check_run(run: RunSpec, config: dict | None = None) -> None:
     """Combinations that the schema allows key by key but that cannot work together."""
     config = config or {"matrix": {}}
+    for (name, value), what in NOT_YET_RUNNABLE.items():
+        if getattr(run, name) == value:
+            raise ConfigError(f"config key {_setting_key(config, name, value)}: {name}: {value!r} ({what}) is not "
+                              "implemented by this ftbench version")
+    if run.num_nodes > 1 or run.image_size is not None:
+        name = "num_nodes" if run.num_nodes > 1 else "image_size"
+        raise ConfigError(f"config key {_setting_key(config, name, getattr(run, name))}: {name} is not implemented by "
+                          "this ftbench version")
+    from . import sources
     from .task_types import TASKS, model_task
 
     task = model_task(run.model_def)
@@ -215,6 +306,15 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         raise ConfigError(
             f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: run {run.run_id} compiles; expected warmup_steps >= 1 so compilation is not measured"
         )
+    synthetic = dataset_def["source"]["kind"] == "synthetic"
+    train_size = dataset_def.get("train_size", sources.SYNTHETIC_SPLIT_ROWS["train"] if synthetic else None)
+    if train_size is not None and run.examples_per_step > train_size:
+        raise ConfigError(
+            f"config key {_setting_key(config, 'batch_size', run.batch_size)}: run {run.run_id} needs "
+            f"{run.examples_per_step} examples per optimizer step (batch_size {run.batch_size} x {run.devices} devices x "
+            f"grad_accum_steps {run.grad_accum_steps}) but datasets.{run.dataset}.train_size is {train_size}; "
+            "expected a smaller batch or a larger train_size"
+        )
     if run.parallel in ("dp", "ddp") and run.num_gpus < 2 and run.device != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 
@@ -223,7 +323,6 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     """The columns a dataset's runs read (text_column, label_column for classification, target_column
     for seq2seq) exist in its file. Only the header is read, and only for local CSV/TSV, JSON Lines
     and Parquet files; other sources (hub, folders, JSON arrays) are checked when they are prepared."""
-    import pandas as pd
     import pyarrow.parquet as pq
 
     from . import sources
@@ -243,18 +342,22 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
         location = Path(sources.resolve_location(dataset_def["source"]))
         if not location.is_file():
             continue
-        try:
-            data_format = sources.dataset_format(location, dataset_def.get("format"))
-            suffixes = [suffix.lower() for suffix in location.suffixes]
-            if data_format == "csv":
-                header = pd.read_csv(location, sep="\t" if ".tsv" in suffixes else ",", nrows=0).columns
-            elif data_format == "parquet":
+        data_format = sources.dataset_format(location, dataset_def.get("format"))
+        suffixes = [suffix.lower() for suffix in location.suffixes]
+        where = f"datasets.{name}"
+        encoding = dataset_def.get("encoding", "utf-8")
+        if data_format == "parquet":
+            try:
                 header = pq.read_schema(location).names
-            elif data_format == "json" and ".jsonl" in suffixes:
-                header = pd.read_json(location, lines=True, nrows=1).columns
-            else:
+            except Exception:  # noqa: BLE001 - unreadable here: prepare_data reports it with its own message
                 continue
-        except Exception:  # noqa: BLE001 - unreadable here: prepare_data reports it with its own message
+        elif data_format == "csv":
+            header = sources.read_table_file(location, data_format, encoding, where, nrows=0).columns
+        elif data_format == "json" and ".jsonl" in suffixes:
+            header = sources.read_table_file(location, data_format, encoding, where, nrows=1).columns
+        else:
+            if location.stat().st_size == 0:
+                raise ConfigError(f"config key {where}.source: {location} is empty (0 bytes); expected a {data_format} file")
             continue
         for key, column in columns.items():
             if column not in header:

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from . import atomic, batching, sources, task_types
 from .errors import ConfigError, ManifestError, SourceError
 from .matrix import DEFAULT_SHARD_SIZE_MB
-from .modeling import SYNTHETIC_PAD_ID, config_vocab_size, load_tokenizer, tokenizer_source
+from .modeling import SYNTHETIC_PAD_ID, config_vocab, config_vocab_size, load_failure, load_tokenizer, tokenizer_source
+from .runspec import RunSpec
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -32,9 +33,11 @@ ROW_GROUP_ROWS = 1024
 # Reading the raw dataset
 
 
-def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str = "classification"):
+def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str = "classification",
+                    dropped: dict | None = None):
     """The train and eval examples as DataFrames with column ``text``, plus ``label`` (classification,
-    original values) or ``target`` (seq2seq)."""
+    original values) or ``target`` (seq2seq). ``dropped``, if given, receives the rows left out per
+    source split and rule (see ``_clean``)."""
     where = f"datasets.{dataset_name}"
     columns = {"text": ("text_column", dataset_def["text_column"])}
     if task == "classification":
@@ -45,7 +48,7 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
         if column is None:
             raise ConfigError(f"config key {where}.{role}: required for a {task} model")
 
-    tables = _load_source_tables(dataset_def)
+    tables = _load_source_tables(dataset_def, where)
     for split_name, frame in tables.items():
         for role, column in columns.values():
             if column not in frame.columns:
@@ -58,7 +61,12 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
         for name, frame in tables.items()
     }
     labels = dataset_def.get("labels") if task == "classification" else None
-    tables = {name: _clean(frame, labels, dataset_def.get("deduplicate", True)) for name, frame in tables.items()}
+    if task == "classification":
+        check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def["label_column"])
+    cleaned = {name: _clean(frame, labels, dataset_def.get("deduplicate", True)) for name, frame in tables.items()}
+    tables = {name: frame for name, (frame, _) in cleaned.items()}
+    if dropped is not None:
+        dropped.update({name: counts for name, (_, counts) in cleaned.items()})
 
     if "eval_split" not in dataset_def:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
@@ -78,7 +86,28 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
     return tables[dataset_def.get("train_split", "train")], tables[dataset_def["eval_split"]]
 
 
-def _load_source_tables(dataset_def: dict) -> dict[str, pd.DataFrame]:
+def check_labels(values: pd.Series, labels: list | None, where: str, column: str) -> None:
+    """Refuse classification data that would train a head with a class that has no rows, or with one
+    class only (every prediction right: an eval accuracy of 1.0 that means nothing)."""
+    counts = values.dropna().value_counts()
+    found = ", ".join(f"{value!r}: {count}" for value, count in counts.head(20).items())
+    found += ", ..." if len(counts) > 20 else ""
+    if labels is not None:
+        missing = [label for label in labels if counts.get(label, 0) == 0]
+        if missing:
+            raise ConfigError(
+                f"config key {where}.labels: {', '.join(map(repr, missing))} never occur in column {column!r}; "
+                f"label counts found: {found or 'none'}"
+            )
+    classes = len(labels) if labels is not None else len(counts)
+    if classes < 2:
+        raise ConfigError(
+            f"config key {where}.label_column: column {column!r} holds one class only ({found or 'no labels'}); "
+            "a classifier needs at least 2 (accuracy would be 1.0 by construction)"
+        )
+
+
+def _load_source_tables(dataset_def: dict, where: str = "datasets.dataset") -> dict[str, pd.DataFrame]:
     source = dataset_def["source"]
     if source["kind"] != "hub":
         location = Path(sources.resolve_location(source))
@@ -88,12 +117,15 @@ def _load_source_tables(dataset_def: dict) -> dict[str, pd.DataFrame]:
         if data_format is not None:
             # Plain files are read with pandas (compression inferred from the suffix): no extra
             # dependency on training nodes, and the same frames `datasets` would give.
-            return {"train": _read_file(location, data_format)}
+            return {"train": sources.read_table_file(location, data_format, dataset_def.get("encoding", "utf-8"), where)}
 
     import datasets  # hub names, save_to_disk folders and hub-layout folders
 
     if source["kind"] == "hub":
-        loaded = datasets.load_dataset(source["name"], source.get("subset"), revision=source.get("revision"))
+        try:
+            loaded = datasets.load_dataset(source["name"], source.get("subset"), revision=source.get("revision"))
+        except (OSError, ConnectionError, ValueError) as exc:
+            raise SourceError(load_failure("dataset", source, source["name"], exc)) from None
     elif (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
         loaded = datasets.load_from_disk(str(location))
     else:
@@ -103,29 +135,30 @@ def _load_source_tables(dataset_def: dict) -> dict[str, pd.DataFrame]:
     return {name: split.to_pandas() for name, split in loaded.items()}
 
 
-def _read_file(location: Path, data_format: str) -> pd.DataFrame:
-    if data_format == "csv":
-        separator = "\t" if ".tsv" in location.suffixes else ","
-        return pd.read_csv(location, sep=separator)
-    if data_format == "json":
-        # One JSON document (an array of records) or JSON Lines (one object a line). Try the whole
-        # document first: read as lines, a one-line array parses "successfully" into one column per record.
-        try:
-            return pd.read_json(location)
-        except ValueError:
-            return pd.read_json(location, lines=True)
-    return pd.read_parquet(location)
-
-
-def _clean(frame: pd.DataFrame, labels: list | None, deduplicate: bool) -> pd.DataFrame:
+def _clean(frame: pd.DataFrame, labels: list | None, deduplicate: bool) -> tuple[pd.DataFrame, dict]:
+    """Usable rows, and how many rows each rule dropped (recorded in the manifest)."""
+    dropped = {}
+    before = len(frame)
     frame = frame.dropna()
     frame = frame[frame["text"].astype(str).str.strip() != ""]
+    dropped["missing_or_empty"] = before - len(frame)
+    before = len(frame)
     if labels is not None:
         frame = frame[frame["label"].isin(labels)]
+    dropped["other_labels"] = before - len(frame)
     if deduplicate:
-        # Duplicated texts would leak between train and eval and inflate accuracy.
-        frame = frame.drop_duplicates(subset="text", keep=False)
-    return frame.reset_index(drop=True)
+        # A text that occurs twice could land in train and in eval and inflate accuracy. Keeping one copy
+        # of it prevents that as well as dropping every copy does, and loses less data. A text given two
+        # different labels has no right answer: every copy of it goes.
+        if "label" in frame.columns:
+            before = len(frame)
+            conflicting = frame.groupby("text")["label"].transform("nunique") > 1
+            frame = frame[~conflicting]
+            dropped["conflicting_labels"] = before - len(frame)
+        before = len(frame)
+        frame = frame.drop_duplicates(subset="text", keep="first")
+        dropped["duplicates"] = before - len(frame)
+    return frame.reset_index(drop=True), dropped
 
 
 def stratified_split(frame: pd.DataFrame, train_size: int, eval_size: int, seed: int):
@@ -161,19 +194,24 @@ def prepare(
     seq_len: int,
     out_dir: str | Path,
     shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
+    model_name: str = "model",
 ) -> dict:
     """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = task_types.model_task(model_def)
     tokenizer = load_tokenizer(model_def)
+    if tokenizer is not None and model_def["source"]["kind"] == "config":
+        # Refuse a config model whose vocab_size contradicts its tokenizer now, not in every training job.
+        config_vocab(RunSpec(model=model_name), model_def["source"].get("overrides", {}), len(tokenizer))
     if dataset_def["source"]["kind"] == "synthetic":
         vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
         if vocab_size is None:
             raise ConfigError(f"config key datasets.{dataset_name}: synthetic data needs the model's vocab_size or a tokenizer")
         split_tables, label_names = synthetic_tables(dataset_def, task, seq_len, vocab_size)
+        dropped = {}
     else:
-        split_tables, label_names = _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len)
+        split_tables, label_names, dropped = _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len)
 
     manifest = {
         "manifest_version": MANIFEST_VERSION,
@@ -183,9 +221,17 @@ def prepare(
         "tokenizer": tokenizer_source(model_def),
         "tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else None,
         "pad_token_id": tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID,
+        # Token ids run below this: a config-built model takes it as its vocabulary size.
+        "vocab_size": len(tokenizer) if tokenizer is not None else config_vocab_size(model_def),
         "seq_len": seq_len,
         "label_names": label_names,
+        # Source rows left out, by rule and source split: rows with a missing or empty field, rows of other
+        # labels than `labels` lists, repeated texts (one copy kept).
+        "rows_dropped": dropped,
         "shard_size_mb": shard_size_mb,
+        # What produced these shards, so `python -m ftbench repair-data` can produce them again.
+        "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
+                        "seq_len": seq_len},
         "splits": {},
     }
     for split_name, table in split_tables.items():
@@ -199,7 +245,8 @@ def prepare(
 
 
 def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
-    train, evaluation = load_raw_splits(dataset_def, dataset_name, task)
+    dropped: dict = {}
+    train, evaluation = load_raw_splits(dataset_def, dataset_name, task, dropped)
     label_ids = None
     label_names = None
     if task == "classification":
@@ -219,7 +266,7 @@ def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
         if task == "seq2seq":
             targets = tokenizer(text_target=frame["target"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
         tables[split_name] = batching.to_table(task, input_ids, labels, targets)
-    return tables, label_names
+    return tables, label_names, dropped
 
 
 def synthetic_tables(dataset_def: dict, task: str, seq_len: int, vocab_size: int):
@@ -230,7 +277,8 @@ def synthetic_tables(dataset_def: dict, task: str, seq_len: int, vocab_size: int
     """
     source = dataset_def["source"]
     rng = np.random.default_rng(dataset_def.get("split_seed", 0))
-    sizes = {"train": dataset_def.get("train_size", 1024), "eval": dataset_def.get("eval_size", 128)}
+    sizes = {"train": dataset_def.get("train_size", sources.SYNTHETIC_SPLIT_ROWS["train"]),
+             "eval": dataset_def.get("eval_size", sources.SYNTHETIC_SPLIT_ROWS["eval"])}
     num_labels = source.get("num_labels", 2)
     low = min(100, vocab_size // 2)  # skip the special tokens at the start of most vocabularies
     tables = {}
@@ -286,21 +334,76 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
-    """Check every shard against the manifest (size, sha256, rows). Raise ManifestError naming the shard."""
+    """Check every shard against the manifest (size, sha256, rows). Raise ManifestError naming the shard
+    and the way back."""
     data_dir = Path(data_dir)
     manifest = manifest or read_manifest(data_dir)
+    problems = damaged_shards(data_dir, manifest)
+    if problems:
+        path, problem = problems[0]
+        more = f" (and {len(problems) - 1} more shard(s))" if len(problems) > 1 else ""
+        raise ManifestError(
+            f"data shard {path}: {problem}{more}. To prepare it again and keep the results of runs trained on it, "
+            f"run: python -m ftbench repair-data {data_dir}"
+        )
+    return manifest
+
+
+def damaged_shards(data_dir: Path, manifest: dict) -> list[tuple[Path, str]]:
+    """(shard, what is wrong) for each shard that is missing or differs from the manifest."""
+    problems = []
     for split in manifest["splits"].values():
         for shard in split["shards"]:
             path = data_dir / shard["file"]
             if not path.is_file():
-                raise ManifestError(f"data shard {path}: missing; delete {data_dir} and prepare it again")
+                problems.append((path, "missing"))
+                continue
             size = path.stat().st_size
             if size != shard["bytes"]:
-                raise ManifestError(f"data shard {path}: {size} bytes, manifest says {shard['bytes']} (truncated or replaced)")
+                problems.append((path, f"{size} bytes, manifest says {shard['bytes']} (truncated or replaced)"))
+                continue
             digest = sha256_file(path)
             if digest != shard["sha256"]:
-                raise ManifestError(f"data shard {path}: sha256 {digest[:12]}… does not match the manifest ({shard['sha256'][:12]}…)")
-    return manifest
+                problems.append((path, f"sha256 {digest[:12]}… does not match the manifest ({shard['sha256'][:12]}…)"))
+    return problems
+
+
+def repair(data_dir: str | Path) -> list[Path]:
+    """Prepare a data folder's dataset again and put back the shards that were damaged, if the source
+    still gives exactly the data of the manifest (same sha256 for every shard); return the shards put back.
+
+    The manifest and the folder's other files are left as they are, so the runs trained on this data
+    keep their results (Snakemake sees the same prepared data); only if the source now gives other data
+    is the repair refused, because those results would then describe data that no longer exists.
+    """
+    import shutil
+    import tempfile
+
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    damaged = damaged_shards(data_dir, manifest)
+    if not damaged:
+        return []
+    job = manifest.get("preparation")
+    if job is None:
+        raise ManifestError(f"{data_dir}: the manifest predates repair-data (no preparation recorded); delete "
+                            f"{data_dir} and run snakemake again (runs on this data train again)")
+    with tempfile.TemporaryDirectory(prefix=".repair-", dir=data_dir.parent) as scratch:
+        fresh = prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], scratch, manifest["shard_size_mb"],
+                        job["model"])
+        expected = {shard["file"]: shard["sha256"] for split in manifest["splits"].values() for shard in split["shards"]}
+        produced = {shard["file"]: shard["sha256"] for split in fresh["splits"].values() for shard in split["shards"]}
+        if produced != expected:
+            raise ManifestError(
+                f"{data_dir}: preparing {job['dataset']} again gives other data than the manifest records (the source "
+                f"or the tokenizer changed), so results trained on the old data cannot be kept; delete {data_dir} and "
+                "run snakemake again to prepare it and retrain the runs that use it"
+            )
+        for path, _ in damaged:
+            with atomic.atomic_path(path) as tmp:
+                shutil.copyfile(Path(scratch) / path.name, tmp)
+    verify(data_dir, manifest)
+    return [path for path, _ in damaged]
 
 
 def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_source: str = "memory"):

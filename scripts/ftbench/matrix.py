@@ -21,28 +21,52 @@ DEFAULT_SHARD_SIZE_MB = 128
 
 def expand_runs(config: dict) -> list[RunSpec]:
     """All runs of an experiment, in matrix order, without duplicates."""
+    return _expand(config)[0]
+
+
+def unused_entries(config: dict) -> dict[str, list[int]]:
+    """Entries of the experiment that change nothing, most likely by mistake: ``exclude`` entries that
+    match no run of the matrix (a misspelt value), ``include`` entries that repeat a run the matrix already
+    has, and ``overrides`` whose ``when`` matches no run. Indexes into each list."""
+    return _expand(config)[1]
+
+
+def _expand(config: dict) -> tuple[list[RunSpec], dict[str, list[int]]]:
     base = {**RUN_DEFAULTS, **config.get("defaults", {})}
     axes = config["matrix"]
     names = list(axes)
+    excludes, overrides = config.get("exclude", []), config.get("overrides", [])
+    excludes_used, overrides_used = set(), set()
     settings_list = []
     for values in itertools.product(*(axes[name] for name in names)):
         settings = {**base, **dict(zip(names, values))}
-        for override in config.get("overrides", []):
+        for index, override in enumerate(overrides):
             if _matches(settings, override["when"]):
                 settings.update(override["set"])
-        if any(_matches(settings, rule) for rule in config.get("exclude", [])):
-            continue
-        settings_list.append(settings)
+                overrides_used.add(index)
+        matched = [index for index, rule in enumerate(excludes) if _matches(settings, rule)]
+        excludes_used.update(matched)
+        if not matched:
+            settings_list.append(settings)
+    from_matrix = len(settings_list)
     for extra in config.get("include", []):
         settings_list.append({**base, **extra})
 
     runs: dict[str, RunSpec] = {}
+    duplicate_includes = []
     repeats = config.get("repeats", 1)
-    for settings in settings_list:
+    for position, settings in enumerate(settings_list):
         for repeat in range(repeats):
             spec = make_spec(settings, config, repeat=repeat, repeats=repeats)
+            if spec.run_id in runs and position >= from_matrix and repeat == 0:
+                duplicate_includes.append(position - from_matrix)
             runs.setdefault(spec.run_id, spec)
-    return list(runs.values())
+    unused = {
+        "exclude": [index for index in range(len(excludes)) if index not in excludes_used],
+        "include": duplicate_includes,
+        "overrides": [index for index in range(len(overrides)) if index not in overrides_used],
+    }
+    return list(runs.values()), unused
 
 
 def _matches(settings: dict, pattern: dict) -> bool:
@@ -106,6 +130,7 @@ def data_preparations(runs: list[RunSpec]) -> dict[str, dict]:
                 "data_id": run.data_id,
                 "dataset": run.dataset,
                 "dataset_def": run.dataset_def,
+                "model": run.model,  # the first model that reads it: error messages name its config keys
                 "model_def": run.model_def,
                 "seq_len": run.seq_len,
             },

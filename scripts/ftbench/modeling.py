@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import sources, task_types
-from .errors import SourceError, UnsupportedConfiguration
+from .errors import ConfigError, SourceError, UnsupportedConfiguration
 from .runspec import RunSpec
 
 # Pad id for synthetic data of a model without a tokenizer: synthetic sequences are never padded, so
@@ -58,15 +58,32 @@ def load_tokenizer(model_def: dict):
 
     if tokenizer_source(model_def) is None:
         return None
-    location, extra = _pretrained_args(tokenizer_source(model_def))
+    source = tokenizer_source(model_def)
+    location, extra = _pretrained_args(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     except (OSError, ValueError) as exc:
-        raise SourceError(f"tokenizer {location}: cannot be loaded ({' '.join(str(exc).split())[:300]})") from None
+        raise SourceError(load_failure("tokenizer", source, location, exc)) from None
     if tokenizer.pad_token_id is None:
         # Decoder tokenizers ship without a pad token; padded positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
+
+
+def load_failure(what: str, source: dict, location: str, exc: Exception) -> str:
+    """One line on why a model or tokenizer did not load. For a hub name the usual cause is the network
+    (none, offline mode, or a proxy that does not answer) with no copy in the local cache, which
+    transformers words as a local-folder problem: say so, and how to point at a local copy."""
+    detail = " ".join(str(exc).split())[:300]
+    if source["kind"] == "hub":
+        import os
+
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        return (f"{what} {location!r} could not be fetched from the Hugging Face hub and is not in the local cache "
+                f"({cache}): no network, offline mode (HF_HUB_OFFLINE), or a proxy that does not answer. Download it "
+                f"where there is a network (`hf download {location}`) into that cache, or point the source at a local "
+                f"copy: {{kind: path, path: /folder/with/config.json}}. ({type(exc).__name__}: {detail})")
+    return f"{what} {location}: cannot be loaded ({detail})"
 
 
 def bitsandbytes_available() -> bool:
@@ -112,10 +129,12 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None) -> BuiltModel:
+def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None,
+                vocab_size: int | None = None) -> BuiltModel:
     """The model for one run, on ``device``, with adapters and checkpointing applied.
 
     ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
+    ``vocab_size``: the tokenizer's (the manifest has it); a config-built model takes it as its vocabulary.
     """
     model_def = spec.model_def
     source = model_def["source"]
@@ -138,7 +157,10 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        config = config_class(**source.get("overrides", {}), **kwargs)
+        overrides = dict(source.get("overrides", {}))
+        if vocab_size is not None:
+            overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
+        config = config_class(**overrides, **kwargs)
         if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
             # T5's convention: the decoder starts from the pad token. A bare config has no start token and
             # the first forward pass would fail while shifting the labels right.
@@ -153,7 +175,10 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
                 model = model_class.from_pretrained(folder, **kwargs, **quantised)
     else:
         location, extra = _pretrained_args(source)
-        model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
+        try:
+            model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
+        except OSError as exc:
+            raise SourceError(load_failure("model", source, location, exc)) from None
     if model.config.pad_token_id is None:
         if pad_token_id is None:
             tokenizer = load_tokenizer(model_def)
@@ -181,6 +206,20 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
 
 
+def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:
+    """A config-built model's vocabulary is its tokenizer's: an architecture's default (GPT-2's 50,257)
+    beside a tokenizer of 30,522 would train embeddings no token ever reaches, or index past the table.
+    A vocab_size set explicitly must agree with the tokenizer."""
+    explicit = overrides.get("vocab_size")
+    if explicit is not None and explicit != tokenizer_vocab:
+        raise ConfigError(
+            f"config key models.{spec.model}.source.overrides.vocab_size: {explicit}, but the tokenizer the data was "
+            f"prepared with has {tokenizer_vocab} tokens; remove vocab_size (the model then takes the tokenizer's) or "
+            "make them equal"
+        )
+    return tokenizer_vocab
+
+
 def _bnb_config(spec: RunSpec):
     from transformers import BitsAndBytesConfig
 
@@ -194,9 +233,35 @@ def _bnb_config(spec: RunSpec):
     )
 
 
+def adaptable_layer_names(model: torch.nn.Module) -> list[str]:
+    """The short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), as lora_targets takes them."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def check_lora_targets(model: torch.nn.Module, spec: RunSpec) -> None:
+    """Every name in lora_targets must name layers of the model: peft fails only when none matches, and
+    silently adapts fewer layers than asked when one of several is misspelt."""
+    if spec.lora_targets == "all-linear":
+        return
+    layers = adaptable_layer_names(model)
+    module_names = [name for name, _ in model.named_modules()]
+    missing = [target for target in spec.lora_targets
+               if not any(name == target or name.endswith(f".{target}") for name in module_names)]
+    if missing:
+        raise ConfigError(
+            f"config key lora_targets: {', '.join(map(repr, missing))} name no layer of model {spec.model!r}; "
+            f"its adaptable layers are: {', '.join(layers)} (or use all-linear)"
+        )
+
+
 def _add_lora(model, spec: RunSpec, task: task_types.Task):
     from peft import LoraConfig, TaskType, get_peft_model
 
+    check_lora_targets(model, spec)
     config = LoraConfig(
         # The task type makes peft keep a new classification head trainable (modules_to_save).
         task_type=getattr(TaskType, task.peft_task_type),

@@ -109,14 +109,46 @@ class RunSpec:
         {"type": "boolean"}, "boolean", name_part=lambda s: "autobs" if s.auto_batch_size else None)
     compile: bool = setting(False, "torch.compile on", {"type": "boolean"}, "boolean",
                             name_part=lambda s: "compiled" if s.compile else None)
+    batching: str = setting(
+        "pad", "how rows become batches: pad (to the batch's longest row) | group_by_length (similar lengths batched "
+        "together within a seeded shuffle) | pack (several sequences per row up to seq_len, attention kept inside each) "
+        "| padding_free (one row of all the batch's sequences, no padding; needs an attention that takes sequence bounds)",
+        {"enum": ["pad", "group_by_length", "pack", "padding_free"]}, "string",
+        name_part=lambda s: {"group_by_length": "grouped", "pack": "packed", "padding_free": "padfree"}.get(s.batching))
+    kernels: str = setting("none", "fused-kernel library patched into the model: none | liger (Liger kernels: fused RMSNorm, "
+                           "SwiGLU, RoPE, cross-entropy for Llama-family models; GPU only)",
+                           {"enum": ["none", "liger"]}, "string",
+                           name_part=lambda s: s.kernels if s.kernels != "none" else None)
+    engine: str = setting("loop", "what runs the steps: loop (ftbench's own PyTorch loop) | hf_trainer (transformers.Trainer "
+                          "with ftbench's measurements attached through callbacks)", {"enum": ["loop", "hf_trainer"]}, "string",
+                          name_part=lambda s: "hftrainer" if s.engine == "hf_trainer" else None)
     data_source: str = setting("memory", "memory (shards decoded into RAM before training) | disk (rows read per batch)",
                                {"enum": ["memory", "disk"]}, "string",
                                name_part=lambda s: "disk" if s.data_source == "disk" else None)
-    parallel: str = setting("single", "single | dp (DataParallel) | ddp (DistributedDataParallel through torchrun)",
-                            {"enum": ["single", "dp", "ddp"]}, "string",
-                            name_part=lambda s: f"{s.parallel}{s.num_gpus}" if s.parallel != "single" else None)
-    num_gpus: int = setting(1, "GPUs the run asks for (0: CPU); with no GPU visible a 1-GPU run falls back to the CPU",
+    parallel: str = setting(
+        "single", "single | dp (DataParallel) | ddp (DistributedDataParallel through torchrun) | fsdp (FSDP2 fully_shard: "
+        "parameters, gradients and optimizer state sharded over the run's GPUs, launched like ddp)",
+        {"enum": ["single", "dp", "ddp", "fsdp"]}, "string",
+        name_part=lambda s: f"{s.parallel}{s.num_gpus}" if s.parallel != "single" else None)
+    fsdp_reshard_after_forward: bool = setting(
+        True, "fsdp: free each layer's gathered parameters after its forward pass (less memory, one more all-gather in "
+        "backward); false keeps them until backward", {"type": "boolean"}, "boolean",
+        name_part=lambda s: "noreshard" if s.parallel == "fsdp" and not s.fsdp_reshard_after_forward else None,
+        applies=lambda settings: settings.get("parallel") == "fsdp")
+    fsdp_cpu_offload: bool = setting(
+        False, "fsdp: keep parameters, gradients and optimizer state in host memory between uses (fits larger models, "
+        "slower)", {"type": "boolean"}, "boolean",
+        name_part=lambda s: "offload" if s.parallel == "fsdp" and s.fsdp_cpu_offload else None,
+        applies=lambda settings: settings.get("parallel") == "fsdp")
+    fsdp_reduce_dtype: str | None = setting(
+        None, "fsdp: dtype of the gradient reduce-scatter (null: the run's precision; fp32 for exact reductions of 16-bit "
+        "gradients)", {"enum": [None, "fp32", "bf16", "fp16"]}, "string",
+        applies=lambda settings: settings.get("parallel") == "fsdp")
+    num_gpus: int = setting(1, "GPUs per node the run asks for (0: CPU); with no GPU visible a 1-GPU run falls back to the CPU",
                             {"type": "integer", "minimum": 0, "maximum": 64}, "Int64")
+    num_nodes: int = setting(1, "nodes of a ddp/fsdp run (SLURM only): one torchrun per node, num_gpus on each",
+                             {"type": "integer", "minimum": 1, "maximum": 1024}, "Int64",
+                             name_part=lambda s: f"n{s.num_nodes}" if s.num_nodes > 1 else None)
 
     # --- LoRA / QLoRA details
     lora_alpha: float | None = setting(None, "LoRA scaling alpha (null: 2 x rank); null for full fine-tuning",
@@ -139,8 +171,10 @@ class RunSpec:
     seed: int = setting(0, "random seed of this repeat (the configured seed + repeat index)", {"type": "integer", "minimum": 0}, "Int64")
 
     # --- how it runs and is measured
-    attn_implementation: str | None = setting(None, "attention kernel asked for (sdpa | eager); null: the model's default",
-                                              {"enum": [None, "sdpa", "eager"]}, "string")
+    attn_implementation: str | None = setting(
+        None, "attention kernel asked for (sdpa | eager | flex_attention | flash_attention_2); null: the model's default",
+        {"enum": [None, "sdpa", "eager", "flex_attention", "flash_attention_2"]}, "string",
+        name_part=lambda s: s.attn_implementation)
     auto_batch_size_max: int | None = setting(
         1024, "largest per-device batch auto_batch_size tries; null without auto_batch_size",
         {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64",
@@ -149,6 +183,16 @@ class RunSpec:
                           {"enum": ["auto", "cpu", "cuda"]})
     warmup_steps: int = setting(3, "first steps run but excluded from timing (allocator growth, autotuning, compilation)",
                                 {"type": "integer", "minimum": 0, "maximum": 100000})
+    warmup_until_stable: bool = setting(
+        False, "extend warmup past warmup_steps until step times settle (up to warmup_max_steps); the steps it took are "
+        "recorded", {"type": "boolean"}, "boolean")
+    warmup_max_steps: int | None = setting(
+        None, "with warmup_until_stable: the most warmup steps (null: half the run)", _nullable({"type": "integer", "minimum": 1}),
+        applies=lambda settings: bool(settings.get("warmup_until_stable")))
+    image_size: int | None = setting(
+        None, "image + text models: side of the square images the processor makes (null: the processor's own)",
+        _nullable({"type": "integer", "minimum": 8, "maximum": 4096}), "Int64",
+        name_part=lambda s: f"i{s.image_size}" if s.image_size else None)
     eval_batch_size: int = setting(64, "samples per evaluation batch", {"type": "integer", "minimum": 1})
     max_eval_samples: int | None = setting(None, "eval examples scored (null: the whole eval split)",
                                            _nullable({"type": "integer", "minimum": 1}))
@@ -197,13 +241,22 @@ class RunSpec:
 
     @property
     def devices(self) -> int:
-        """Devices that train together: all GPUs of a dp/ddp run, else one."""
-        return max(1, self.num_gpus) if self.parallel in ("dp", "ddp") else 1
+        """Devices that train together: all GPUs of a dp/ddp/fsdp run (on every node), else one."""
+        if self.parallel == "dp":
+            return max(1, self.num_gpus)
+        if self.parallel in ("ddp", "fsdp"):
+            return max(1, self.num_gpus) * self.num_nodes
+        return 1
 
     @property
     def processes(self) -> int:
-        """Processes of the run: one per device for ddp, else one."""
-        return max(1, self.num_gpus) if self.parallel == "ddp" else 1
+        """Processes of the run: one per device for ddp/fsdp (on every node), else one."""
+        return max(1, self.num_gpus) * self.num_nodes if self.parallel in ("ddp", "fsdp") else 1
+
+    @property
+    def distributed(self) -> bool:
+        """One process per device, started by torchrun (ddp, fsdp)."""
+        return self.parallel in ("ddp", "fsdp")
 
     @property
     def examples_per_step(self) -> int:
@@ -213,6 +266,12 @@ class RunSpec:
     @property
     def task(self) -> str:
         return self.model_def.get("task", "classification")
+
+    def auto_batch_size_cap(self, train_examples: int) -> int:
+        """The largest per-device batch auto_batch_size may try: auto_batch_size_max, and no more than one
+        optimizer step's worth of the training split."""
+        data_cap = train_examples // (self.devices * self.grad_accum_steps)
+        return max(1, min(self.auto_batch_size_max or AUTO_BATCH_SIZE_MAX, data_cap))
 
     def planned_steps(self, train_examples: int) -> int:
         """Optimizer steps of the run, warmup included: max_steps, or epochs over the training split.

