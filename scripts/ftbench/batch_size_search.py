@@ -12,7 +12,6 @@ import torch
 from . import batching
 from .devices import autocast_args, synchronize
 from .optimizers import make_grad_scaler, make_optimizer
-from .runspec import AUTO_BATCH_SIZE_MAX
 
 if TYPE_CHECKING:
     from .trainer import Run
@@ -80,8 +79,7 @@ def find_largest_batch(run: Run) -> BatchSearch:
     spec, device, dist, split = run.spec, run.device, run.dist, run.train_split
     devices = spec.devices
     per_process = devices // dist.world_size  # DataParallel feeds all devices from one process
-    data_cap = len(split) // (devices * spec.grad_accum_steps)
-    cap = max(1, min(spec.auto_batch_size_max or AUTO_BATCH_SIZE_MAX, data_cap))
+    cap = spec.auto_batch_size_cap(len(split))
     trial_model = run.model
     if spec.parallel == "dp" and device.type == "cuda" and devices > 1:
         trial_model = torch.nn.DataParallel(run.model, device_ids=list(range(devices)))
