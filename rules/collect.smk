@@ -12,13 +12,17 @@ except FtbenchError as error:
     sys.stderr.write(f"ftbench: {error}\n")
     sys.exit(1)
 
+# MFU is computed here too, from the GPU peak table: editing a peak re-runs collect and report, never training.
+GPU_PEAKS = str(Path(workflow.basedir) / "config" / "gpus.yaml")
+
 
 rule collect:
     """One row per run into results/metrics.parquet (columns: scripts/ftbench/columns.py) and a CSV twin,
-    with each run's cost from the price table."""
+    with each run's cost from the price table and its MFU from the GPU peak table."""
     input:
         metrics=all_run_metrics(),
         prices=PRICES_TABLE,
+        gpu_peaks=GPU_PEAKS,
     output:
         parquet="results/metrics.parquet",
         csv="results/metrics.csv",
@@ -37,4 +41,5 @@ rule collect:
     shell:
         "python -m ftbench collect --parquet {output.parquet} --csv {output.csv}"
         " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q}"
+        " --gpu-peaks {input.gpu_peaks:q}"
         " {input.metrics} > {log} 2>&1"

@@ -24,28 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
 
 import torch
 
 from ftbench import batching, data, gpu_monitor, matrix, modeling, trainer
 from ftbench import config as ftbench_config
+from ftbench.devices import Distributed, choose_device, synchronize
+from ftbench.optimizers import make_optimizer
 from ftbench.runspec import RunSpec
 
 
 def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
     manifest = data.verify(data_dir)
     split = data.load_split(data_dir, "train", manifest)
-    device, _ = trainer.choose_device(spec, trainer.Distributed())
+    device, _ = choose_device(spec, Distributed())
     torch.manual_seed(spec.seed)
     model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
     if spec.compile:
         model = torch.compile(model)
-    optimizer = trainer.make_optimizer(spec, model, device)
+    optimizer = make_optimizer(spec, model, device)
     autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
     order = trainer.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
@@ -54,7 +54,7 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
     start = None
     for step, indices in enumerate(order):
         if step == warmup:
-            trainer.synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
         batch = batching.collate(manifest["task"], split, indices, manifest["pad_token_id"]).to(device)
         with torch.autocast(**autocast):
@@ -65,7 +65,7 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
             tokens += batch.real_tokens
-    trainer.synchronize(device)
+    synchronize(device)
     return tokens / (time.perf_counter() - start)
 
 

@@ -36,6 +36,13 @@ TINY_TRAIN_SIZE = 100
 TINY_EVAL_SIZE = 50
 TINY_SEQ_LEN = 32
 
+# Run settings of the tiny language models built from a config (Llama, T5) on synthetic tokens, on the
+# CPU: 4 optimizer steps (1 warmup) of 4 sequences of 32 tokens, well under a second a run.
+LM_DEFAULTS = {
+    "method": "full", "precision": "fp32", "batch_size": 4, "seq_len": 32, "max_steps": 4, "warmup_steps": 1,
+    "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0, "eval_batch_size": 16,
+}
+
 _WORDS = (
     "good bad great awful movie film plot actor boring fun dull superb story script scene music cast "
     "slow fast clever silly warm cold bright dark long short funny sad epic small"

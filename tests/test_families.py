@@ -6,7 +6,9 @@
   recomputed independently from the trained model;
 - QLoRA quantisation knobs, LoRA "all-linear";
 - what the machine cannot run becomes a status=unsupported row (never a crash, also through snakemake);
-- launch.merge_ranks and launch.GpuSlots as units; the shipped example experiments.
+- the shipped example experiments.
+
+Merging DDP ranks is unit-tested in tests/test_metrics.py, the GPU slots in tests/test_gpu_slots.py.
 
 Models built from a config (Llama hidden 64, 2 layers; T5 d_model 64) train on synthetic token data
 prepared once per module: a run is well under a second.
@@ -16,13 +18,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +30,12 @@ import pytest
 import torch
 import yaml
 
-from conftest import MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
-from ftbench import batching, cli, data, launch, matrix, modeling, trainer
+from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
+from ftbench import batching, cli, data, ddp, matrix, modeling, trainer
 from ftbench.runspec import RunSpec
 from ftbench import config as ftconfig
 from ftbench.errors import ConfigError
+from ftbench.metrics import STEP_FIELDS
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -51,18 +51,9 @@ T5_OVERRIDES = {
     "vocab_size": 1000, "decoder_start_token_id": 0,
 }
 TARGET_LEN = 8
-SEQ = 32
-LM_BATCH = 4
-LM_STEPS = 4
-LM_WARMUP = 1
+SEQ, LM_BATCH, LM_STEPS, LM_WARMUP = (LM_DEFAULTS[key] for key in ("seq_len", "batch_size", "max_steps", "warmup_steps"))
 SYNTHETIC_TRAIN = 64
 SYNTHETIC_EVAL = 16
-
-LM_DEFAULTS = {
-    "method": "full", "precision": "fp32", "batch_size": LM_BATCH, "seq_len": SEQ, "max_steps": LM_STEPS,
-    "warmup_steps": LM_WARMUP, "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
-    "eval_batch_size": SYNTHETIC_EVAL,
-}
 
 BERT_DEFAULTS = {
     "method": "lora", "precision": "fp32", "batch_size": 8, "seq_len": SEQ, "lora_rank": 4,
@@ -229,7 +220,7 @@ def ddp_run(bert_spec, prepared_data, tmp_path_factory):
     )
     assert process.returncode == 0, f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    ranks = launch.read_rank_results(out.parent / "ranks")
+    ranks = ddp.read_rank_results(out.parent / "ranks")
     return spec, result["metrics"], pd.read_parquet(out.with_name("steps.parquet")), ranks
 
 
@@ -282,164 +273,10 @@ def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_d
 
 
 # ---------------------------------------------------------------------------------------------------
-# launch.merge_ranks on hand-made rank results
-
-
-def rank_result(rank: int, status: str = "ok", reason: str | None = None, *, window: float, rss: float, wall: float,
-                energy: float | None, util: float | None, steps: list[tuple]) -> dict:
-    """steps: (step, measured, tokens, padded, samples, flops, step_time_s, loader_s) per optimizer step."""
-    records = [
-        {"step": s, "measured": m, "tokens": t, "padded_tokens": p, "samples": n, "flops": f, "step_time_s": dt,
-         "loader_s": ls, "loss": 1.0, "lr": 0.1}
-        for s, m, t, p, n, f, dt, ls in steps
-    ]
-    metrics = {"run_id": "x", "status": status, "status_reason": reason, "device": "cpu", "device_name": "cpu",
-               "world_size": 2, "window_s": window, "peak_rss_mb": rss, "wall_time_s": wall, "train_time_s": wall - 1,
-               "energy_j": energy, "gpu_power_mean_w": None, "gpu_util_mean": util, "tokens_per_s": 1.0,
-               "eval_accuracy": 0.75 if rank == 0 else None}
-    return {"rank": rank, "metrics": metrics, "steps": records}
-
-
-MERGE_SPEC = {"precision": "fp32", "parallel": "ddp", "num_gpus": 2}
-
-
-def test_merge_ranks_sums_counts_maxes_times_and_takes_the_worst_status():
-    rank0 = rank_result(0, window=2.0, rss=100.0, wall=10.0, energy=5.0, util=50.0, steps=[
-        (0, False, 1000, 1200, 4, 10, 9.0, 0.5), (1, True, 100, 120, 4, 20, 1.0, 0.1), (2, True, 110, 130, 4, 20, 1.0, 0.3)])
-    rank1 = rank_result(1, "oom", "CUDA out of memory", window=2.5, rss=300.0, wall=12.0, energy=7.0, util=70.0, steps=[
-        (0, False, 2000, 2100, 4, 10, 8.0, 0.2), (1, True, 200, 240, 4, 20, 1.5, 0.05),
-        (2, True, 210, 250, 4, 20, 0.5, 0.4)])
-    metrics, steps = launch.merge_ranks([rank1, rank0], MERGE_SPEC, devices=2)  # order of files does not matter
-
-    assert metrics["status"] == "oom"
-    assert metrics["status_reason"] == "rank 1: CUDA out of memory"
-    assert metrics["eval_accuracy"] == 0.75  # rank 0 is the base
-    assert [s["step"] for s in steps] == [0, 1, 2]
-    assert [s["tokens"] for s in steps] == [3000, 300, 320]
-    assert [s["padded_tokens"] for s in steps] == [3300, 360, 380]
-    assert [s["samples"] for s in steps] == [8, 8, 8]
-    assert [s["flops"] for s in steps] == [20, 40, 40]
-    assert [s["step_time_s"] for s in steps] == [9.0, 1.5, 1.0]  # a step lasts as long as its slowest rank
-    assert [s["loader_s"] for s in steps] == [0.5, 0.1, 0.4]
-    assert metrics["peak_rss_mb"] == 300.0 and metrics["wall_time_s"] == 12.0 and metrics["train_time_s"] == 11.0
-    assert metrics["window_s"] == 2.5
-    # Throughput: measured steps only, summed over ranks, over the longest window; per device = global / 2.
-    assert metrics["measured_steps"] == 2
-    assert metrics["measured_tokens"] == 620
-    assert metrics["tokens_per_s"] == pytest.approx(620 / 2.5)
-    assert metrics["tokens_per_s_per_device"] == pytest.approx(620 / 2.5 / 2)
-    assert metrics["samples_per_s"] == pytest.approx(16 / 2.5)
-    assert metrics["padding_fraction"] == pytest.approx(1 - 620 / 740)
-    # Energy adds up over the ranks' GPUs; utilisation averages.
-    assert metrics["energy_j"] == 12.0
-    assert metrics["gpu_util_mean"] == 60.0
-    assert metrics["energy_j_per_token"] == pytest.approx(12.0 / 620)
-    assert [entry["status"] for entry in metrics["per_rank"]] == ["ok", "oom"]
-
-
-def test_merge_ranks_missing_energy_on_one_rank_is_null_not_partial():
-    rank0 = rank_result(0, window=1.0, rss=1.0, wall=2.0, energy=5.0, util=None, steps=[(0, True, 10, 10, 1, 1, 1.0, 0.0)])
-    rank1 = rank_result(1, window=1.0, rss=1.0, wall=2.0, energy=None, util=None, steps=[(0, True, 10, 10, 1, 1, 1.0, 0.0)])
-    metrics, _ = launch.merge_ranks([rank0, rank1], MERGE_SPEC, devices=2)
-    assert metrics["status"] == "ok" and metrics["status_reason"] is None
-    assert metrics["energy_j"] is None and metrics["energy_j_per_token"] is None
-    assert metrics["gpu_util_mean"] is None
-
-
-@pytest.mark.parametrize("statuses, worst", [
-    (["ok", "timeout"], "timeout"),
-    (["unsupported", "timeout"], "timeout"),
-    (["diverged", "oom"], "oom"),
-    (["oom", "failed"], "failed"),
-    (["ok", "unsupported"], "unsupported"),
-    (["diverged", "ok"], "diverged"),
-])
-def test_merge_ranks_worst_status_wins(statuses, worst):
-    ranks = [rank_result(i, status, None if status == "ok" else f"reason {i}", window=1.0, rss=1.0, wall=2.0, energy=None,
-                         util=None, steps=[(0, True, 10, 10, 1, 1, 1.0, 0.0)]) for i, status in enumerate(statuses)]
-    metrics, _ = launch.merge_ranks(ranks, MERGE_SPEC, devices=2)
-    assert metrics["status"] == worst
-    culprit = statuses.index(worst)
-    if culprit != 0:
-        assert metrics["status_reason"] == f"rank {culprit}: reason {culprit}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# GPU slots for local jobs running at the same time
-
-
-class Acquiring:
-    """``slots.acquire(count, total)`` in a background thread, so a test can see it wait (and never hangs)."""
-
-    def __init__(self, slots: launch.GpuSlots, count: int, total: int = 2):
-        self.result: list = []
-        self.messages: list = []
-        self.thread = threading.Thread(target=lambda: self.result.append(
-            slots.acquire(count, total, poll_s=0.02, log=self.messages.append)), daemon=True)
-        self.thread.start()
-
-    def get(self, timeout: float):
-        """The GPUs it got, or None if it is still waiting after ``timeout`` seconds."""
-        self.thread.join(timeout)
-        return self.result[0] if self.result else None
-
-
-def test_gpu_slots_give_distinct_gpus_and_a_third_holder_waits(tmp_path):
-    first, second, third = (launch.GpuSlots(tmp_path / "locks") for _ in range(3))
-    assert Acquiring(first, 1).get(5) == [0]
-    assert Acquiring(second, 1).get(5) == [1]
-    waiting = Acquiring(third, 1)
-    assert waiting.get(0.3) is None  # both GPUs held: it waits instead of sharing one
-    assert len(waiting.messages) == 1 and "waiting" in waiting.messages[0]
-    second.release()
-    assert waiting.get(5) == [1]  # it gets the GPU that was freed, not the one still held
-    first.release()
-    third.release()
-
-
-def test_gpu_slots_two_gpu_job_waits_for_both_without_holding_one(tmp_path):
-    holder, job, other = (launch.GpuSlots(tmp_path) for _ in range(3))
-    assert Acquiring(holder, 1).get(5) == [0]
-    waiting = Acquiring(job, 2)
-    assert waiting.get(0.2) is None  # one free GPU is not enough...
-    assert Acquiring(other, 1).get(2) == [1]  # ...and the waiting job does not sit on the free one
-    other.release()
-    holder.release()
-    assert waiting.get(5) == [0, 1]
-    job.release()
-
-
-def test_gpu_slots_more_than_the_machine_has_gives_none(tmp_path):
-    assert launch.GpuSlots(tmp_path).acquire(3, total=2) == []
-
-
-def test_assign_gpus_sets_distinct_visible_devices(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "placeholder")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    first, second = launch.GpuSlots(tmp_path), launch.GpuSlots(tmp_path)
-    assert launch.assign_gpus(1, first) == "0"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # the second job is another process with its own environment
-    assert launch.assign_gpus(1, second) == "1"
-    first.release()
-    second.release()
-
-
-def test_assign_gpus_leaves_a_scheduler_choice_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert launch.assign_gpus(1, launch.GpuSlots(tmp_path)) is None
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert launch.assign_gpus(1, launch.GpuSlots(tmp_path)) is None
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
-
-
-# ---------------------------------------------------------------------------------------------------
 # Optimizers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, class_name", [("adamw", "AdamW"), ("sgd", "SGD"), ("adamw_8bit", "AdamW8bit")])
 def test_each_optimizer_trains(name, class_name, bert_spec, prepared_data, captured):
     metrics, steps = trainer.train_run(bert_spec(method="full", optimizer=name, learning_rate=0.0001), prepared_data[0])
@@ -466,6 +303,7 @@ def test_paged_adamw_8bit_is_unsupported_on_cpu(bert_spec, prepared_data):
 # Gradient checkpointing, attention kernels, compile, gradient accumulation
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_on_and_off_both_train(bert_spec, prepared_data, captured):
     results = {}
     for checkpointing in (False, True):
@@ -481,6 +319,7 @@ def test_gradient_checkpointing_on_and_off_both_train(bert_spec, prepared_data, 
     assert results[True][0]["flops_analytic_microbatch"] == results[False][0]["flops_analytic_microbatch"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_attention_implementation_is_applied(implementation, llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(attn_implementation=implementation), llama_data)
@@ -513,6 +352,7 @@ def test_compile_trains_and_reports_compile_time_apart(llama_data, monkeypatch):
     assert math.isfinite(metrics["eval_loss"])
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_every_micro_batch(llama_data):
     spec = llama_spec(grad_accum_steps=2, max_steps=3)
     metrics, steps = trainer.train_run(spec, llama_data)
@@ -536,6 +376,7 @@ def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
     return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
 
 
+@pytest.mark.slow
 def test_classification_family_bert(bert_spec, prepared_data, captured):
     spec = bert_spec(method="full", learning_rate=0.0001)
     metrics, steps = trainer.train_run(spec, prepared_data[0])
@@ -551,6 +392,7 @@ def test_classification_family_bert(bert_spec, prepared_data, captured):
     assert metrics["eval_loss"] == pytest.approx(output.loss.item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_causal_lm_family_llama(llama_data, captured):
     spec = llama_spec()
     metrics, steps = trainer.train_run(spec, llama_data)
@@ -571,6 +413,7 @@ def test_causal_lm_family_llama(llama_data, captured):
     assert 0 < metrics["eval_loss"] < 2 * math.log(LLAMA_OVERRIDES["vocab_size"])
 
 
+@pytest.mark.slow
 def test_seq2seq_family_t5(t5_data, captured):
     spec = t5_spec()
     metrics, steps = trainer.train_run(spec, t5_data)
@@ -590,6 +433,7 @@ def test_seq2seq_family_t5(t5_data, captured):
     assert metrics["eval_token_accuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.slow
 def test_seq2seq_config_model_without_decoder_start_token(tmp_path):
     """A bare T5Config has no decoder_start_token_id (a checkpoint's config.json does): the decoder starts from pad."""
     overrides = {key: value for key, value in T5_OVERRIDES.items() if key != "decoder_start_token_id"}
@@ -598,6 +442,7 @@ def test_seq2seq_config_model_without_decoder_start_token(tmp_path):
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
 
 
+@pytest.mark.slow
 def test_causal_lm_on_real_text_ignores_padding(tmp_path, tiny_csv, captured):
     """A config-built Llama with a tokenizer, on real (padded) text: eval loss and token accuracy skip padding."""
     config = {
@@ -648,6 +493,7 @@ def test_eval_accumulator_shifts_causal_labels_and_skips_padding():
 # QLoRA knobs and LoRA targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_type, double_quant", [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)])
 def test_qlora_quant_type_and_double_quant(quant_type, double_quant, llama_data, captured):
     spec = llama_spec(method="qlora", qlora_quant_type=quant_type, qlora_double_quant=double_quant,
@@ -664,6 +510,7 @@ def test_qlora_quant_type_and_double_quant(quant_type, double_quant, llama_data,
     assert metrics["trainable_params"] == 4 * 1024 * LLAMA_OVERRIDES["num_hidden_layers"]
 
 
+@pytest.mark.slow
 def test_qlora_double_quant_lowers_the_weight_estimate(llama_data):
     weights = {}
     for double_quant in (False, True):
@@ -672,12 +519,14 @@ def test_qlora_double_quant_lowers_the_weight_estimate(llama_data):
     assert weights[True] < weights[False]
 
 
+@pytest.mark.slow
 def test_qlora_compute_dtype(llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(method="qlora", qlora_compute_dtype="bf16"), llama_data)
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
     assert {m.compute_dtype for m in linear4bit_layers(captured["model"]).values()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_qlora_classification_head_stays_out_of_quantisation(bert_spec, prepared_data, captured):
     metrics, steps = trainer.train_run(bert_spec(method="qlora"), prepared_data[0])
     assert_ok(metrics, steps, 6, 2)
@@ -695,6 +544,7 @@ def test_qlora_bert_pooler_stays_out_of_quantisation(bert_spec):
     assert not [name for name in linear4bit_layers(built.model) if "pooler" in name]  # ...the pooler is not
 
 
+@pytest.mark.slow
 def test_lora_all_linear_targets_every_projection_but_the_head(llama_data, captured):
     metrics, steps = trainer.train_run(llama_spec(method="lora", lora_targets="all-linear"), llama_data)
     assert_ok(metrics, steps, LM_STEPS, LM_WARMUP)
@@ -715,7 +565,7 @@ def test_lora_all_linear_targets_every_projection_but_the_head(llama_data, captu
 def test_fp16_on_cpu_writes_an_unsupported_row(bert_spec, prepared_data, tmp_path, keep_sigterm):
     result, steps = train_cli(bert_spec(precision="fp16"), prepared_data[0], tmp_path / "run" / "metrics.json")
     assert_unsupported(result["metrics"], [], "fp16")
-    assert steps.empty and list(steps.columns) == trainer.STEP_FIELDS
+    assert steps.empty and list(steps.columns) == STEP_FIELDS
 
 
 def test_qlora_without_bitsandbytes_is_unsupported(llama_data, monkeypatch):
@@ -731,7 +581,7 @@ def test_ddp_asking_for_more_gpus_than_visible_writes_an_unsupported_row(llama_d
     def no_torchrun(*args, **kwargs):
         raise AssertionError("torchrun must not be started for a run that cannot get its GPUs")
 
-    monkeypatch.setattr(launch, "run_ddp", no_torchrun)
+    monkeypatch.setattr(ddp, "run_ddp", no_torchrun)
     spec = llama_spec(parallel="ddp", num_gpus=2, device="auto")
     result, steps = train_cli(spec, llama_data, tmp_path / "run" / "metrics.json")
     assert_unsupported(result["metrics"], [], "2 GPUs")
@@ -769,6 +619,7 @@ def test_unsupported_rows_do_not_crash_the_dag(tmp_path, tiny_config_factory, sn
 # Config-built models without a tokenizer; the shipped example experiments
 
 
+@pytest.mark.slow
 def test_config_model_without_tokenizer_trains_on_synthetic_data(tmp_path):
     spec = llama_spec()
     assert "tokenizer" not in spec.model_def["source"]

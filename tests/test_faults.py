@@ -6,12 +6,13 @@ Out-of-memory errors, NaN losses and crashes are injected on the CPU with the te
 - injected OOM -> status=oom row (single process, and on one of two gloo DDP ranks in bounded time,
   also when the other rank is stuck); the report renders it;
 - injected NaN -> status=diverged, stopped before the optimizer step; non-ok runs are left out of the
-  throughput figures; GradScaler skips are counted (unit test: fp16 needs a GPU);
+  throughput figures (GradScaler skips are counted: tests/test_optimizers.py, as fp16 needs a GPU);
 - unknown exceptions fail the job with a traceback and no metrics file;
 - SIGKILL of a training job under --keep-going, SIGKILL of Snakemake then --rerun-incomplete, two
   concurrent invocations (the lock), a full disk (RLIMIT_FSIZE) while writing results, a tampered shard
   through the train command, an experiment where every run fails;
-- auto_batch_size: the search (unit), and a run that finds its batch against an injected memory limit;
+- auto_batch_size: a run that finds its batch against an injected memory limit (the search itself:
+  tests/test_batch_size_search.py);
 - bad input: one line naming the key or file, from validation and from ``snakemake -n``.
 
 Already covered elsewhere (not repeated): 50+ malformed configs, each checked for its message
@@ -42,9 +43,10 @@ import pytest
 import torch
 
 from conftest import (
-    ROOT, SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
+    SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
 from ftbench import analysis, atomic, cli, collect, data, errors, faults, matrix, report, trainer
+from ftbench.metrics import STEP_FIELDS
 from ftbench.runspec import RunSpec
 from ftbench import config as ftbench_config
 from ftbench.columns import COLUMNS
@@ -101,7 +103,7 @@ def run_id_with(config: dict, fragment: str) -> str:
 def write_result(folder: Path, spec: dict, metrics: dict, steps: list[dict]) -> Path:
     """What the train command writes for a run: steps.parquet, then metrics.json."""
     out = folder / spec.run_id / "metrics.json"
-    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
+    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=STEP_FIELDS))
     atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": {}})
     return out
 
@@ -172,6 +174,7 @@ def test_faults_apply_to_their_rank_and_run_only():
 # OOM and divergence in one process: status rows, never a crash
 
 
+@pytest.mark.slow
 def test_injected_oom_becomes_an_oom_row(cpu_spec, prepared_data, monkeypatch, capfd):
     monkeypatch.setenv(ENV, "oom@3")
     metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
@@ -185,6 +188,7 @@ def test_injected_oom_becomes_an_oom_row(cpu_spec, prepared_data, monkeypatch, c
     assert f"{ENV} (test-only): out of memory at step 3" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data, monkeypatch):
     optimizer_steps = []
     real_step = trainer.scaler_step
@@ -206,6 +210,7 @@ def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data
     assert metrics["measured_steps"] == 2 and metrics["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec, prepared_data, tmp_path,
                                                                           monkeypatch, keep_sigterm, capfd):
     """scancel (SIGTERM) mid-run: the job fails with one line and writes neither metrics.json nor
@@ -232,6 +237,7 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
     assert '"measured_steps": 2' in logged
 
 
+@pytest.mark.slow
 def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigterm):
     """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result."""
     out = tmp_path / "run" / "metrics.json"
@@ -241,37 +247,21 @@ def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigte
     assert metrics["status"] == "timeout" and "time limit" in metrics["status_reason"]
 
 
+@pytest.mark.slow
 def test_unknown_exception_propagates_without_a_row(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "error@1")
     with pytest.raises(RuntimeError, match="injected failure at step 1"):
         trainer.train_run(cpu_spec(), prepared_data[0])
 
 
-def test_grad_scaler_skipped_steps_are_counted():
-    """fp16 needs a CUDA GPU here, so the counting is tested on a CPU GradScaler: a step whose gradients
-    hold inf is skipped (weights unchanged) and counted; a finite one is not."""
-    layer = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=2.0**16)
-    before = layer.weight.detach().clone()
-    scaler.scale(layer(torch.tensor([[math.inf, 1.0]])).sum()).backward()
-    assert trainer.scaler_step(scaler, optimizer) is True
-    assert torch.equal(layer.weight, before)
-    optimizer.zero_grad()
-    scaler.scale(layer(torch.tensor([[1.0, 1.0]])).sum()).backward()
-    assert trainer.scaler_step(scaler, optimizer) is False
-    assert not torch.equal(layer.weight, before)
-    optimizer.zero_grad()
-    layer(torch.tensor([[1.0, 1.0]])).sum().backward()
-    assert trainer.scaler_step(torch.amp.GradScaler("cpu", enabled=False), optimizer) is False
-
-
+@pytest.mark.slow
 def test_runs_without_a_grad_scaler_have_no_skip_count(cpu_spec, prepared_data):
     metrics, _ = trainer.train_run(cpu_spec(), prepared_data[0])
     assert metrics["status"] == "ok"
     assert metrics["grad_scaler_skipped_steps"] is None  # null (no fp16), never 0
 
 
+@pytest.mark.slow
 def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, prepared_data, monkeypatch, tmp_path):
     """oom, diverged and ok runs collected into the documented table; the report renders, and only the
     ok run counts in the throughput figures and the configuration summary."""
@@ -311,18 +301,7 @@ def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, 
 # auto_batch_size
 
 
-def test_batch_size_search():
-    fits_up_to_8 = lambda batch: batch <= 8  # noqa: E731
-    assert trainer.search_batch_size(fits_up_to_8, 2, 1024) == (8, 16, [[2, True], [4, True], [8, True], [16, False]])
-    # The start does not fit: halve until one does.
-    assert trainer.search_batch_size(fits_up_to_8, 32, 1024) == (8, 16, [[32, False], [16, False], [8, True]])
-    # Nothing runs out of memory: stop at the cap, no boundary seen.
-    assert trainer.search_batch_size(lambda b: True, 8, 100) == (100, None, [[8, True], [16, True], [32, True], [64, True], [100, True]])
-    assert trainer.search_batch_size(lambda b: True, 500, 100) == (100, None, [[100, True]])
-    # Not even one sample fits.
-    assert trainer.search_batch_size(lambda b: False, 4, 1024) == (None, 1, [[4, False], [2, False], [1, False]])
-
-
+@pytest.mark.slow
 def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "oom_above_batch=16")
     spec = cpu_spec(auto_batch_size=True, batch_size=4)
@@ -336,6 +315,7 @@ def test_auto_batch_size_finds_the_injected_limit_and_measures_at_it(cpu_spec, p
     assert metrics["tokens_per_s"] > 0 and 0 <= metrics["eval_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_auto_batch_size_trials_leave_training_unchanged(cpu_spec, prepared_data, monkeypatch):
     """The trials (learning rate 0, random state given back) do not change what is then measured: the
     same losses as a plain run at the batch found."""
@@ -347,6 +327,7 @@ def test_auto_batch_size_trials_leave_training_unchanged(cpu_spec, prepared_data
     assert metrics["eval_accuracy"] == plain_metrics["eval_accuracy"]
 
 
+@pytest.mark.slow
 def test_auto_batch_size_capped_by_the_setting_and_the_data(cpu_spec, prepared_data):
     metrics, _ = trainer.train_run(cpu_spec(auto_batch_size=True, auto_batch_size_max=12), prepared_data[0])
     assert (metrics["auto_batch_size_found"], metrics["auto_batch_size_oom_at"]) == (12, None)
@@ -354,6 +335,7 @@ def test_auto_batch_size_capped_by_the_setting_and_the_data(cpu_spec, prepared_d
     assert metrics["auto_batch_size_found"] == 100  # the 100 training examples
 
 
+@pytest.mark.slow
 def test_auto_batch_size_when_nothing_fits_is_an_oom_row(cpu_spec, prepared_data, monkeypatch):
     monkeypatch.setenv(ENV, "oom_above_batch=0")
     metrics, steps = trainer.train_run(cpu_spec(auto_batch_size=True, batch_size=4), prepared_data[0])
@@ -362,6 +344,7 @@ def test_auto_batch_size_when_nothing_fits_is_an_oom_row(cpu_spec, prepared_data
     assert steps == []
 
 
+@pytest.mark.slow
 def test_auto_batch_size_columns_in_the_table(cpu_spec, prepared_data, monkeypatch, tmp_path):
     monkeypatch.setenv(ENV, "oom_above_batch=16")
     auto = cpu_spec(auto_batch_size=True)

@@ -4,7 +4,8 @@ Throughput traps: padding counted as tokens; per-device and global tokens/s mixe
 counting one micro-batch; warmup steps measured; the clock read before the device is synchronised;
 tokens/s over anything but the measured window. Computations: analytic FLOPs (6N full, 4N + 2N_trainable
 LoRA, attention), the model shape they use, counted vs analytic FLOPs, the peak table and MFU, the memory
-estimate, NVML sampling and energy, and the columns collect keeps.
+estimate, NVML sampling and energy, and the columns collect keeps. The window summary, energy per token,
+MFU of a collected row and merging DDP ranks are unit-tested in tests/test_metrics.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import math
 import signal
 import time
 import types
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +22,12 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import LM_DEFAULTS
 from ftbench.runspec import RunSpec
 from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
+from ftbench.metrics import energy_per_token
 
 LLAMA_OVERRIDES = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -35,16 +37,7 @@ LLAMA_OVERRIDES = {
 LLAMA_LAYER_LINEAR = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128
 LLAMA_LM_HEAD = 1000 * 64
 LLAMA_EMBEDDINGS = 1000 * 64
-SEQ = 32
-BATCH = 4
-STEPS = 5
-WARMUP = 2
-
-LM_DEFAULTS = {
-    "method": "full", "precision": "fp32", "batch_size": BATCH, "seq_len": SEQ, "max_steps": STEPS,
-    "warmup_steps": WARMUP, "lora_rank": 4, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
-    "eval_batch_size": 16,
-}
+SEQ, BATCH, STEPS, WARMUP = (LM_DEFAULTS[key] for key in ("seq_len", "batch_size", "max_steps", "warmup_steps"))
 
 
 def llama_model_def() -> dict:
@@ -89,12 +82,6 @@ def _two_threads():
     torch.set_num_threads(2)
 
 
-def step(measured: bool, tokens: int, padded: int, samples: int, seconds: float, flops_: int = 0,
-         loader: float = 0.0) -> dict:
-    return {"measured": measured, "tokens": tokens, "padded_tokens": padded, "samples": samples,
-            "step_time_s": seconds, "flops": flops_, "loader_s": loader}
-
-
 # ---------------------------------------------------------------------------------------------------
 # Trap: padding is not a token
 
@@ -132,49 +119,6 @@ def test_seq2seq_tokens_include_real_targets_only():
     assert batch.sum_squared_lengths == 35
     assert batch.target_sum_squared_lengths == 4 + 16 + 1
     assert (batch.inputs["labels"] != batching.IGNORE_INDEX).sum().item() == 7
-
-
-# ---------------------------------------------------------------------------------------------------
-# Traps: per-device vs global; warmup excluded; the measured window only (trainer.summarise)
-
-
-def test_summarise_global_and_per_device_are_apart():
-    steps = [step(True, 100, 120, 8, 1.0), step(True, 300, 320, 8, 1.0)]  # counts of both devices together
-    summary = trainer.summarise(steps, window_s=2.0, devices=2)
-    assert summary["tokens_per_s"] == 200.0  # global: all devices' tokens / window (not x2, not /2)
-    assert summary["tokens_per_s_per_device"] == 100.0
-    assert summary["samples_per_s"] == 8.0
-    single = trainer.summarise(steps, window_s=2.0, devices=1)
-    assert single["tokens_per_s"] == single["tokens_per_s_per_device"] == 200.0
-
-
-def test_summarise_excludes_warmup_steps():
-    steps = [step(False, 10**6, 10**6, 1000, 50.0, 10**12, 40.0), step(False, 10**6, 2 * 10**6, 1000, 30.0),
-             step(True, 100, 200, 4, 1.0, 1000, 0.25), step(True, 300, 400, 4, 3.0, 3000, 0.75)]
-    summary = trainer.summarise(steps, window_s=4.0, devices=1)
-    assert summary["measured_steps"] == 2 == len(steps) - 2
-    assert summary["measured_tokens"] == 400
-    assert summary["tokens_per_s"] == 100.0
-    assert summary["samples_per_s"] == 2.0
-    assert summary["padding_fraction"] == pytest.approx(1 - 400 / 600)
-    assert summary["step_time_median_s"] == 2.0
-    assert summary["flops_per_step_analytic"] == 2000
-    assert summary["tflops_per_s"] == pytest.approx(4000 / 4.0 / 1e12)
-    assert summary["loader_wait_fraction"] == pytest.approx(1.0 / 4.0)
-
-
-def test_summarise_uses_the_window_not_the_sum_of_step_times():
-    # The window runs from the clock read that opens the first measured step to the one that closes the last:
-    # time between steps (a stop check, the next batch) belongs to it.
-    steps = [step(True, 100, 100, 4, 1.0), step(True, 100, 100, 4, 1.0)]
-    summary = trainer.summarise(steps, window_s=2.5, devices=1)
-    assert summary["tokens_per_s"] == pytest.approx(200 / 2.5)
-    assert summary["measured_time_s"] == 2.5
-
-
-def test_summarise_without_a_measured_step_gives_no_throughput():
-    summary = trainer.summarise([step(False, 100, 100, 4, 1.0)], window_s=None, devices=1)
-    assert summary == {"measured_steps": 0}  # no tokens_per_s at all, rather than 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,6 +177,7 @@ def is_synced_duration(seconds: float) -> bool:
     return seconds > 0 and abs(seconds / 1000.0 - round(seconds / 1000.0)) < 1e-9
 
 
+@pytest.mark.slow
 def test_step_times_are_read_after_a_device_sync(clocked_run):
     _, metrics, steps, clock = clocked_run
     assert clock.syncs >= len(steps) + 1  # at least once before the loop and once per step
@@ -242,6 +187,7 @@ def test_step_times_are_read_after_a_device_sync(clocked_run):
     assert metrics["measured_time_s"] == metrics["window_s"]
 
 
+@pytest.mark.slow
 def test_window_covers_the_measured_steps_only(clocked_run):
     _, metrics, steps, _ = clocked_run
     measured = [r for r in steps if r["measured"]]
@@ -255,6 +201,7 @@ def test_window_covers_the_measured_steps_only(clocked_run):
     assert metrics["tokens_per_s_per_device"] == metrics["tokens_per_s"]  # one device
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
     spec, metrics, steps, _ = clocked_run
     assert spec.grad_accum_steps == 2
@@ -268,6 +215,7 @@ def test_gradient_accumulation_counts_every_micro_batch(clocked_run):
     assert metrics["flops_per_step_analytic"] == flops.step_flops(shape, True, 2 * BATCH * SEQ, 2 * BATCH * SEQ**2)
 
 
+@pytest.mark.slow
 def test_loader_time_is_part_of_step_time(clocked_run):
     _, metrics, steps, _ = clocked_run
     for record in steps:
@@ -334,6 +282,7 @@ def test_model_shape_splits_encoder_and_decoder():
     assert (shape.encoder_layers, shape.layers, shape.width) == (2, 3, 64)
 
 
+@pytest.mark.slow
 def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
     """flop_counter on the run's own micro-batch vs 6N + attention. Eager attention: the counter does not
     see the CPU SDPA kernel (it would miss the attention term)."""
@@ -346,6 +295,7 @@ def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
     assert metrics["flops_counted_ratio"] == pytest.approx(metrics["flops_counted_microbatch"] / analytic)
 
 
+@pytest.mark.slow
 def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
     metrics, _ = trainer.train_run(llama_spec(method="lora", attn_implementation="eager",
                                               lora_targets=["q_proj", "v_proj", "gate_proj"]), llama_data)
@@ -381,31 +331,6 @@ def test_unknown_gpu_or_dtype_gives_no_mfu_and_a_warning(device_name, dtype):
     with pytest.warns(UserWarning, match=device_name):
         result = flops.mfu(1e14, device_name, dtype, devices=1)
     assert result == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
-
-
-def test_derive_efficiency_mfu_and_energy_per_token():
-    metrics = {"device": "cuda", "device_name": "NVIDIA H200", "tflops_per_s": 494.7, "energy_j": 50.0,
-               "measured_tokens": 1000}
-    derived = trainer.derive_efficiency(metrics, RunSpec(precision="bf16"), devices=1)
-    assert derived["mfu"] == pytest.approx(0.5)
-    assert derived["energy_j_per_token"] == 0.05
-    derived = trainer.derive_efficiency({**metrics, "energy_j": None}, RunSpec(precision="bf16"), devices=1)
-    assert derived["energy_j_per_token"] is None
-
-
-def test_derive_efficiency_on_cpu_has_no_mfu_and_no_warning():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        derived = trainer.derive_efficiency({"device": "cpu", "device_name": "Intel Xeon", "tflops_per_s": 0.01,
-                                             "energy_j": None, "measured_tokens": 100}, RunSpec(precision="fp32"), devices=1)
-    assert derived == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None, "energy_j_per_token": None}
-
-
-def test_derive_efficiency_unknown_gpu_warns():
-    with pytest.warns(UserWarning):
-        derived = trainer.derive_efficiency({"device": "cuda", "device_name": "Mystery GPU", "tflops_per_s": 1.0,
-                                             "energy_j": None, "measured_tokens": 1}, RunSpec(precision="bf16"), devices=1)
-    assert derived["mfu"] is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -649,6 +574,7 @@ class FakeNvml:
         return types.SimpleNamespace(used=(1 + handle) * 2**30)
 
 
+@pytest.mark.slow
 def test_run_samples_at_the_interval_its_spec_gives(monkeypatch, llama_data):
     built = []
 
@@ -684,9 +610,8 @@ def test_sampler_energy_integrated_from_power_without_a_counter(monkeypatch):
     assert result["gpu_power_mean_w"] == pytest.approx(400.0)  # two GPUs at 200 W: summed, not averaged
     assert result["energy_j"] == pytest.approx(400.0 * sampler.duration_s)
     tokens = 1234
-    derived = trainer.derive_efficiency({"device": "cpu", "energy_j": result["energy_j"], "measured_tokens": tokens},
-                                        RunSpec(precision="bf16"), devices=2)
-    assert derived["energy_j_per_token"] == pytest.approx(result["energy_j"] / tokens)
+    assert energy_per_token({"energy_j": result["energy_j"], "measured_tokens": tokens}) == pytest.approx(
+        result["energy_j"] / tokens)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -715,6 +640,7 @@ def real_result(llama_data, tmp_path_factory):
     return result, table
 
 
+@pytest.mark.slow
 def test_every_metric_of_a_real_run_is_a_column(real_result):
     result, _ = real_result
     metrics = result["metrics"]
@@ -724,6 +650,7 @@ def test_every_metric_of_a_real_run_is_a_column(real_result):
     assert metrics["window_s"] == metrics["measured_time_s"]
 
 
+@pytest.mark.slow
 def test_collected_values_are_the_run_values(real_result):
     result, table = real_result
     row = table.iloc[0]
@@ -738,6 +665,7 @@ def test_collected_values_are_the_run_values(real_result):
             assert row[key] == value, key
 
 
+@pytest.mark.slow
 def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
     """An OOM run's measured peak is where it failed, not the run's peak: no ratio for it."""
     from ftbench.columns import row_from_result
@@ -749,6 +677,7 @@ def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
     assert row_from_result(failed)["memory_estimate_ratio"] is None
 
 
+@pytest.mark.slow
 def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
     _, table = real_result
     row = table.iloc[0]

@@ -71,6 +71,7 @@ def trained(make_spec, prepared_data):
 METHODS = ["full", "lora", "qlora"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_run_completes_with_the_planned_steps(trained, method):
     spec, metrics, steps = trained[method]
@@ -87,6 +88,7 @@ def test_run_completes_with_the_planned_steps(trained, method):
         assert metrics["world_size"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     spec, metrics, steps = trained[method]
@@ -107,6 +109,7 @@ def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     assert 0 < metrics["padding_fraction"] < 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_throughput_comes_from_the_measured_window(trained, method):
     _, metrics, steps = trained[method]
@@ -126,6 +129,7 @@ def test_throughput_comes_from_the_measured_window(trained, method):
         assert metrics.get("peak_memory_allocated_mb") is None  # no CUDA figure is invented on a CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_evaluation_and_losses(trained, method):
     _, metrics, steps = trained[method]
@@ -136,6 +140,7 @@ def test_evaluation_and_losses(trained, method):
     assert all(math.isfinite(record["loss"]) for record in steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_learning_rate_warms_up_then_decays(trained, method):
     _, _, steps = trained[method]
@@ -143,6 +148,7 @@ def test_learning_rate_warms_up_then_decays(trained, method):
     assert [record["lr"] for record in steps] == pytest.approx([LR * f for f in factors])
 
 
+@pytest.mark.slow
 def test_parameter_counts(trained):
     full, lora, qlora = (trained[m][1] for m in METHODS)
     assert full["trainable_params"] == full["total_params"] > 1_000_000
@@ -154,11 +160,13 @@ def test_parameter_counts(trained):
     assert qlora["total_params"] == lora["total_params"]
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_changes_the_loss(trained):
     _, _, steps = trained["full"]
     assert len({round(record["loss"], 6) for record in steps}) > 1
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_other_seed_other_batches(make_spec, prepared_data, trained):
     folder, _ = prepared_data
     _, _, reference = trained["lora"]
@@ -168,6 +176,7 @@ def test_same_seed_same_losses_other_seed_other_batches(make_spec, prepared_data
     assert [r["tokens"] for r in other] != [r["tokens"] for r in reference]
 
 
+@pytest.mark.slow
 def test_bf16_autocast_runs_on_cpu(make_spec, prepared_data):
     metrics, steps = trainer.train_run(make_spec(method="lora", precision="bf16"), prepared_data[0])
     assert metrics["status"] == "ok", metrics.get("status_reason")
@@ -228,6 +237,7 @@ def test_tampered_data_is_refused_before_training(make_spec, prepared_data, tmp_
 # collect: real run results into the documented table
 
 
+@pytest.mark.slow
 def test_collect_builds_the_documented_table(trained, make_spec, prepared_data, tmp_path):
     import json
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from . import matrix
-from .errors import FtbenchError, TerminatedError
+from .errors import FtbenchError
 
 
 def prepare_data(argv: list[str] | None = None) -> None:
@@ -44,130 +44,17 @@ def train(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
+    from . import ddp, job
     from .runspec import RunSpec
 
     spec = RunSpec.from_json(args.spec)
-    stop = _stop_signal(args.time_limit_s)
+    stop = job.stop_signal(args.time_limit_s)
     if args.rank_dir:
-        _train_rank(spec, args, stop)
+        ddp.train_rank(spec, args.data, Path(args.rank_dir), args.threads, stop)
         return
-
-    import pandas as pd
-
-    from . import atomic, environment, launch, trainer
-
-    slots = launch.GpuSlots()
-    assigned = launch.assign_gpus(spec.num_gpus if spec.device != "cpu" else 0, slots)
-    if assigned is not None:
-        print(f"using GPUs {assigned}")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    if spec.parallel == "ddp":
-        metrics, steps = _train_ddp(spec, args)
-    else:
-        metrics, steps = trainer.train_run(spec, args.data, stop)
-    if stop.terminate_requested or trainer.TERMINATED_REASON in (metrics.get("status_reason") or ""):
-        # Terminated from outside (scancel, preemption): SLURM and Snakemake count the job as failed, and
-        # Snakemake may already have cleaned up its outputs, so a metrics.json written now would be taken
-        # for a finished run and never trained again. Leave no output; keep what was measured in the log.
-        print(f"{spec.run_id} measured before it was terminated: {json.dumps(metrics, default=str)}")
-        raise TerminatedError(f"run {spec.run_id} was terminated (SIGTERM) after step {metrics.get('last_step')}: "
-                              "no result written, the next invocation trains it again")
-    out = Path(args.out)
-    atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=trainer.STEP_FIELDS))
-    # metrics.json is written last: its presence means the run's results are complete.
-    atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": environment.capture()})
-    slots.release()
+    metrics = job.train(spec, args.data, Path(args.out), args.threads, args.time_limit_s, stop)
     summary = {key: metrics.get(key) for key in ("status", "status_reason", "tokens_per_s", "eval_accuracy")}
     print(f"{spec.run_id}: {summary}")
-
-
-def _stop_signal(time_limit_s: float | None):
-    import faulthandler
-    import signal
-    import time
-
-    from .trainer import StopSignal
-
-    stop = StopSignal()
-    if time_limit_s:
-        # Keep 10% (at least 60 s, at most half) for evaluation and writing, so a run near its
-        # walltime still records what it measured instead of being killed with nothing.
-        margin = min(max(60.0, 0.1 * time_limit_s), 0.5 * time_limit_s)
-        stop.deadline = time.monotonic() + time_limit_s - margin
-    signal.signal(signal.SIGTERM, lambda *_: setattr(stop, "terminate_requested", True))
-    # `kill -USR1 <pid>` prints every thread's stack into the job log: where a stuck run is waiting.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    return stop
-
-
-def _train_ddp(spec: RunSpec, args) -> tuple[dict, list[dict]]:
-    """Launcher side of a DDP run: check it can run, start torchrun, merge the ranks' results."""
-    import shutil
-
-    from . import launch, modeling, trainer
-    from .errors import UnsupportedConfiguration
-
-    try:
-        device, _ = trainer.choose_device(spec, trainer.Distributed())
-        modeling.check_supported(spec, device)
-    except UnsupportedConfiguration as exc:
-        return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
-    rank_dir = Path(args.out).parent / "ranks"
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    rank_dir.mkdir(parents=True)
-    code = launch.run_ddp(spec, args.data, rank_dir, args.threads, args.time_limit_s)
-    results = launch.read_rank_results(rank_dir)
-    devices = spec.devices
-    stopped_early = [r for r in results if r["metrics"]["status"] != "ok"]
-    if len(results) < devices and stopped_early:
-        # A rank stopped early (OOM, divergence) and the others were ended while waiting for it: the
-        # run's status is that rank's, from what it measured.
-        print(f"{devices - len(results)} rank(s) ended without results after rank {stopped_early[0]['rank']} stopped early")
-    elif len(results) < devices:
-        # A rank died without writing its result (killed, segfault): no honest row can be made.
-        raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
-    metrics, steps = launch.merge_ranks(results, spec, devices)
-    if len(results) < devices:
-        metrics["status_reason"] += f"; {devices - len(results)} other rank(s) ended while waiting for it, without results"
-    return metrics, steps
-
-
-def _train_rank(spec: RunSpec, args, stop) -> None:
-    """One DDP rank (started by torchrun): train, then write rank<R>.json."""
-    import datetime
-    import os
-    import traceback
-
-    import torch
-
-    from . import atomic, trainer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dist = trainer.Distributed.from_env()
-    use_cuda = spec.device != "cpu" and torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(dist.local_rank)
-    # A bounded timeout: a rank stuck in a collective (a peer died) fails instead of hanging the job.
-    timeout = datetime.timedelta(seconds=float(os.environ.get("FTBENCH_DDP_TIMEOUT_S", 600)))
-    torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    try:
-        metrics, steps = trainer.train_run(spec, args.data, stop, dist)
-    except BaseException:
-        # Peers may be waiting in a collective this rank will never join: destroying the process group
-        # would wait for them too. Exit at once; torchrun and the launcher stop the others.
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    metrics["rank"] = dist.rank
-    atomic.write_json(Path(args.rank_dir) / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps})
-    if metrics["status"] != "ok":
-        sys.stdout.flush()
-        os._exit(0)  # same reason: no collective after a rank stopped early (OOM, divergence)
-    torch.distributed.destroy_process_group()
 
 
 def collect(argv: list[str] | None = None) -> None:
@@ -177,6 +64,7 @@ def collect(argv: list[str] | None = None) -> None:
     parser.add_argument("--prices-table", default=None, help="price table YAML (default: config/prices.yaml)")
     parser.add_argument("--price-settings", default="{}", help="JSON: the experiment's `prices` key (provider, pricing, ...)")
     parser.add_argument("--budget", default="null", help="JSON: training budget {tokens|samples, epochs} for projections")
+    parser.add_argument("--gpu-peaks", default=None, help="GPU peak table YAML (config/gpus.yaml) for MFU; without it mfu stays null")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
     from . import collect as collect_module
@@ -186,7 +74,8 @@ def collect(argv: list[str] | None = None) -> None:
     if args.prices_table:
         settings["table"] = args.prices_table
     prices = cost.resolve(settings)
-    frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget))
+    frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
+                                   gpu_peaks=args.gpu_peaks)
     print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 

@@ -6,13 +6,14 @@ value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA m
 
 from __future__ import annotations
 
+from .metrics import describe_statuses
 from .runspec import spec_columns
 
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
     "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
     "config_id": ("string", "the run's configuration without repeat and seed: repeats share it"),
-    "status": ("string", "ok | oom | diverged | timeout | unsupported | failed"),
+    "status": ("string", describe_statuses()),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
     "task": ("string", "classification | causal_lm | seq2seq"),
     # the run's settings, as ftbench.runspec defines them

@@ -25,15 +25,14 @@ def library_versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
-    """Commit of the pipeline checkout, so a result can be traced to the code that measured it."""
-    repo = Path(__file__).resolve().parents[2]
+    """Commit of the checkout the job runs in (Snakemake runs each job in the workflow's working
+    directory), so a result can be traced to the code that measured it; None outside a git checkout."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
+        out = subprocess.run(["git", "-C", os.getcwd(), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() or None  # git writes nothing to stdout where it finds no repository
 
 
 def cpu_model() -> str:

@@ -1,0 +1,194 @@
+"""DDP runs: the launcher side (torchrun, one process per device, and the merged result) and the worker
+side (one rank).
+
+DDP runs are started by the training job itself (``torchrun --standalone``, one process per device), so
+the same rule works locally and inside one SLURM allocation. Each rank writes its own result file; the
+launcher merges them after torchrun returns. No collective runs after training, so a rank that failed
+cannot leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import atomic, modeling, trainer
+from .devices import Distributed, choose_device
+from .errors import UnsupportedConfiguration
+from .metrics import merge_ranks
+from .runspec import RunSpec
+
+
+def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None,
+          stop: trainer.StopSignal) -> tuple[dict, list[dict]]:
+    """Launcher side of a DDP run: check it can run, start torchrun, merge the ranks' results.
+
+    A termination request that reached any rank counts as the run's (``stop.terminate_requested``).
+    """
+    try:
+        device, _ = choose_device(spec, Distributed())
+        modeling.check_supported(spec, device)
+    except UnsupportedConfiguration as exc:
+        return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    rank_dir.mkdir(parents=True)
+    code = run_ddp(spec, data_dir, rank_dir, threads, time_limit_s)
+    results = read_rank_results(rank_dir)
+    if any(r["terminated"] for r in results):
+        stop.terminate_requested = True
+    devices = spec.devices
+    stopped_early = [r for r in results if r["metrics"]["status"] != "ok"]
+    if len(results) < devices and stopped_early:
+        # A rank stopped early (OOM, divergence) and the others were ended while waiting for it: the
+        # run's status is that rank's, from what it measured.
+        print(f"{devices - len(results)} rank(s) ended without results after rank {stopped_early[0]['rank']} stopped early")
+    elif len(results) < devices:
+        # A rank died without writing its result (killed, segfault): no honest row can be made.
+        raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
+    metrics, steps = merge_ranks(results, devices)
+    if len(results) < devices:
+        metrics["status_reason"] += f"; {devices - len(results)} other rank(s) ended while waiting for it, without results"
+    return metrics, steps
+
+
+def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, stop: trainer.StopSignal) -> None:
+    """One DDP rank (started by torchrun): train, then write ``rank_dir/rank<R>.json``."""
+    if threads:
+        torch.set_num_threads(threads)
+    dist = Distributed.from_env()
+    use_cuda = spec.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(dist.local_rank)
+    # A bounded timeout: a rank stuck in a collective (a peer died) fails instead of hanging the job.
+    timeout = datetime.timedelta(seconds=float(os.environ.get("FTBENCH_DDP_TIMEOUT_S", 600)))
+    torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    try:
+        metrics, steps = trainer.train_run(spec, data_dir, stop, dist)
+    except BaseException:
+        # Peers may be waiting in a collective this rank will never join: destroying the process group
+        # would wait for them too. Exit at once; torchrun and the launcher stop the others.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    metrics["rank"] = dist.rank
+    atomic.write_json(rank_dir / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps,
+                                                          "terminated": stop.terminate_requested})
+    if metrics["status"] != "ok":
+        sys.stdout.flush()
+        os._exit(0)  # same reason: no collective after a rank stopped early (OOM, divergence)
+    torch.distributed.destroy_process_group()
+
+
+def ddp_command(processes: int, worker_args: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+        "-m", "ftbench", "train", *worker_args,
+    ]
+
+
+def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
+    """Start one process per device with torchrun; each writes ``rank_dir/rank<R>.json``."""
+    processes = max(1, spec.num_gpus)
+    args = ["--spec", spec.to_json(), "--data", data_dir, "--rank-dir", str(rank_dir)]
+    if threads:
+        args += ["--threads", str(max(1, threads // processes))]
+    if time_limit_s:
+        args += ["--time-limit-s", str(time_limit_s)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
+    process = subprocess.Popen(ddp_command(processes, args), env=env)
+    stopped_at = None
+    while process.poll() is None:
+        time.sleep(1.0)
+        if stopped_at is None and any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir)):
+            stopped_at = time.monotonic()
+        # A rank stopped early (OOM, divergence) and wrote its result; the others would wait for it in
+        # their next collective until the process-group timeout. Give them a moment, then end them.
+        if stopped_at is not None and time.monotonic() - stopped_at > RANK_GRACE_S:
+            print(f"a rank stopped early and its peers still run {RANK_GRACE_S:g} s later (waiting for it in a "
+                  "collective): ending them", flush=True)
+            end_torchrun(process, rank_dir)
+    return process.wait()
+
+
+RANK_GRACE_S = 20.0
+# Seconds a rank gets between SIGTERM and SIGKILL when its run is ended. A rank blocked in a collective
+# (NCCL, gloo) does not run Python signal handlers, so only SIGKILL ends it.
+RANK_KILL_GRACE_S = 5.0
+
+
+def end_torchrun(process: subprocess.Popen, rank_dir: Path, grace_s: float | None = None) -> None:
+    """End a torchrun launch and every rank it started.
+
+    torchrun starts each rank in a session of its own, so signalling torchrun alone can leave a rank
+    behind that holds its GPU's memory until the collective timeout; and torchrun's own shutdown waits
+    30 s before it kills. So: SIGTERM each rank, SIGKILL those still there ``grace_s`` later, then the same
+    for torchrun. Only torchrun's children running this run's worker command are signalled.
+    """
+    grace_s = RANK_KILL_GRACE_S if grace_s is None else grace_s
+    ranks = [pid for pid in _children(process.pid) if str(rank_dir) in _cmdline(pid)]
+    for pids, are_ranks in ((ranks, True), ([process.pid], False)):
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids) and process.poll() is None:
+            time.sleep(0.2)
+        for pid in pids:
+            # A rank is checked again: once torchrun is gone its pid could be another process's.
+            if _alive(pid) and (not are_ranks or str(rank_dir) in _cmdline(pid)):
+                _signal(pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=grace_s + 30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # /proc/<pid>/stat: "pid (comm) state ppid ...": split after the command, which may hold spaces.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie waiting to be reaped)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def read_rank_results(rank_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(rank_dir.glob("rank*.json"))]

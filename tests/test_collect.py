@@ -1,0 +1,75 @@
+"""collect: MFU computed from the GPU peak table when results are collected, so that editing a peak
+re-runs collect and report, never training (costs are tested in tests/test_report.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import ROOT, snakemake_failure, write_config
+from ftbench import cli
+from ftbench.runspec import RunSpec
+
+GPU_PEAKS = ROOT / "config" / "gpus.yaml"
+H200_BF16 = 989.4
+
+
+def write_run(folder, run_id: str, device: str, device_name: str, world_size: int = 1, tflops_per_s: float | None = None):
+    spec = RunSpec(model="m", dataset="d", precision="bf16", parallel="ddp" if world_size > 1 else "single",
+                   num_gpus=world_size, run_id=run_id, model_def={"task": "causal_lm"})
+    metrics = {"run_id": run_id, "status": "ok", "status_reason": None, "device": device, "device_name": device_name,
+               "world_size": world_size, "tflops_per_s": tflops_per_s}
+    path = folder / run_id / "metrics.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"spec": spec.to_dict(), "metrics": metrics, "environment": {}}))
+    return path
+
+
+@pytest.fixture
+def results(tmp_path):
+    runs = tmp_path / "runs"
+    return [
+        write_run(runs, "h200x2", "cuda", "NVIDIA H200", world_size=2, tflops_per_s=H200_BF16),  # half of 2 x peak
+        write_run(runs, "cpu", "cpu", "Intel Xeon", tflops_per_s=0.01),
+        write_run(runs, "mystery", "cuda", "Mystery GPU", tflops_per_s=1.0),
+    ]
+
+
+def collect_with(tmp_path, results, *peaks_args: str) -> pd.DataFrame:
+    out = tmp_path / "metrics.parquet"
+    cli.collect(["--parquet", str(out), "--csv", str(tmp_path / "metrics.csv"), *peaks_args, *map(str, results)])
+    return pd.read_parquet(out).set_index("run_id")
+
+
+def test_collect_computes_mfu_from_the_peak_table(tmp_path, results, capsys):
+    table = collect_with(tmp_path, results, "--gpu-peaks", str(GPU_PEAKS))
+    h200 = table.loc["h200x2"]
+    assert h200["mfu"] == pytest.approx(0.5)
+    assert (h200["mfu_peak_tflops"], h200["mfu_peak_source"]) == (H200_BF16, "H200 bf16")
+    assert table.loc[["cpu", "mystery"], ["mfu", "mfu_peak_tflops", "mfu_peak_source"]].isna().all().all()
+    assert "warning: run mystery: no bf16 peak for device 'Mystery GPU'" in capsys.readouterr().err
+
+
+def test_an_edited_peak_changes_mfu(tmp_path, results):
+    table = yaml.safe_load(GPU_PEAKS.read_text())
+    for entry in table["gpus"]:
+        if entry["name"] == "H200":
+            entry["dense_tflops"]["bf16"] = H200_BF16 / 2
+    edited = tmp_path / "gpus.yaml"
+    edited.write_text(yaml.safe_dump(table))
+    assert collect_with(tmp_path, results, "--gpu-peaks", str(edited)).loc["h200x2", "mfu"] == pytest.approx(1.0)
+
+
+def test_without_a_peak_table_mfu_stays_null(tmp_path, results):
+    assert collect_with(tmp_path, results)["mfu"].isna().all()
+
+
+@pytest.mark.slow
+def test_the_collect_rule_reads_the_peak_table(tmp_path, tiny_config_factory, snakemake_runner):
+    write_config(tmp_path, tiny_config_factory())
+    process = snakemake_runner(tmp_path, "-n", "-p")
+    assert process.returncode == 0, snakemake_failure(process)
+    assert f"--gpu-peaks {GPU_PEAKS}" in process.stdout + process.stderr

@@ -1,0 +1,47 @@
+"""ftbench.ddp, launcher side, with torchrun stood in for by hand-written rank results (real DDP runs over
+gloo: tests/test_families.py and tests/test_faults.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftbench import atomic, ddp, trainer
+from ftbench.runspec import RunSpec
+
+SPEC = RunSpec(run_id="r", parallel="ddp", num_gpus=2, device="cpu")
+
+
+def torchrun_leaving(*ranks: tuple[str, bool]):
+    """A stand-in for ddp.run_ddp whose ranks end with these (status_reason, terminated)."""
+
+    def run(spec, data_dir, rank_dir, threads, time_limit_s) -> int:
+        for rank, (reason, terminated) in enumerate(ranks):
+            metrics = {"run_id": spec.run_id, "status": "timeout", "status_reason": reason, "device": "cpu",
+                       "world_size": 2, "window_s": None}
+            atomic.write_json(rank_dir / f"rank{rank}.json",
+                              {"rank": rank, "metrics": metrics, "steps": [], "terminated": terminated})
+        return 0
+
+    return run
+
+
+@pytest.mark.parametrize("terminated_rank", [0, 1])
+def test_a_rank_asked_to_terminate_makes_the_run_terminated(tmp_path, monkeypatch, terminated_rank):
+    """Whichever rank got SIGTERM, the run counts as terminated, also when the merged status_reason names
+    another rank (the one that stopped because its peer did)."""
+    reasons = ["another rank stopped at step 2 of 9"] * 2
+    reasons[terminated_rank] = "terminated by the scheduler (SIGTERM) at step 2 of 9"
+    monkeypatch.setattr(ddp, "run_ddp", torchrun_leaving(*((r, i == terminated_rank) for i, r in enumerate(reasons))))
+    stop = trainer.StopSignal()
+    metrics, _ = ddp.train(SPEC, "data", tmp_path / "ranks", None, None, stop)
+    assert stop.terminate_requested
+    assert metrics["status"] == "timeout" and metrics["status_reason"].startswith("rank 0: ")
+
+
+def test_a_deadline_stop_is_not_a_termination(tmp_path, monkeypatch):
+    monkeypatch.setattr(ddp, "run_ddp", torchrun_leaving(("stopped before the job's time limit at step 2 of 9", False),
+                                                         ("another rank stopped at step 2 of 9", False)))
+    stop = trainer.StopSignal()
+    metrics, _ = ddp.train(SPEC, "data", tmp_path / "ranks", None, None, stop)
+    assert not stop.terminate_requested
+    assert metrics["status"] == "timeout"
