@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ftbench.runspec import RunSpec
-from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, trainer
+from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, model_shape, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
 
@@ -332,6 +332,32 @@ def test_model_shape_splits_encoder_and_decoder():
     assert shape.encoder_linear_params == 2 * (attention + feed_forward)
     assert shape.linear_params == shape.encoder_linear_params + 3 * (2 * attention + feed_forward) + 1000 * 64
     assert (shape.encoder_layers, shape.layers, shape.width) == (2, 3, 64)
+
+
+def test_config_shape_reads_each_architectures_key_names():
+    gpt2 = model_shape.from_config({"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "vocab_size": 50257})
+    assert gpt2 == model_shape.ConfigShape(width=768, layers=12, decoder_layers=0, intermediate=4 * 768, heads=12,
+                                           vocab_size=50257)  # no MLP width given: four times the width
+    t5 = model_shape.from_config({"d_model": 64, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 3, "num_heads": 4,
+                                  "is_encoder_decoder": True})
+    assert (t5.width, t5.intermediate, t5.heads, t5.encoder_layers, t5.decoder_layers, t5.attention_layers) == (64, 128, 4, 2, 3, 5)
+    # A multimodal config: its language model's fields; per-layer lists are no count.
+    vlm = model_shape.from_config({"num_attention_heads": [2, 4], "text_config": {"hidden_size": 64, "num_hidden_layers": 2}})
+    assert (vlm.width, vlm.layers, vlm.heads, vlm.vocab_size) == (64, 2, 0, None)
+    assert model_shape.from_config(None) == model_shape.from_transformers_config(None) == model_shape.ConfigShape(0, 0, 0, 0, 0, None)
+
+
+def test_config_shape_of_a_config_object_reads_what_its_attributes_say():
+    """config.to_dict() keeps an architecture's own names; the object's attribute_map gives the usual ones
+    (BART: num_hidden_layers is encoder_layers, num_attention_heads is encoder_attention_heads)."""
+    from transformers import BartConfig, GPT2Config
+
+    bart = BartConfig(d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=96)
+    shape = model_shape.from_transformers_config(bart)
+    assert (shape.width, shape.encoder_layers, shape.decoder_layers, shape.heads, shape.intermediate) == (64, 3, 2, 4, 96)
+    gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4)
+    shape = model_shape.from_transformers_config(gpt2)
+    assert (shape.width, shape.layers, shape.heads) == (gpt2.hidden_size, gpt2.num_hidden_layers, gpt2.num_attention_heads)
 
 
 def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import model_shape
+
 GPU_PEAKS_PATH = Path(__file__).resolve().parents[2] / "config" / "gpus.yaml"
 
 
@@ -56,21 +58,9 @@ class ModelShape:
             if weight.requires_grad:
                 counts["trainable"] += count
                 counts["encoder_trainable"] += count if in_encoder else 0
-        layers, width = attention_shape(config)
-        encoder_layers = getattr(config, "num_layers", 0) if split_encoder else 0
-        return cls(counts["linear"], counts["trainable"], layers - encoder_layers, width,
-                   counts["encoder"], counts["encoder_trainable"], encoder_layers)
-
-
-def attention_shape(config) -> tuple[int, int]:
-    """(attention layers, hidden width) from a transformers config; (0, 0) if unknown."""
-    if config is None:
-        return 0, 0
-    width = getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or getattr(config, "n_embd", 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 0)
-    if getattr(config, "is_encoder_decoder", False):
-        layers = (getattr(config, "num_layers", 0) or 0) + (getattr(config, "num_decoder_layers", None) or getattr(config, "num_layers", 0) or 0)
-    return int(layers or 0), int(width or 0)
+        shape = model_shape.from_transformers_config(config)
+        return cls(counts["linear"], counts["trainable"], shape.attention_layers - shape.encoder_layers, shape.width,
+                   counts["encoder"], counts["encoder_trainable"], shape.encoder_layers)
 
 
 def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
