@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import snakemake_failure, write_config
-from ftbench import matrix
+from conftest import MINILM_SOURCE, snakemake_failure, write_config
+from ftbench import matrix, resources
 
 # Llama 3.2 1B's shape: 1.34e9 parameters by the estimate's formula.
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "vocab_size": 128256,
@@ -100,6 +100,51 @@ def representative_runs(tmp_path_factory):
     runs = matrix.expand_runs(config)
     assert len(runs) == len(RUNS)
     return folder, config, dict(zip(RUNS, runs))
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_requests_of_representative_runs(representative_runs, name):
+    run = representative_runs[2][name]
+    gpus, cluster_threads, runtime, runtime_retried, mem_mb, mem_mb_retried = EXPECTED[name]
+    assert resources.train_gpus(run) == gpus
+    assert resources.train_threads(run, local=True, cores=6) == 6
+    assert resources.train_threads(run, local=False, cores=6) == cluster_threads
+    assert [resources.train_runtime_minutes(run, attempt) for attempt in (1, 2)] == [runtime, runtime_retried]
+    assert [resources.train_mem_mb(run, attempt) for attempt in (1, 2)] == [mem_mb, mem_mb_retried]
+
+
+def test_model_params_from_the_config_a_model_is_read_from(representative_runs):
+    _, config, _ = representative_runs
+    models = config["models"]
+    llama = 16 * (4 * 2048**2 + 3 * 2048 * 8192) + 128256 * 2048
+    assert resources.model_params(models["llama"]) == resources.model_params(models["vlm"]) == llama
+    # GPT-2 names: n_embd, n_layer; no MLP width (4 x 768) and no vocabulary (32000 assumed).
+    assert resources.model_params(models["gpt2"]) == 12 * (4 * 768**2 + 3 * 768 * 4 * 768) + 32000 * 768
+    assert resources.model_params({"source": MINILM_SOURCE}) == 6 * (4 * 384**2 + 3 * 384 * 1536) + 30522 * 384
+    assert resources.model_params(models["hub"]) == resources.DEFAULT_MODEL_PARAMS
+    assert resources.model_params({"source": {"kind": "path", "path": "/nonexistent/checkpoint"}}) == resources.DEFAULT_MODEL_PARAMS
+
+
+def test_steps_are_the_trainers_steps(representative_runs):
+    runs = representative_runs[2]
+    assert resources.train_steps(runs["ddp4"], 20000) == runs["ddp4"].planned_steps(20000) == 20000 // (8 * 4 * 2)
+    assert resources.train_steps(runs["max_steps"], 20000) == 500
+
+
+def test_auto_batch_size_plans_the_largest_batch_the_data_allows(representative_runs):
+    auto = representative_runs[2]["auto_batch_size"].replace(auto_batch_size_max=1024, max_steps=100)
+    small = {**auto.dataset_def, "train_size": 500}
+    at_cap = auto.replace(auto_batch_size=False, batch_size=500, dataset_def=small)
+    assert resources.train_compute_seconds(auto.replace(dataset_def=small)) == resources.train_compute_seconds(at_cap)
+    # Plenty of data: the search may reach auto_batch_size_max.
+    at_max = auto.replace(auto_batch_size=False, batch_size=1024)
+    assert resources.train_compute_seconds(auto) == resources.train_compute_seconds(at_max)
+
+
+def test_a_split_smaller_than_one_batch_asks_for_the_floor_not_a_crash(representative_runs):
+    run = representative_runs[2]["cpu"].replace(dataset_def={"source": {"kind": "synthetic"}, "train_size": 10, "eval_size": 10})
+    assert resources.train_steps(run, 10) == 1
+    assert resources.train_runtime_minutes(run) == resources.TRAIN_RUNTIME_FLOOR_MIN
 
 
 def train_job_requests(output: str) -> dict[str, dict]:
