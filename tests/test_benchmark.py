@@ -62,3 +62,27 @@ def test_trials_that_agree_resolve_the_ratio_and_scattered_ones_do_not():
     assert not scattered["resolved"] and scattered["median_ftbench_over_bare"] == pytest.approx(0.990)
     # Either ratio scattering is enough to leave the result unresolved.
     assert not benchmark.summarise_trials([_trial(0.99, r) for r in (0.95, 1.02, 1.0)])["resolved"]
+
+
+@pytest.mark.slow
+def test_parse_benchmark_reports_each_dry_run_and_ftbench_share(tmp_path):
+    """scripts/benchmark_parse.py on a 4-run matrix, one dry run each: its table and JSON, not its timings."""
+    from ftbench import config as ftbench_config, matrix
+
+    out = tmp_path / "parse.json"
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_parse.py"), "--repeats", "1", "--axis-values", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["repeats"] == 1
+    default_runs = len(matrix.expand_runs(ftbench_config.load_config(ROOT / "config" / "config.yaml")))
+    experiments = {result["name"]: result for result in results["experiments"]}
+    assert {name: result["runs"] for name, result in experiments.items()} == {"snakemake alone": 0, "default": default_runs, "matrix": 4}
+    for result in experiments.values():
+        assert len(result["dry_run_samples_s"]) == 1 and result["dry_run_s"] == result["dry_run_samples_s"][0] > 0
+    for name in ("default", "matrix"):
+        assert experiments[name]["validate_expand_first_s"] > 0 and experiments[name]["validate_expand_s"] > 0
+    assert (experiments["default"]["target_s"], experiments["matrix"]["target_s"]) == (2.0, 10.0)
+    assert "snakemake -n (median of 1)" in process.stdout and len(process.stdout.splitlines()) == 4

@@ -22,9 +22,9 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import LM_DEFAULTS
+from conftest import LM_DEFAULTS, ROOT
 from ftbench.runspec import RunSpec
-from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, modeling, trainer
+from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, model_shape, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
 from ftbench.metrics import energy_per_token
@@ -282,6 +282,32 @@ def test_model_shape_splits_encoder_and_decoder():
     assert (shape.encoder_layers, shape.layers, shape.width) == (2, 3, 64)
 
 
+def test_config_shape_reads_each_architectures_key_names():
+    gpt2 = model_shape.from_config({"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "vocab_size": 50257})
+    assert gpt2 == model_shape.ConfigShape(width=768, layers=12, decoder_layers=0, intermediate=4 * 768, heads=12,
+                                           vocab_size=50257)  # no MLP width given: four times the width
+    t5 = model_shape.from_config({"d_model": 64, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 3, "num_heads": 4,
+                                  "is_encoder_decoder": True})
+    assert (t5.width, t5.intermediate, t5.heads, t5.encoder_layers, t5.decoder_layers, t5.attention_layers) == (64, 128, 4, 2, 3, 5)
+    # A multimodal config: its language model's fields; per-layer lists are no count.
+    vlm = model_shape.from_config({"num_attention_heads": [2, 4], "text_config": {"hidden_size": 64, "num_hidden_layers": 2}})
+    assert (vlm.width, vlm.layers, vlm.heads, vlm.vocab_size) == (64, 2, 0, None)
+    assert model_shape.from_config(None) == model_shape.from_transformers_config(None) == model_shape.ConfigShape(0, 0, 0, 0, 0, None)
+
+
+def test_config_shape_of_a_config_object_reads_what_its_attributes_say():
+    """config.to_dict() keeps an architecture's own names; the object's attribute_map gives the usual ones
+    (BART: num_hidden_layers is encoder_layers, num_attention_heads is encoder_attention_heads)."""
+    from transformers import BartConfig, GPT2Config
+
+    bart = BartConfig(d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=96)
+    shape = model_shape.from_transformers_config(bart)
+    assert (shape.width, shape.encoder_layers, shape.decoder_layers, shape.heads, shape.intermediate) == (64, 3, 2, 4, 96)
+    gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4)
+    shape = model_shape.from_transformers_config(gpt2)
+    assert (shape.width, shape.layers, shape.heads) == (gpt2.hidden_size, gpt2.num_hidden_layers, gpt2.num_attention_heads)
+
+
 @pytest.mark.slow
 def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
     """flop_counter on the run's own micro-batch vs 6N + attention. Eager attention: the counter does not
@@ -308,6 +334,8 @@ def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
 # ---------------------------------------------------------------------------------------------------
 # Peak table and MFU
 
+SHIPPED_PEAKS = flops.load_peaks(ROOT / "config" / "gpus.yaml")
+
 
 @pytest.mark.parametrize("device_name, dtype, peak, entry", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4, "H100 SXM bf16"),
@@ -318,18 +346,18 @@ def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
     ("NVIDIA A100-SXM4-40GB", "fp32", 19.5, "A100 fp32"),  # fp32 is the non-tensor-core peak, not TF32
 ])
 def test_peak_tflops_resolves_known_gpus(device_name, dtype, peak, entry):
-    assert flops.peak_tflops(device_name, dtype) == (peak, entry)
+    assert flops.peak_tflops(device_name, dtype, SHIPPED_PEAKS) == (peak, entry)
 
 
 def test_mfu_divides_by_the_peak_of_every_device():
-    result = flops.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2)
+    result = flops.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2, peaks=SHIPPED_PEAKS)
     assert result == {"mfu": pytest.approx(0.5), "mfu_peak_tflops": 989.4, "mfu_peak_source": "H100 SXM bf16"}
 
 
 @pytest.mark.parametrize("device_name, dtype", [("Mystery Accelerator 9000", "bf16"), ("Tesla T4", "bf16")])
 def test_unknown_gpu_or_dtype_gives_no_mfu_and_a_warning(device_name, dtype):
     with pytest.warns(UserWarning, match=device_name):
-        result = flops.mfu(1e14, device_name, dtype, devices=1)
+        result = flops.mfu(1e14, device_name, dtype, devices=1, peaks=SHIPPED_PEAKS)
     assert result == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
 
 

@@ -9,8 +9,9 @@
 - Attention scores and values add 12 * layers * width * S per token of a sequence of S tokens
   (forward 4 * layers * width * S, backward twice that), summed over each sequence's real length; the
   causal mask is not halved (as in the PaLM paper's MFU).
-- MFU = achieved FLOP/s / (dense peak per device x devices), peak from config/gpus.yaml for the run's
-  dtype. Unknown device: MFU is None and a warning says so, never a guessed peak.
+- MFU = achieved FLOP/s / (dense peak per device x devices), the peak for the run's dtype from a peak
+  table the caller loads (``load_peaks``; the shipped one is config/gpus.yaml). Unknown device: MFU is
+  None and a warning says so, never a guessed peak.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
-GPU_PEAKS_PATH = Path(__file__).resolve().parents[2] / "config" / "gpus.yaml"
+from . import model_shape
 
 
 @dataclass(frozen=True)
@@ -56,21 +57,9 @@ class ModelShape:
             if weight.requires_grad:
                 counts["trainable"] += count
                 counts["encoder_trainable"] += count if in_encoder else 0
-        layers, width = attention_shape(config)
-        encoder_layers = getattr(config, "num_layers", 0) if split_encoder else 0
-        return cls(counts["linear"], counts["trainable"], layers - encoder_layers, width,
-                   counts["encoder"], counts["encoder_trainable"], encoder_layers)
-
-
-def attention_shape(config) -> tuple[int, int]:
-    """(attention layers, hidden width) from a transformers config; (0, 0) if unknown."""
-    if config is None:
-        return 0, 0
-    width = getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or getattr(config, "n_embd", 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 0)
-    if getattr(config, "is_encoder_decoder", False):
-        layers = (getattr(config, "num_layers", 0) or 0) + (getattr(config, "num_decoder_layers", None) or getattr(config, "num_layers", 0) or 0)
-    return int(layers or 0), int(width or 0)
+        shape = model_shape.from_transformers_config(config)
+        return cls(counts["linear"], counts["trainable"], shape.attention_layers - shape.encoder_layers, shape.width,
+                   counts["encoder"], counts["encoder_trainable"], shape.encoder_layers)
 
 
 def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
@@ -114,14 +103,14 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
 # Peak table and MFU
 
 
-def load_peaks(path: Path = GPU_PEAKS_PATH) -> list[dict]:
+def load_peaks(path: str | Path) -> list[dict]:
+    """The entries of a peak table (layout of config/gpus.yaml)."""
     with open(path, encoding="utf-8") as handle:
         return yaml.safe_load(handle)["gpus"]
 
 
-def peak_tflops(device_name: str, dtype: str, peaks: list[dict] | None = None) -> tuple[float | None, str | None]:
+def peak_tflops(device_name: str, dtype: str, peaks: list[dict]) -> tuple[float | None, str | None]:
     """(dense peak TFLOP/s per device, the table entry used) for a device name and dtype, or (None, None)."""
-    peaks = load_peaks() if peaks is None else peaks
     for entry in peaks:
         if re.search(entry["match"], device_name or "", flags=re.IGNORECASE):
             value = entry["dense_tflops"].get(dtype)
@@ -129,13 +118,12 @@ def peak_tflops(device_name: str, dtype: str, peaks: list[dict] | None = None) -
     return None, None
 
 
-def mfu(achieved_flops_per_s: float | None, device_name: str, dtype: str, devices: int,
-        peaks: list[dict] | None = None) -> dict:
+def mfu(achieved_flops_per_s: float | None, device_name: str, dtype: str, devices: int, peaks: list[dict]) -> dict:
     peak, source = peak_tflops(device_name, dtype, peaks)
     if achieved_flops_per_s is None:
         return {"mfu": None, "mfu_peak_tflops": peak, "mfu_peak_source": source}
     if peak is None:
-        warnings.warn(f"no {dtype} peak for device {device_name!r} in config/gpus.yaml: MFU left empty", stacklevel=2)
+        warnings.warn(f"no {dtype} peak for device {device_name!r} in the GPU peak table: MFU left empty", stacklevel=2)
         return {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
     return {
         "mfu": achieved_flops_per_s / (peak * 1e12 * devices),

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from . import model_shape
 from .runspec import RunSpec
 
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
@@ -77,14 +78,6 @@ def architecture_traits(model: torch.nn.Module) -> tuple[str, str]:
     gated = any(name.rsplit(".", 1)[-1] in GATE_NAMES for name in names)
     rms = any("RMSNorm" in type(module).__name__ or type(module).__name__ == "T5LayerNorm" for module in model.modules())
     return ("rms" if rms else "layer"), ("gated" if gated else "plain")
-
-
-def intermediate_width(config, width: int) -> int:
-    for key in ("intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim", "ffn_dim"):
-        value = getattr(config, key, None)
-        if value:
-            return int(value)
-    return 4 * width  # GPT-2 style configs leave it unset: four times the width
 
 
 def hidden_dropout(config) -> float:
@@ -132,21 +125,18 @@ def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int |
     optimizer = trainable * OPTIMIZER_BYTES[spec.optimizer]
 
     config = getattr(model, "config", None)
-    from .flops import attention_shape
-
-    layers, width = attention_shape(config)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", 0) or 0
+    shape = model_shape.from_transformers_config(config)
+    layers, width, inter = shape.attention_layers, shape.width, shape.intermediate
     batch, seq = spec.batch_size, spec.seq_len
     norm, mlp = architecture_traits(model)
     per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
     if hidden_dropout(config) > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
-    inter = intermediate_width(config, width)
     per_layer_token = per_width * width + per_intermediate * inter
     if spec.method in ("lora", "qlora"):
         per_layer_token += adapter_bytes_per_layer_token(model, spec, norm, mlp, inter, width, layers, sixteen_bit)
     if spec.attn_implementation == "eager":
-        per_layer_token += 5 * heads * seq * (1 if sixteen_bit else 2)
+        per_layer_token += 5 * shape.heads * seq * (1 if sixteen_bit else 2)
     if spec.gradient_checkpointing:
         activations = batch * seq * layers * 4 * width  # each layer's fp32 input
         recompute = batch * seq * per_layer_token  # one layer's, while the backward pass recomputes it

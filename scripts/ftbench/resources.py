@@ -1,0 +1,155 @@
+"""What each training job asks the scheduler for: GPUs, CPU threads, walltime and host memory.
+
+SLURM gets these through profiles/slurm; locally Snakemake only uses `threads` and, with --resources,
+mem_mb/gpu as limits. A guess that is too small costs a killed or stopped job; one too large costs queue
+time. These err on the large side and scale with `attempt`, so a job retried (profile `retries`) after
+running out of memory or time asks for more. rules/common.smk passes them to the train rule; override
+them per run of snakemake with `--set-resources train:runtime=240 train:mem_mb=64000`.
+
+Computed while Snakemake builds the DAG, so nothing here imports torch or transformers: the model's
+size comes from its config.json alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from . import model_shape, sources
+from .errors import FtbenchError
+from .runspec import RunSpec
+
+# CPU cores per GPU of a training job (sbatch --cpus-per-gpu): the data is pre-tokenised, so a few
+# cores feed a GPU; raise it where your cluster gives each GPU a fixed share of a node's cores anyway.
+TRAIN_CPUS_PER_GPU = 4
+# CPU cores of a training run without a GPU (num_gpus 0) on a cluster: enough to measure a small model;
+# locally such a run takes all of --cores instead.
+TRAIN_CPU_THREADS_CLUSTER = 8
+# Walltime floor (minutes): short enough to backfill well, long enough for a job's fixed costs
+# (queue-side start, imports, model and data load, evaluation, writing results) on a slow file system.
+TRAIN_RUNTIME_FLOOR_MIN = 10
+# Fixed seconds per training job on top of the compute estimate (start, imports, loading, writing).
+TRAIN_STARTUP_S = 300
+# Factor on the compute estimate: the per-token cost below is a rough guess (kernel efficiency,
+# padding, evaluation overhead, a slow or shared node), so ask for twice what it predicts.
+TRAIN_RUNTIME_MARGIN = 2.0
+# Achieved (not peak) FLOP/s per device used to turn tokens into seconds. Deliberately low: about 10-20%
+# of a current data-centre GPU's peak, and a few cores of a CPU. fp32 runs on a GPU get the fp32 rate
+# (TF32 off), half precision the tensor-core rate.
+ACHIEVED_FLOPS = {"cpu": 5e10, "fp32": 5e12, "bf16": 3e13, "fp16": 3e13}
+# Parameters assumed when the model's config.json cannot be read while the DAG is built (a hub model
+# that is not in the local Hugging Face cache): a 1B model, so small models get generous walltimes.
+DEFAULT_MODEL_PARAMS = 1e9
+# Vocabulary assumed for a config that does not give one (Llama 2's 32000 tokens).
+DEFAULT_VOCAB_SIZE = 32000
+# Training examples assumed when the dataset's size is not known before it is prepared (a source
+# with its own train split): set train_size in the dataset, or max_steps in the run, to be exact.
+DEFAULT_TRAIN_EXAMPLES = 100_000
+# Host memory (MB) of a training job: a floor for Python, torch and the tokenised data, plus room for
+# the weights as loaded on the host (fp32, twice over while they are moved to the device) per process.
+TRAIN_MEM_FLOOR_MB = 8000
+TRAIN_HOST_BYTES_PER_PARAM = 8
+
+
+def train_gpus(run: RunSpec) -> int:
+    """GPUs of the run's job (sbatch --gpus); 0 for CPU runs, which then request no GPU at all."""
+    return run.num_gpus if run.uses_gpu else 0
+
+
+def train_threads(run: RunSpec, local: bool, cores: int) -> int:
+    """CPU threads of a training job (torch.set_num_threads, and sbatch --cpus-per-task of a CPU run).
+
+    Locally (``local``) a training job takes all ``cores``, so runs are timed one at a time and never
+    slow each other down. On a cluster each job has a node share of its own: TRAIN_CPUS_PER_GPU per GPU
+    for a GPU run, TRAIN_CPU_THREADS_CLUSTER for a CPU run.
+    """
+    if local:
+        return cores
+    if run.uses_gpu:
+        return TRAIN_CPUS_PER_GPU * run.num_gpus
+    return TRAIN_CPU_THREADS_CLUSTER
+
+
+def train_runtime_minutes(run: RunSpec, attempt: int = 1) -> int:
+    """Walltime (minutes) of a training job: startup + margin x the compute estimate, at least
+    TRAIN_RUNTIME_FLOOR_MIN, doubled on each retry. The train rule passes it to the job as its time
+    limit, so a run that is slower than guessed stops itself with status=timeout and what it measured."""
+    seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run)
+    return max(TRAIN_RUNTIME_FLOOR_MIN, math.ceil(seconds / 60)) * 2 ** (attempt - 1)
+
+
+def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
+    """Host memory (MB) of a training job: the floor plus the host copy of the weights per process."""
+    weights_mb = model_params(run.model_def) * TRAIN_HOST_BYTES_PER_PARAM / 1e6
+    return math.ceil(TRAIN_MEM_FLOOR_MB + run.processes * weights_mb) * attempt
+
+
+def train_compute_seconds(run: RunSpec) -> float:
+    """Compute seconds of one training job on the device it asks for: training tokens per device
+    x 6 FLOPs per parameter (forward + backward), plus evaluation (2 per parameter), over ACHIEVED_FLOPS."""
+    params = model_params(run.model_def)
+    examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
+    run = largest_batch_run(run, examples)
+    tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * run.seq_len
+    flops = 6 * params * tokens_per_device
+    if run.gradient_checkpointing:
+        flops *= 4 / 3  # one more forward pass
+    if run.method == "qlora":
+        flops *= 2  # 4-bit weights are dequantised on every use
+    eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
+    flops += 2 * params * eval_examples * run.seq_len
+    rate = ACHIEVED_FLOPS[run.precision] if run.uses_gpu else ACHIEVED_FLOPS["cpu"]
+    return flops / rate
+
+
+def largest_batch_run(run: RunSpec, train_examples: int) -> RunSpec:
+    """The run at the largest batch it may measure at: with auto_batch_size, up to auto_batch_size_max,
+    which the trainer's search lowers until one global batch fits in the training split."""
+    if not run.auto_batch_size:
+        return run
+    data_cap = train_examples // (run.devices * run.grad_accum_steps)
+    return run.replace(batch_size=max(1, min(run.auto_batch_size_max, data_cap)))
+
+
+def train_steps(run: RunSpec, train_examples: int) -> int:
+    """Optimizer steps of the run, counted as the trainer counts them (RunSpec.planned_steps)."""
+    try:
+        return run.planned_steps(train_examples)
+    except ValueError:
+        return 1  # less than one global batch: the trainer stops at its start with that error
+
+
+_MODEL_PARAMS: dict[str, float] = {}
+
+
+def model_params(model_def: dict) -> float:
+    """Parameter count from the model's config (a config-built model's overrides, or a local
+    checkpoint's config.json; no weights are read), else DEFAULT_MODEL_PARAMS.
+
+    Transformer blocks: 4 h^2 (attention) + 3 h i (a gated MLP; 2 h i for a plain one, so this is on
+    the safe side) per layer, plus the embeddings. Good to ~30%, which the runtime margin absorbs; an
+    encoder-decoder counts its encoder stack only (T5: about 60% of its parameters). Read once per model
+    and process: every job of a model asks for it.
+    """
+    key = json.dumps(model_def, sort_keys=True)
+    if key not in _MODEL_PARAMS:
+        shape = model_shape.from_config(_readable_config(model_def["source"]))
+        params = DEFAULT_MODEL_PARAMS
+        if shape.width and shape.layers:
+            vocab = shape.vocab_size or DEFAULT_VOCAB_SIZE
+            params = shape.layers * (4 * shape.width**2 + 3 * shape.width * shape.intermediate) + vocab * shape.width
+        _MODEL_PARAMS[key] = params
+    return _MODEL_PARAMS[key]
+
+
+def _readable_config(source: dict) -> dict | None:
+    """The model's config settings where they can be read without the network; else None."""
+    try:
+        if source["kind"] == "config":
+            return source.get("overrides", {})
+        if source["kind"] in ("path", "package"):
+            return json.loads((Path(sources.resolve_location(source)) / "config.json").read_text())
+    except (OSError, ValueError, FtbenchError):
+        pass
+    return None
