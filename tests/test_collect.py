@@ -73,3 +73,12 @@ def test_the_collect_rule_reads_the_peak_table(tmp_path, tiny_config_factory, sn
     process = snakemake_runner(tmp_path, "-n", "-p")
     assert process.returncode == 0, snakemake_failure(process)
     assert f"--gpu-peaks {GPU_PEAKS}" in process.stdout + process.stderr
+
+
+def test_collect_imports_no_torch():
+    """collect runs in the analysis environment (envs/analysis.yaml), which has no torch."""
+    import subprocess
+    import sys
+
+    code = "import sys; from ftbench import collect, report; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

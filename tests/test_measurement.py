@@ -24,7 +24,7 @@ import torch
 
 from conftest import LM_DEFAULTS, ROOT
 from ftbench.runspec import RunSpec
-from ftbench import batching, cli, collect, data, flops, gpu_monitor, matrix, memory_estimate, model_shape, modeling, trainer
+from ftbench import batching, cli, gpu_table, collect, data, flops, gpu_monitor, matrix, memory_estimate, model_shape, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
 from ftbench.metrics import energy_per_token
@@ -334,7 +334,7 @@ def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
 # ---------------------------------------------------------------------------------------------------
 # Peak table and MFU
 
-SHIPPED_PEAKS = flops.load_peaks(ROOT / "config" / "gpus.yaml")
+SHIPPED_PEAKS = gpu_table.load_peaks(ROOT / "config" / "gpus.yaml")
 
 
 @pytest.mark.parametrize("device_name, dtype, peak, entry", [
@@ -346,18 +346,18 @@ SHIPPED_PEAKS = flops.load_peaks(ROOT / "config" / "gpus.yaml")
     ("NVIDIA A100-SXM4-40GB", "fp32", 19.5, "A100 fp32"),  # fp32 is the non-tensor-core peak, not TF32
 ])
 def test_peak_tflops_resolves_known_gpus(device_name, dtype, peak, entry):
-    assert flops.peak_tflops(device_name, dtype, SHIPPED_PEAKS) == (peak, entry)
+    assert gpu_table.peak_tflops(device_name, dtype, SHIPPED_PEAKS) == (peak, entry)
 
 
 def test_mfu_divides_by_the_peak_of_every_device():
-    result = flops.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2, peaks=SHIPPED_PEAKS)
+    result = gpu_table.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2, peaks=SHIPPED_PEAKS)
     assert result == {"mfu": pytest.approx(0.5), "mfu_peak_tflops": 989.4, "mfu_peak_source": "H100 SXM bf16"}
 
 
 @pytest.mark.parametrize("device_name, dtype", [("Mystery Accelerator 9000", "bf16"), ("Tesla T4", "bf16")])
 def test_unknown_gpu_or_dtype_gives_no_mfu_and_a_warning(device_name, dtype):
     with pytest.warns(UserWarning, match=device_name):
-        result = flops.mfu(1e14, device_name, dtype, devices=1, peaks=SHIPPED_PEAKS)
+        result = gpu_table.mfu(1e14, device_name, dtype, devices=1, peaks=SHIPPED_PEAKS)
     assert result == {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
 
 

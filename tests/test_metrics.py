@@ -8,10 +8,10 @@ import warnings
 import pytest
 
 from conftest import ROOT
-from ftbench import flops
+from ftbench import gpu_table
 from ftbench.metrics import STATUSES, energy_per_token, merge_ranks, mfu, summarise, worst_status
 
-PEAKS = flops.load_peaks(ROOT / "config" / "gpus.yaml")
+PEAKS = gpu_table.load_peaks(ROOT / "config" / "gpus.yaml")
 
 
 def step(measured: bool, tokens: int, padded: int, samples: int, seconds: float, flops_: int = 0,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import atomic, cost, metrics, projection
+from . import atomic, cost, gpu_table, metrics, projection
 from .columns import COLUMNS, row_from_result
 
 
@@ -45,9 +45,8 @@ def build_table(result_files: list[str | Path], prices: cost.Prices | None = Non
 def add_mfu(rows: list[dict], gpu_peaks: str | Path, warnings_out: list[str] | None = None) -> None:
     """Fill each row's MFU columns from the peak table at ``gpu_peaks``; a GPU or dtype the table lacks
     gets null and a warning naming the run."""
-    from . import flops  # imported here: flops imports torch, which reading a table (report.py) need not load
 
-    peaks = flops.load_peaks(gpu_peaks)
+    peaks = gpu_table.load_peaks(gpu_peaks)
     for row in rows:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

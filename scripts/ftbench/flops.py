@@ -16,13 +16,9 @@
 
 from __future__ import annotations
 
-import re
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import yaml
 
 from . import model_shape
 
@@ -101,32 +97,3 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
 
 # ---------------------------------------------------------------------------------------------------
 # Peak table and MFU
-
-
-def load_peaks(path: str | Path) -> list[dict]:
-    """The entries of a peak table (layout of config/gpus.yaml)."""
-    with open(path, encoding="utf-8") as handle:
-        return yaml.safe_load(handle)["gpus"]
-
-
-def peak_tflops(device_name: str, dtype: str, peaks: list[dict]) -> tuple[float | None, str | None]:
-    """(dense peak TFLOP/s per device, the table entry used) for a device name and dtype, or (None, None)."""
-    for entry in peaks:
-        if re.search(entry["match"], device_name or "", flags=re.IGNORECASE):
-            value = entry["dense_tflops"].get(dtype)
-            return (float(value), f"{entry['name']} {dtype}") if value is not None else (None, None)
-    return None, None
-
-
-def mfu(achieved_flops_per_s: float | None, device_name: str, dtype: str, devices: int, peaks: list[dict]) -> dict:
-    peak, source = peak_tflops(device_name, dtype, peaks)
-    if achieved_flops_per_s is None:
-        return {"mfu": None, "mfu_peak_tflops": peak, "mfu_peak_source": source}
-    if peak is None:
-        warnings.warn(f"no {dtype} peak for device {device_name!r} in the GPU peak table: MFU left empty", stacklevel=2)
-        return {"mfu": None, "mfu_peak_tflops": None, "mfu_peak_source": None}
-    return {
-        "mfu": achieved_flops_per_s / (peak * 1e12 * devices),
-        "mfu_peak_tflops": peak,
-        "mfu_peak_source": source,
-    }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import gpu_table
+
 # How a run ended and what that means, worst first: when DDP ranks disagree, the run is only as good
 # as its worst rank.
 STATUSES = {
@@ -72,10 +74,9 @@ def mfu(row: dict, peaks: list[dict]) -> dict:
     entries) times the GPUs that trained together. A CPU run has none."""
     if row.get("device") != "cuda":
         return dict.fromkeys(MFU_FIELDS)
-    from . import flops  # imported here: flops imports torch, which the readers of the statuses need not load
 
     achieved = row["tflops_per_s"] * 1e12 if row.get("tflops_per_s") else None
-    return flops.mfu(achieved, row.get("device_name") or "", row["precision"], row["world_size"], peaks=peaks)
+    return gpu_table.mfu(achieved, row.get("device_name") or "", row["precision"], row["world_size"], peaks=peaks)
 
 
 def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict]]:
