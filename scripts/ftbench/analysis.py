@@ -171,8 +171,8 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
 
 @dataclass(frozen=True)
 class Quality:
-    """The figure that judges a task's runs: its column (higher is better, in [0, 1]), its name, and the
-    count its Wilson interval is computed on, with what that count is when it is not the scored units."""
+    """The figure that judges a task's runs: its column (higher is better, in [0, 1]), its name, the
+    column of the count its Wilson interval is computed on and what that count counts."""
 
     column: str
     name: str
@@ -180,9 +180,9 @@ class Quality:
     n_note: str = "eval rows"
 
 
-_TOKEN_ACCURACY = Quality("eval_token_accuracy", "token accuracy", n_note=(
-    "eval sequences: the scored-token count is not recorded, and the tokens of one sequence are not "
-    "independent, so the sequence count is the cautious n"))
+# The scored-token count is not recorded, and the tokens of one sequence are not independent: the
+# sequence count is the cautious n (a wider interval than the token count would give).
+_TOKEN_ACCURACY = Quality("eval_token_accuracy", "token accuracy", n_note="eval sequences")
 # One entry per task kind: a new task (image-text retrieval with recall@1, say) adds its line here.
 QUALITY: dict[str, Quality] = {
     "classification": Quality("eval_accuracy", "accuracy"),
@@ -272,8 +272,8 @@ def add_step_figures(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     if not steps.empty and "measured" in steps:
         window = steps[steps["measured"].astype(bool) & steps["run_id"].isin(measured_runs(runs)["run_id"])]
         figures = {run_id: window_figures(group) for run_id, group in window.groupby("run_id", sort=False)}
-    table = pd.DataFrame.from_dict(figures, orient="index").reindex(
-        index=runs["run_id"], columns=["window_steps", "low_ratio", "high_ratio", "mean_vs_median", "drift", "unstable", "unstable_reason"])
+    table = pd.DataFrame.from_dict(figures, orient="index").reindex(index=runs["run_id"], columns=[
+        "window_steps", "low_ratio", "high_ratio", "mean_vs_median", "drift", "unstable", "unstable_reason"])
     speed = runs["tokens_per_s"].astype(float).to_numpy()
     ratios = table[["low_ratio", "high_ratio", "mean_vs_median", "drift"]].astype(float).to_numpy().T
     runs["window_steps"] = pd.array(table["window_steps"].to_numpy(), dtype="Int64")
@@ -342,8 +342,9 @@ def configurations(runs: pd.DataFrame, scoring: str = "median") -> pd.DataFrame:
         cv = speed.std(ddof=1) / speed.mean() if len(speed) > 1 and speed.mean() > 0 else math.nan
         tokens_per_s = score(speed, scoring)
         low, high, basis = throughput_interval(measured)
-        accuracy, n = _median(ok, "quality"), _median(ok, "quality_n") if "quality_n" in ok else math.nan
-        accuracy_low, accuracy_high = uncertainty.wilson(accuracy, int(n)) if not math.isnan(accuracy) and n > 0 else (math.nan, math.nan)
+        accuracy, n = _median(ok, "quality"), _median(ok, "quality_n")
+        accuracy_low, accuracy_high = (uncertainty.wilson(accuracy, int(n)) if not math.isnan(accuracy) and n > 0
+                                       else (math.nan, math.nan))
         row = {
             "configuration": group["config_label"].iloc[0],
             "config_key": key,
@@ -364,10 +365,11 @@ def configurations(runs: pd.DataFrame, scoring: str = "median") -> pd.DataFrame:
             "accuracy": accuracy,
             "accuracy_low": accuracy_low,
             "accuracy_high": accuracy_high,
-            "quality_metric": ok["quality_metric"].dropna().iloc[0] if "quality_metric" in ok and ok["quality_metric"].notna().any() else None,
+            "quality_metric": ok["quality_metric"].dropna().iloc[0] if ok["quality_metric"].notna().any() else None,
             "quality_n": n,
             "projected_hours": score(measured["projected_hours"], scoring),
-            **{column: _median(group, column) for column in
+            # an OOM run's peak is where it failed, not the configuration's
+            **{column: _median(measured, column) for column in
                ("peak_memory_mb", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb")},
         }
         for column, (low_column, high_column) in PER_THROUGHPUT.items():
@@ -422,10 +424,10 @@ def ranked(configs: pd.DataFrame, column: str, higher_is_better: bool) -> pd.Dat
 
 def to_separate(a: pd.Series, b: pd.Series, column: str) -> dict:
     """What would separate two configurations whose ``column`` intervals overlap, at their observed
-    difference: {'same': True} when there is none; {'eval_rows': n} for quality (repeats score the same rows, so only more rows help);
-    {'repeats': n or None (more than 1,000)} when both intervals come from repeats (the spread each
-    showed, recovered from its t-interval); else {'window': x} - x times longer measured windows would
-    separate the within-run intervals, which bound measurement noise only."""
+    difference: {'same': True} when there is none; {'eval_rows': n} for quality (repeats score the same
+    rows, so only more rows help); {'repeats': n or None (more than 1,000)} when both intervals come
+    from repeats (the spread each showed, recovered from its t-interval); else {'window': x}: x times
+    longer measured windows would separate the within-run intervals, which bound measurement noise only."""
     difference = float(a[column]) - float(b[column])
     if difference == 0:
         return {"same": True}

@@ -188,7 +188,8 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
     shared = analysis.common_parts(runs)
     drawn = {figures.THROUGHPUT_RATIO.name: figures.draw(figures.THROUGHPUT_RATIO, devices) if not devices.empty
              else "no run measured a throughput"}
-    drawn.update({spec.name: figures.draw(spec, runs, steps, configs, shared=shared) for spec in figures.FIGURES if spec.name in SHARED_FIGURES})
+    drawn.update({spec.name: figures.draw(spec, runs, steps, configs, shared=shared)
+                  for spec in figures.FIGURES if spec.name in SHARED_FIGURES})
     written = figures.save(drawn, out / "figures")
 
     shown = report.with_display_columns(runs)

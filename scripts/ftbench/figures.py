@@ -118,7 +118,8 @@ def _configuration_bars(runs: pd.DataFrame, value: str, xlabel: str, largest_fir
 
     grid.map_dataframe(draw)
     grid.set_axis_labels(xlabel, "")
-    _method_legend(grid, methods, **EACH_RUN, **(TIMED_OUT if timed_out else {}), **(legend_extra or {}))
+    each_run = EACH_RUN if not runs["status"].eq("timeout").all() else {}
+    _method_legend(grid, methods, **each_run, **(TIMED_OUT if timed_out else {}), **(legend_extra or {}))
     return grid
 
 
@@ -239,7 +240,8 @@ def figure_accuracy_vs_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: 
     methods = analysis.method_order(ok["method"])
     grid = sns.relplot(ok, kind="scatter", x="peak_memory_mb", y="quality", hue="method", hue_order=methods,
                        palette=_palette(methods), s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, **analysis.panels(ok))
-    grid.map_dataframe(lambda data, **_: _error_bars(plt.gca(), data, "peak_memory_mb", "quality", None, ("quality_low", "quality_high")))
+    grid.map_dataframe(lambda data, **_: _error_bars(plt.gca(), data, "peak_memory_mb", "quality", None,
+                                                     ("quality_low", "quality_high")))
     grid.set_axis_labels("peak memory (MiB): CUDA reserved, peak RSS on a CPU", f"{name} (bars: 95% Wilson interval)")
     return grid
 
@@ -285,7 +287,9 @@ def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd
 def figure_scaling(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
     gpu = analysis.scaling(runs)
     if gpu.empty:
-        return _no_throughput(runs, " on a GPU") if measured_runs(runs).empty else "no run with a measured throughput trained on a GPU"
+        if measured_runs(runs).empty:
+            return _no_throughput(runs, " on a GPU")
+        return "no run with a measured throughput trained on a GPU"
     if gpu["devices"].nunique() < 2:
         return "every GPU run used the same number of GPUs"
     lines = analysis.scaling_lines(gpu)

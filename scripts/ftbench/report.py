@@ -159,7 +159,8 @@ def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
     estimate over its like, and the quality interval."""
     runs = runs.copy()
     runs["steps"] = pd.array([steps_text(row) for _, row in runs.iterrows()], dtype="string")
-    runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s") for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
+    runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s")
+                                 for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
     runs["quality_ci95"] = [span(low, high, "quality") for low, high in zip(runs["quality_low"], runs["quality_high"])]
     gpu = runs["device"].eq("cuda").fillna(False).astype(bool)
     runs["estimate_over_allocated"] = runs["memory_estimate_ratio"].where(gpu)
@@ -184,10 +185,12 @@ def runs_table(runs: pd.DataFrame, columns: list[str]) -> pages.Table:
     return pages.table(runs, columns, table_id="runs", row_class=lambda row: f"status-{row['status']}", titles=RUN_TITLES)
 
 
-def figure_blocks(written: dict[str, Path | str], captions: dict[str, str], notes: dict[str, str] | None = None) -> list[pages.FigureBlock]:
+def figure_blocks(written: dict[str, Path | str], captions: dict[str, str],
+                  notes: dict[str, str] | None = None) -> list[pages.FigureBlock]:
     """``notes``: figure name -> what the drawn figure leaves out (runs without a valid throughput, ...)."""
     titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO]}
-    return [pages.figure_block(name, titles[name], result, captions, (notes or {}).get(name)) for name, result in written.items()]
+    notes = notes or {}
+    return [pages.figure_block(name, titles[name], result, captions, notes.get(name)) for name, result in written.items()]
 
 
 def throughput_notes(runs: pd.DataFrame) -> dict[str, str]:
@@ -268,7 +271,8 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
         return f"{fmt(row['peak_memory_mb'])} MiB CUDA reserved, {fmt(row['peak_memory_allocated_mb'])} MiB allocated"
 
     def quality(row: pd.Series) -> str:
-        rows = f" on {int(row['quality_n']):,} eval rows" if not is_missing(row["quality_n"]) else ""
+        counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
+        rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
         return with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
 
     facts = [
