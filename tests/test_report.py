@@ -382,13 +382,13 @@ def test_report_mixed_statuses_say_which_runs_the_throughput_figures_leave_out(t
 
 def test_report_only_timed_out_runs(tmp_path):
     """Issue 20 item 5: runs stopped by their time limit after measuring steps. Their throughput and cost
-    are drawn (marked timeout), the left-out figures give the true reason (no evaluation), never missing
+    are drawn (marked timeout), the left-out figures give the true reason (no finished run), never missing
     prices or missing measured steps."""
     runs, written, page = build(tmp_path, "all_timeout")
     assert {name for name, result in written.items() if not isinstance(result, str)} == {
         "peak_memory", "throughput", "cost", "step_time", "loss_curves"}
     for name in ("accuracy_vs_memory", "accuracy_vs_cost"):
-        assert written[name] == "no run finished, and only a finished run is evaluated (3 timeout)"
+        assert written[name] == "no run finished, and only a finished run's quality is compared (3 timeout)"
     for note in (result for result in written.values() if isinstance(result, str)):
         assert "price" not in note and "measured steps" not in note, note
     assert "No run finished; 3 configuration(s) timed out after measuring steps" in page

@@ -207,12 +207,12 @@ def figure_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
 
 
 def _no_quality(runs: pd.DataFrame, also: str) -> str:
-    """Why no run has a quality figure (and ``also``) to draw: none finished (only a finished run is
-    evaluated), the finished ones trained on synthetic data, or they lack ``also``."""
+    """Why no run has a quality figure (and ``also``) to draw: none finished (only a finished run's
+    quality judges its configuration), the finished ones trained on synthetic data, or they lack ``also``."""
     ok = ok_runs(runs)
     if ok.empty:
         statuses = ", ".join(f"{count} {status}" for status, count in sorted(runs["status"].astype(str).value_counts().items()))
-        return f"no run finished, and only a finished run is evaluated ({statuses})"
+        return f"no run finished, and only a finished run's quality is compared ({statuses})"
     if ok["data_kind"].eq(analysis.SYNTHETIC).all():
         return "every finished run trained on synthetic (random-token) data, whose accuracy measures nothing"
     if ok["quality"].isna().all():

@@ -296,7 +296,7 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
     if not timed_out.empty:
         with_steps = int(timed_out["tokens_per_s"].notna().sum())
         notes.append(f"{len(timed_out)} run(s) timed out, {with_steps} of them after measuring steps: their throughput and cost "
-                     "are shown (marked timeout); none was evaluated, since evaluation follows a finished training.")
+                     "are shown (marked timeout); their quality is not compared, since a run cut short is not the trained model.")
     bad = runs[~runs["status"].isin(analysis.MEASURED_STATUSES)]
     if not bad.empty:
         notes.append(f"{len(bad)} run(s) did not finish ({', '.join(sorted(bad['status'].astype(str).unique()))}): "
