@@ -37,9 +37,11 @@ rule report:
         "../envs/analysis.yaml"
     params:
         recommend=json.dumps(config.get("recommend") or {}, sort_keys=True),
+        repeat_scoring=(config.get("report") or {}).get("repeat_scoring", "median"),
         captions=FIGURE_CAPTIONS,
         captions_json=json.dumps(FIGURE_CAPTIONS, sort_keys=True),
     shell:
         "python -m ftbench report --metrics {input.metrics} --steps {input.steps}"
         " --figures {output.figures} --html {output.html} --recommend {params.recommend:q}"
+        " --repeat-scoring {params.repeat_scoring}"
         " --captions {params.captions_json:q} --gpu-peaks {input.gpu_table:q} > {log} 2>&1"

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ftbench import analysis
+from ftbench import analysis, uncertainty
 from ftbench.errors import FtbenchError
 from test_report import GPU_TABLE, H100, fixture_runs, make_run
 
@@ -73,7 +73,8 @@ def test_language_model_runs_use_token_accuracy():
     assert name == "eval token accuracy"
     assert quality.tolist() == pytest.approx([0.42, 0.40, 0.39])
     mixed = analysis.prepare(pd.concat([fixture_runs("lm")[0], fixture_runs("single")[0]], ignore_index=True))
-    assert analysis.quality_column(mixed)[1] == "eval accuracy (token accuracy for LM runs)"
+    assert analysis.quality_column(mixed)[1] == "eval accuracy (classification) / token accuracy (causal_lm)"
+    assert mixed.groupby("task")["quality_metric"].first().to_dict() == {"causal_lm": "token accuracy", "classification": "accuracy"}
 
 
 def test_gpu_capacity_from_the_name_or_the_gpu_table(tmp_path):
@@ -131,10 +132,11 @@ def test_accuracy_and_cost_marks_the_front_of_each_model():
     runs = analysis.prepare(pd.concat([fixture_runs("normal")[0], fixture_runs("normal")[0].assign(
         model="other", config_id=lambda t: t["config_id"].str.replace("m-d", "other-d"),
         run_id=lambda t: t["run_id"].str.replace("m-d", "other-d"))], ignore_index=True))
-    points = analysis.accuracy_and_cost(runs)
+    points = analysis.accuracy_and_cost(analysis.configurations(runs))
     assert len(points) == 8
     for _, panel in points.groupby("model"):
         assert sorted(panel.loc[panel["on_front"], "method"]) == ["full", "lora", "lora"]  # qlora is dominated
+        assert not panel["near_front"].any()  # no intervals (no steps, no eval rows): dominated is dominated
 
 
 def test_scaling_lines_start_from_one_gpu_with_the_ideal_line():
@@ -143,3 +145,83 @@ def test_scaling_lines_start_from_one_gpu_with_the_ideal_line():
     by_mode = {mode: dict(zip(group["devices"], group["tokens_per_s"])) for mode, group in lines.groupby("parallel")}
     assert by_mode == {"dp": {1: 15000, 2: 21000}, "ddp": {1: 15000, 2: 28500, 4: 55000},
                        "ideal": {1: 15000, 2: 30000, 4: 60000}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Intervals, ties and unstable runs
+
+
+def window(times: list[float], tokens: float = 1000.0, run_id: str = "r") -> pd.DataFrame:
+    return pd.DataFrame({"run_id": run_id, "step": range(len(times)), "measured": True, "step_time_s": times, "tokens": tokens})
+
+
+@pytest.mark.parametrize(("times", "unstable", "reason"), [
+    ([1.0, 1.01, 0.99] * 10, False, None),
+    # 9 consecutive slow steps of 30 pull the window mean 13% below the median-based figure (1 / 1.15)
+    ([1.0] * 10 + [1.5] * 9 + [1.0] * 11, True, "window-mean tokens/s 13.0% below the median-based figure"),
+    # a steady slowdown: the second half's median is 10% above the first's
+    ([1.0] * 15 + [1.1] * 15, True, "step time rose 10.0% from the window's first half to its second"),
+])
+def test_window_figures_flag_unstable_runs(times, unstable, reason):
+    figures = analysis.window_figures(window(times))
+    assert figures["unstable"] is unstable
+    assert figures["unstable_reason"] is None if reason is None else figures["unstable_reason"].startswith(reason)
+    assert figures["low_ratio"] < 1 < figures["high_ratio"]
+
+
+def test_step_figures_scale_the_table_throughput_and_skip_runs_without_a_window():
+    runs = analysis.prepare(fixture_runs("mixed")[0])
+    diverged = runs.loc[runs["status"] == "diverged", "run_id"].iloc[0]
+    first = runs["run_id"].iloc[0]
+    steps = pd.concat([window([0.9, 1.1] * 10, run_id=first), window([1.0] * 20, run_id=diverged)])
+    figured = analysis.add_step_figures(runs, steps).set_index("run_id")
+    ratio, low, high = uncertainty.ratio_interval([1000.0] * 20, [0.9, 1.1] * 10)
+    assert figured.loc[first, ["tokens_per_s_low", "tokens_per_s_high"]].tolist() == pytest.approx(
+        [15000 * low / ratio, 15000 * high / ratio])
+    assert figured.loc[first, "unstable"] == False  # noqa: E712 - pandas' boolean
+    assert pd.isna(figured.loc[diverged, "unstable"])  # a diverged run's steps are not a throughput
+    assert figured["tokens_per_s_low"].notna().sum() == 1
+
+
+def test_ties_are_configurations_whose_intervals_overlap_the_best():
+    from test_report import fixture_runs as runs_and_steps
+
+    runs, steps = runs_and_steps("tie")
+    steps = pd.concat([frame.assign(run_id=run_id) for run_id, frame in steps.items()])
+    configs = analysis.configurations(analysis.add_step_figures(analysis.prepare(runs), steps))
+    speed = analysis.ranked(configs, "tokens_per_s", higher_is_better=True).set_index("configuration")
+    assert speed["tied"].to_dict() == {"lora-r16": True, "lora-r8": True, "full": False, "qlora-r8": False}
+    assert speed.loc["lora-r8", "interval_basis"] == "repeats: t-interval of the mean of 3"
+    assert speed.loc["qlora-r8", "interval_basis"] == "within-run (1 run)"
+    _, low, high = uncertainty.mean_interval([20000, 21500, 19000])
+    assert (speed.loc["lora-r8", "tokens_per_s_low"], speed.loc["lora-r8", "tokens_per_s_high"]) == pytest.approx((low, high))
+    accuracy = analysis.ranked(configs, "accuracy", higher_is_better=True)
+    assert accuracy.loc[accuracy["tied"], "configuration"].tolist() == ["full"]  # 0.930 on 1,000 rows: beyond noise
+    assert (accuracy.iloc[0]["accuracy_low"], accuracy.iloc[0]["accuracy_high"]) == pytest.approx(uncertainty.wilson(0.93, 1000))
+    r16, r8 = speed.loc["lora-r16"], speed.loc["lora-r8"]
+    repeats = analysis.to_separate(r16, r8, "tokens_per_s")["repeats"]
+    assert 30 < repeats < 100  # 500 tokens/s apart, repeats spreading by ~1,000
+    assert "eval_rows" in analysis.to_separate(configs.iloc[1], configs.iloc[0], "accuracy")
+    assert "window" in analysis.to_separate(speed.loc["qlora-r8"], speed.loc["full"], "tokens_per_s")
+    best = analysis.recommend(configs)
+    assert best["best"]["configuration"] == "lora-r16" and best["tied"]["configuration"].tolist() == ["lora-r8"]
+
+
+def test_repeat_scoring_trimmed_mean():
+    rows = [make_run(200 + i, "lora", repeat=i, repeats=5, tokens_per_s=speed) for i, speed in enumerate([100, 200, 220, 400, 1000])]
+    runs = analysis.prepare(pd.DataFrame(rows))
+    assert analysis.configurations(runs)["tokens_per_s"].iloc[0] == 220
+    trimmed = analysis.configurations(runs, "trimmed_mean")
+    assert trimmed["tokens_per_s"].iloc[0] == pytest.approx((200 + 220 + 400) / 3)
+    assert trimmed.attrs["scoring"] == "trimmed_mean"
+    with pytest.raises(FtbenchError, match="repeat scoring 'mean'"):
+        analysis.configurations(runs, "mean")
+
+
+def test_timed_out_runs_count_for_throughput_not_for_quality():
+    runs = analysis.prepare(fixture_runs("all_timeout")[0])
+    configs = analysis.configurations(runs)
+    assert configs["ok"].eq(0).all() and configs["measured"].eq(1).all()
+    assert configs["tokens_per_s"].tolist() == [15000, 22000, 12000] and configs["accuracy"].isna().all()
+    assert analysis.recommend(configs)["candidates"] == 0  # a recommendation needs a finished run
+    assert analysis.unmeasured_counts(runs) == {}

@@ -88,8 +88,10 @@ def make_run(index: int, method: str = "lora", status: str = "ok", device_name: 
             row.update(peak_rss_mb=memory_mb, peak_memory_mb=memory_mb)
         else:
             row.update(peak_memory_reserved_mb=memory_mb, peak_memory_allocated_mb=0.9 * memory_mb, peak_memory_mb=memory_mb,
-                       memory_estimate_mb=0.8 * memory_mb)
+                       memory_estimate_mb=0.8 * memory_mb, memory_estimate_ratio=0.8 / 0.9 if status == "ok" else None)
     if status == "ok" and accuracy is not None:
+        # 10,000 eval rows: +-0.7 points, so the fixtures' accuracies 2 points apart are told apart
+        row.update(eval_samples=10000)
         if task == "classification":
             row.update(eval_accuracy=accuracy, eval_loss=0.4)
         else:
@@ -152,6 +154,22 @@ def fixture_rows(kind: str, **extra) -> list[dict]:
             make_run(92, "full", parallel="ddp", num_gpus=2, tokens_per_s=28500, memory_mb=60000, **extra),
             make_run(93, "full", parallel="ddp", num_gpus=4, tokens_per_s=55000, memory_mb=60000, **extra),
         ]
+    if kind == "all_timeout":
+        # stopped by the time limit after 21 of 50 measured steps: their throughput is real, no eval ran
+        return [make_run(130 + i, method, status="timeout", tokens_per_s=speed, reason="time limit reached at step 31 of 60",
+                         measured_steps=21, warmup_steps=10, total_steps=60, last_step=31)
+                for i, (method, speed) in enumerate([("full", 15000), ("lora", 22000), ("qlora", 12000)])]
+    if kind == "tie":
+        # lora r8 and r16: three repeats each whose intervals overlap (a tie), on 1,000 eval rows 1 point
+        # apart (another tie); full: slower and more accurate beyond noise; qlora: one run, unstable
+        rows = []
+        for repeat, (r8, r16, full) in enumerate([(20000, 20500, 15000), (21500, 19500, 15100), (19000, 21000, 14900)]):
+            rows += [make_run(140 + repeat, "lora", repeat=repeat, repeats=3, tokens_per_s=r8, accuracy=0.85, eval_samples=1000),
+                     make_run(150 + repeat, "lora", lora_rank=16, repeat=repeat, repeats=3, tokens_per_s=r16, accuracy=0.86,
+                              eval_samples=1000),
+                     make_run(160 + repeat, "full", repeat=repeat, repeats=3, tokens_per_s=full, accuracy=0.93, memory_mb=60000,
+                              eval_samples=1000)]
+        return rows + [make_run(170, "qlora", tokens_per_s=12000, accuracy=0.84, memory_mb=9000, eval_samples=1000)]
     if kind == "cpu":
         return [make_run(100 + i, method, device_name=CPU_NAME, tokens_per_s=speed, accuracy=acc, memory_mb=mem, host="laptop")
                 for i, (method, speed, acc, mem) in enumerate([("full", 1350, 0.76, 1700), ("lora", 1150, 0.72, 2050), ("qlora", 1090, 0.70, 2190)])]
@@ -181,7 +199,11 @@ def fixture_runs(kind: str) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     frame = collect.typed(pd.DataFrame(rows, columns=list(COLUMNS)))
     frame, _ = cost.add_costs(frame, prices(), warn=False)
     frame = collect.typed(frame)
-    steps = {row["run_id"]: make_steps(row, seed=i) for i, row in enumerate(rows) if row["status"] in ("ok", "diverged") and row["tokens_per_s"]}
+    steps = {row["run_id"]: make_steps(row, seed=i) for i, row in enumerate(rows)
+             if row["status"] in ("ok", "diverged", "timeout") and row["tokens_per_s"]}
+    if kind == "tie":  # the qlora run had 9 consecutive slow steps in its window, as a compiled GPU run did
+        qlora = next(run_id for run_id in steps if "-qlora-" in run_id)
+        steps[qlora].loc[8:16, "step_time_s"] *= 1.6
     return frame, steps
 
 
@@ -228,7 +250,9 @@ def bar_lengths(ax) -> dict[str, float]:
 
 def drawn(name: str, runs: pd.DataFrame, steps: pd.DataFrame | None = None):
     spec = next(spec for spec in figures.FIGURES if spec.name == name)
-    return figures.draw(spec, runs, pd.DataFrame(columns=report.STEP_COLUMNS) if steps is None else steps)
+    steps = pd.DataFrame(columns=report.STEP_COLUMNS) if steps is None else steps
+    runs = analysis.add_step_figures(runs, steps)
+    return figures.draw(spec, runs, steps, analysis.configurations(runs))
 
 
 def test_throughput_figure_shows_the_median_and_every_repeat_of_finished_runs():
@@ -350,18 +374,94 @@ def test_report_mixed_statuses_are_shown_with_reasons(tmp_path):
     assert sum(not isinstance(r, str) for r in written.values()) == len(figures.FIGURES)
 
 
+def test_report_mixed_statuses_say_which_runs_the_throughput_figures_leave_out(tmp_path):
+    runs, written, page = build(tmp_path, "mixed")
+    caption = re.search(r'id="figure-throughput".*?</figcaption>', page, flags=re.S).group(0)
+    assert "Not shown: 1 diverged, 1 oom, 1 unsupported run(s)" in caption
+
+
+def test_report_only_timed_out_runs(tmp_path):
+    """Issue 20 item 5: runs stopped by their time limit after measuring steps. Their throughput and cost
+    are drawn (marked timeout), the left-out figures give the true reason (no finished run), never missing
+    prices or missing measured steps."""
+    runs, written, page = build(tmp_path, "all_timeout")
+    assert {name for name, result in written.items() if not isinstance(result, str)} == {
+        "peak_memory", "throughput", "cost", "step_time", "loss_curves"}
+    for name in ("accuracy_vs_memory", "accuracy_vs_cost"):
+        assert written[name] == "no run finished, and only a finished run's quality is compared (3 timeout)"
+    for note in (result for result in written.values() if isinstance(result, str)):
+        assert "price" not in note and "measured steps" not in note, note
+    assert "No run finished; 3 configuration(s) timed out after measuring steps" in page
+    assert "Fastest: <b>lora-r8 (timed out)</b> at 22,000 tokens/s" in page
+    assert "No cost for some runs" not in page  # the prices were there
+    rows = runs_table_rows(page)
+    assert all(">timeout<" in row and ">21 measured + 10 warmup of 60 planned<" in row for row in rows)
+    timed_out = analysis.add_step_figures(analysis.prepare(runs), pd.DataFrame(columns=report.STEP_COLUMNS))
+    ax = drawn("throughput", timed_out).axes.flat[0]
+    assert bar_lengths(ax) == {"full (timeout)": 15000, "lora-r8 (timeout)": 22000, "qlora-r8 (timeout)": 12000}
+    assert [text.get_text() for text in ax.figure.legends[0].texts][-1] == "timed out (its measured steps)"
+
+
+def test_report_calls_overlapping_configurations_a_tie_and_ranks_separated_ones(tmp_path):
+    """lora r8 and r16 overlap on throughput, cost and accuracy: a tie, with the repeats that would
+    separate them; full is more accurate beyond noise: ranked; the qlora run is unstable."""
+    runs, written, page = build(tmp_path, "tie", min_accuracy=0.8)
+    facts = {re.match(r"<li>([^:]+):", item).group(1): item for item in re.findall(r"<li>.*?</li>", page, flags=re.S)
+             if re.match(r"<li>(Fastest|Cheapest|Most accurate)", item)}
+    for lead in ("Fastest", "Cheapest"):
+        assert "<b>tie, within noise</b>" in facts[lead] and "<b>lora-r16</b>" in facts[lead] and "<b>lora-r8</b>" in facts[lead]
+        assert "full" not in facts[lead]  # beyond noise: not part of the tie
+        assert re.search(r"about \d+ repeats each would separate lora-r16 and lora-r8", facts[lead])
+    assert facts["Most accurate"].startswith("<li>Most accurate: <b>full</b> at 0.930 accuracy (95% interval 0.912")
+    assert "Cheapest meeting accuracy &ge; 0.8: <b>lora-r16</b>" in page
+    assert "Within noise of it (their 95% intervals of $ per 1M tokens overlap): lora-r8. That is a tie" in page
+    qlora = next(row for row in runs_table_rows(page) if "-qlora-" in row)
+    assert ">yes<" in qlora and "below the median-based figure (a stretch of slow steps)" in qlora
+    assert "Unstable run m-d-qlora" in page
+
+
+def test_report_on_synthetic_data_shows_no_quality(tmp_path):
+    """Random tokens score nothing: no accuracy column, no 'most accurate', no accuracy figure."""
+    runs, steps = fixture_runs("normal")
+    runs = runs.assign(data_kind="synthetic", eval_accuracy=0.0)
+    metrics, files = write_fixture(tmp_path, runs, steps)
+    written = report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html", captions=CAPTIONS)
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "Most accurate" not in page and "at 0.000" not in page and "eval_accuracy</th>" not in page
+    assert written["accuracy_vs_cost"] == written["accuracy_vs_memory"] == (
+        "every finished run trained on synthetic (random-token) data, whose accuracy measures nothing")
+    assert "4 run(s) trained on synthetic (random-token) data: no quality figure is shown" in page
+
+
+def test_report_names_quality_per_task_and_tabulates_both_memory_peaks(tmp_path):
+    classifier = fixture_runs("single")[0].assign(model="clf", config_id=lambda t: t["config_id"].str.replace("m-d", "clf-d"),
+                                                  run_id=lambda t: t["run_id"].str.replace("m-d", "clf-d"))
+    runs = pd.concat([fixture_runs("lm")[0], classifier], ignore_index=True)
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
+    assert ">accuracy</th>" in configurations and ">token_accuracy</th>" in configurations
+    assert "Most accurate (accuracy): <b>" in page and "Most accurate (token accuracy): <b>" in page
+    headers = re.findall(r"<th[^>]*>([^<]+)</th>", re.search(r'id="runs">.*?</thead>', page, flags=re.S).group(0))
+    assert {"peak_memory_allocated_mb", "peak_memory_reserved_mb", "estimate_over_allocated"} <= set(headers)
+    assert "peak_memory_mb" not in headers and "estimate_over_rss" not in headers  # GPU runs only
+
+
 def test_report_cli(tmp_path):
     runs, steps = fixture_runs("normal")
     metrics, files = write_fixture(tmp_path, runs, steps)
     process = subprocess.run(
         [sys.executable, "-m", "ftbench", "report", "--metrics", str(metrics), "--steps", *map(str, files),
          "--figures", str(tmp_path / "figures"), "--html", str(tmp_path / "report.html"),
-         "--recommend", json.dumps({"min_accuracy": 0.85})],
+         "--recommend", json.dumps({"min_accuracy": 0.85}), "--repeat-scoring", "trimmed_mean"],
         capture_output=True, text=True, check=False,
     )
     assert process.returncode == 0, process.stderr
     assert "figure scaling: every GPU run used the same number of GPUs" in process.stdout
-    assert "Cheapest meeting accuracy &ge; 0.85" in (tmp_path / "report.html").read_text()
+    page = (tmp_path / "report.html").read_text()
+    assert "Cheapest meeting accuracy &ge; 0.85" in page
+    assert "the mean of repeats without the fastest and the slowest" in page
 
 
 # ---------------------------------------------------------------------------------------------------

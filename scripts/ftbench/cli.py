@@ -89,12 +89,15 @@ def report(argv: list[str] | None = None) -> None:
     parser.add_argument("--recommend", default="{}", help="JSON: {min_accuracy, max_memory_mb} for the recommendation")
     parser.add_argument("--captions", default="{}", help="JSON: {figure name: its one-sentence caption}")
     parser.add_argument("--gpu-peaks", default=None, help="GPU table (config/gpus.yaml): the memory line of GPUs whose name gives no size")
+    parser.add_argument("--repeat-scoring", default="median", choices=["median", "trimmed_mean"],
+                        help="a configuration's figure from its repeats: their median, or the mean without the fastest and slowest")
     args = parser.parse_args(argv)
     from . import report as report_module
 
     written = report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title,
                                          recommend_settings=json.loads(args.recommend) or {},
-                                         captions=json.loads(args.captions), gpu_table=args.gpu_peaks)
+                                         captions=json.loads(args.captions), gpu_table=args.gpu_peaks,
+                                         repeat_scoring=args.repeat_scoring)
     for name, result in written.items():
         print(f"figure {name}: {result if isinstance(result, str) else 'drawn'}")
     print(f"report -> {args.html}")

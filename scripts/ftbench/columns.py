@@ -16,6 +16,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "status": ("string", describe_statuses()),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
     "task": ("string", "classification | causal_lm | seq2seq"),
+    "data_kind": ("string", "the dataset's source kind (hub | path | package | synthetic): the report shows no quality figure for synthetic (random-token) data"),
     # the run's settings, as ftbench.runspec defines them
     **spec_columns(),
     "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
@@ -122,6 +123,7 @@ def row_from_result(result: dict) -> dict:
     row = {key: spec.get(key) for key in SPEC_COLUMNS}
     row["config_id"] = spec.get("config_id", spec["run_id"])
     row["task"] = spec["model_def"].get("task", "classification")
+    row["data_kind"] = spec.get("dataset_def", {}).get("source", {}).get("kind")
     row.update({key: value for key, value in result["metrics"].items() if key in COLUMNS})
     row.update(
         host=env.get("host"),

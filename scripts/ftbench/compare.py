@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import analysis, atomic, cost, figures, pages, report
-from .analysis import ok_runs
+from .analysis import measured_runs
 from .collect import typed
 from .columns import COLUMNS
 from .errors import FtbenchError
@@ -89,9 +89,9 @@ def merge(sets: list[tuple[str | None, str | Path]], prices: cost.Prices | None 
 
 
 def _finished(runs: pd.DataFrame) -> pd.DataFrame:
-    """Finished runs with a throughput, with their short ``device`` name."""
-    ok = ok_runs(runs)
-    ok = ok[ok["tokens_per_s"].notna()].copy()
+    """The runs with a measured throughput (finished or timed out: analysis.measured_runs), with their
+    short ``device`` name."""
+    ok = measured_runs(runs).copy()
     ok["device"] = ok["device_name"].fillna("unknown device").map(analysis.short_device)
     ok["tokens_per_s"] = ok["tokens_per_s"].astype(float)
     return ok
@@ -178,18 +178,22 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
         print(f"note: {note}", file=sys.stderr)
     atomic.write_parquet(out / "compare.parquet", merged)
     atomic.write_csv(out / "compare.csv", merged)
-    runs = analysis.prepare(merged, across_machines=True,
-                            gpu_table=analysis.read_gpu_table(gpu_table) if gpu_table else None)
+    # Result sets carry no per-step records: intervals come from repeats where a configuration has three.
+    steps = pd.DataFrame(columns=report.STEP_COLUMNS)
+    runs = analysis.add_step_figures(analysis.prepare(merged, across_machines=True,
+                                                      gpu_table=analysis.read_gpu_table(gpu_table) if gpu_table else None), steps)
+    configs = analysis.configurations(runs)
     devices = across_devices(runs)
     variance = node_variance(runs, threshold)
     shared = analysis.common_parts(runs)
-    steps = pd.DataFrame(columns=report.STEP_COLUMNS)
     drawn = {figures.THROUGHPUT_RATIO.name: figures.draw(figures.THROUGHPUT_RATIO, devices) if not devices.empty
-             else "no finished run has a throughput"}
-    drawn.update({spec.name: figures.draw(spec, runs, steps, shared=shared) for spec in figures.FIGURES if spec.name in SHARED_FIGURES})
+             else "no run measured a throughput"}
+    drawn.update({spec.name: figures.draw(spec, runs, steps, configs, shared=shared)
+                  for spec in figures.FIGURES if spec.name in SHARED_FIGURES})
     written = figures.save(drawn, out / "figures")
 
-    table_columns = [SET_COLUMN] + report.shown_columns(runs, report.TABLE_COLUMNS, report.ALWAYS_SHOWN)
+    shown = report.with_display_columns(runs)
+    table_columns = [SET_COLUMN] + report.shown_columns(shown, report.TABLE_COLUMNS, report.ALWAYS_SHOWN)
     for column in ("host", "gpu_model"):
         if column not in table_columns:
             table_columns.insert(table_columns.index("device_name") + 1 if "device_name" in table_columns else 1, column)
@@ -209,8 +213,8 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
         across_devices=pages.table(devices, list(devices.columns), table_id="across-devices", titles=TITLES),
         node_variance=pages.table(variance, list(variance.columns), table_id="node-variance",
                                   titles={**TITLES, "flagged": f"cv above {threshold:.0%}"}),
-        figures=report.figure_blocks(written, captions or {}),
-        runs=report.runs_table(runs, table_columns),
+        figures=report.figure_blocks(written, captions or {}, report.throughput_notes(runs)),
+        runs=report.runs_table(shown, table_columns),
         conventions=report.CONVENTIONS,
     )
     return {"html": html_path, "runs": len(merged), "sets": merged[SET_COLUMN].nunique(), "across_devices": devices,

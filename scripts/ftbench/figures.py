@@ -1,8 +1,10 @@
 """The report's figures, drawn with seaborn from the tables of analysis.py: one function per figure.
 
-A figure function takes the prepared run table (analysis.prepare) and the per-step table and returns a
-seaborn grid, or a string saying why there is nothing to draw (the page prints that note instead of an
-empty axis). Per-configuration figures get a panel per model and per dataset when there are several.
+A figure function takes the prepared run table (analysis.prepare, with analysis.add_step_figures), the
+per-step table and the configurations (analysis.configurations) and returns a seaborn grid, or a string
+saying why there is nothing to draw (the page prints that note instead of an empty axis); the note
+names what is really missing. Per-configuration figures get a panel per model and per dataset when
+there are several. Whiskers and error bars are the 95% intervals the report ranks with.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from . import analysis, atomic  # noqa: E402
-from .analysis import ok_runs  # noqa: E402
+from .analysis import measured_runs, ok_runs  # noqa: E402
 
 METHOD_COLOURS = {"full": "#4c72b0", "lora": "#dd8452", "qlora": "#55a868"}
 OTHER_COLOUR = "#8172b3"
@@ -30,7 +32,10 @@ IDEAL = "ideal (linear from 1 GPU)"
 PARALLEL_COLOURS = {"dp": "#c44e52", "ddp": "#55a868", IDEAL: "#888888"}
 CAPACITY_COLOUR = "#c44e52"
 DOT_COLOUR = "#222222"
+TIMEOUT_COLOUR = "#c44e52"
+INTERVAL_COLOUR = "#777777"
 EACH_RUN = {"each run": Line2D([], [], marker="o", linestyle="", color=DOT_COLOUR, markersize=4)}
+TIMED_OUT = {"timed out (its measured steps)": Line2D([], [], marker="X", linestyle="", color=TIMEOUT_COLOUR, markersize=6)}
 
 
 def _palette(methods) -> dict[str, str]:
@@ -49,13 +54,27 @@ def _height(rows: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Bars per configuration: median of the repeats, whiskers min to max, a dot per repeat
+# Bars per configuration: the configuration's figure, its 95% interval, a dot per repeat
+
+
+def _statuses_in_label(runs: pd.DataFrame, shown: pd.DataFrame, status_free: set[str]) -> pd.DataFrame:
+    """``shown`` with each configuration that has no run of ``status_free`` statuses labelled with its
+    runs' statuses ('full-b64 (oom)'), so a bar from unfinished runs says so."""
+    statuses = runs.groupby("config_key")["status"].agg(lambda s: "/".join(sorted(set(s.astype(str)))))
+    plain = set(runs.loc[runs["status"].isin(status_free), "config_key"])
+    marked = ~shown["config_key"].isin(plain)
+    shown = shown.copy()
+    shown.loc[marked, "config_label"] += " (" + shown.loc[marked, "config_key"].map(statuses) + ")"
+    return shown
 
 
 def _configuration_bars(runs: pd.DataFrame, value: str, xlabel: str, largest_first: bool,
-                        decorate: Callable | None = None, legend_extra: dict | None = None) -> sns.FacetGrid:
-    """Bars of the median of ``value`` per configuration label, coloured by method; the whiskers span the
-    repeats (min to max) and a dot marks each. ``decorate(ax, panel_data, order)`` adds to each panel."""
+                        summary: pd.DataFrame | None = None, decorate: Callable | None = None,
+                        legend_extra: dict | None = None) -> sns.FacetGrid:
+    """Horizontal bars of ``value`` per configuration label, coloured by method, a dot per run (an X per
+    timed-out run). With ``summary`` (indexed by config_key: ``value``, ``low``, ``high``) the bar is the
+    configuration's figure and the whiskers its 95% interval; without, the bar is the median of the
+    runs and the whiskers their range. ``decorate(ax, panel_data, order)`` adds to each panel."""
     runs = runs.assign(**{value: runs[value].astype(float)})
     methods = analysis.method_order(runs["method"])
     layout = analysis.panels(runs)
@@ -64,65 +83,114 @@ def _configuration_bars(runs: pd.DataFrame, value: str, xlabel: str, largest_fir
     width = 9.0 if layout["col"] is None else 6.0
     height = _height(per_panel)
     grid = sns.FacetGrid(runs, **layout, sharey=False, height=height, aspect=width / height, margin_titles=True)
+    timed_out = runs["status"].eq("timeout").any()
 
     def draw(data: pd.DataFrame, **_) -> None:
         """One panel: ``data`` holds its runs (FacetGrid passes it by that name)."""
         panel, ax = data, plt.gca()
-        order = list(panel.groupby("config_label")[value].median().sort_values(ascending=not largest_first).index)
-        sns.barplot(panel, x=value, y="config_label", order=order, hue="method", hue_order=methods, palette=_palette(methods),
-                    estimator="median", errorbar=("pi", 100), capsize=0.3, err_kws={"color": DOT_COLOUR, "linewidth": 1},
-                    dodge=False, legend=False, ax=ax)
-        sns.stripplot(panel, x=value, y="config_label", order=order, color=DOT_COLOUR, size=3.5, jitter=0.12, ax=ax)
+        if summary is None:
+            bars = panel.groupby("config_label", as_index=False).agg(**{value: (value, "median"), "method": ("method", "first")})
+        else:
+            labels = panel.groupby("config_key")["config_label"].first()
+            bars = summary.loc[labels.index].assign(config_label=labels).reset_index(drop=True)
+        bars = bars.sort_values(value, ascending=not largest_first, kind="stable")
+        order = list(bars["config_label"])
+        sns.barplot(bars, x=value, y="config_label", order=order, hue="method", hue_order=methods, palette=_palette(methods),
+                    errorbar=None, dodge=False, legend=False, ax=ax)
+        if summary is None:
+            spans = panel.groupby("config_label")[value].agg(["min", "max"]).reindex(order).to_numpy()
+        else:
+            spans = bars[["low", "high"]].to_numpy(dtype=float)
+        for position, (low, high) in enumerate(spans):
+            if pd.notna(low) and pd.notna(high):
+                # Lines, not a collection: the collections of the axis are the dots, one per run.
+                ax.plot([low, high], [position, position], color=DOT_COLOUR, linewidth=1)
+                for end in (low, high):
+                    ax.plot([end, end], [position - 0.15, position + 0.15], color=DOT_COLOUR, linewidth=1)
+        normal = panel[~panel["status"].eq("timeout")]
+        if not normal.empty:
+            sns.stripplot(normal, x=value, y="config_label", order=order, color=DOT_COLOUR, size=3.5, jitter=0.12, ax=ax)
+        if timed_out and panel["status"].eq("timeout").any():
+            sns.stripplot(panel[panel["status"].eq("timeout")], x=value, y="config_label", order=order, color=TIMEOUT_COLOUR,
+                          marker="X", size=6, jitter=0.12, ax=ax)
         if decorate:
             decorate(ax, panel, order)
 
     grid.map_dataframe(draw)
     grid.set_axis_labels(xlabel, "")
-    _method_legend(grid, methods, **EACH_RUN, **(legend_extra or {}))
+    each_run = EACH_RUN if not runs["status"].eq("timeout").all() else {}
+    _method_legend(grid, methods, **each_run, **(TIMED_OUT if timed_out else {}), **(legend_extra or {}))
     return grid
 
 
-def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame):
-    measured = runs[runs["peak_memory_mb"].notna()].copy()
+def _summary(configs: pd.DataFrame, value: str, low: str, high: str) -> pd.DataFrame:
+    """The configurations' ``value`` with its interval as ``low`` and ``high``, by config_key."""
+    return configs.set_index("config_key")[[value, low, high, "method"]].rename(columns={low: "low", high: "high"})
+
+
+def _bar_label(configs: pd.DataFrame, what: str) -> str:
+    """An axis label saying what the bar and the whiskers of a configuration are."""
+    scoring = analysis.REPEAT_SCORING[configs.attrs.get("scoring", "median")]
+    return (f"{what}: bar {scoring}, whiskers 95% interval (t over 3+ repeats, else within-run)")
+
+
+def _no_throughput(runs: pd.DataFrame, where: str = "") -> str:
+    """Why no run has a throughput to draw: the statuses of the runs, each with its count."""
+    counts = analysis.unmeasured_counts(runs)
+    statuses = ", ".join(f"{count} {status}" for status, count in counts.items())
+    return f"no run measured a throughput{where} ({statuses}; their reasons are in the runs table)"
+
+
+def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
+    measured = runs[runs["peak_memory_mb"].notna()]
     if measured.empty:
         return "no run recorded its peak memory"
     # A configuration with no finished run (an OOM near the limit, say) says so in its label.
-    finished = set(ok_runs(runs)["config_key"])
-    statuses = runs.groupby("config_key")["status"].agg(lambda s: "/".join(sorted(set(s.astype(str)))))
-    unfinished = ~measured["config_key"].isin(finished)
-    measured.loc[unfinished, "config_label"] += " (" + measured.loc[unfinished, "config_key"].map(statuses) + ")"
-    has_estimate = measured["memory_estimate_mb"].notna().any()
+    measured = _statuses_in_label(runs, measured, {"ok"})
+    # The estimate models allocated memory: the allocated peak is drawn beside it; the bar is reserved.
+    markers = {}
+    if measured["peak_memory_allocated_mb"].notna().any():
+        markers["peak_memory_allocated_mb"] = ("allocated peak (CUDA)", {"marker": "|", "s": 160, "linewidth": 2, "color": DOT_COLOUR})
+    if measured["memory_estimate_mb"].notna().any():
+        markers["memory_estimate_mb"] = ("estimate before training (models allocated)",
+                                         {"marker": "D", "s": 30, "facecolor": "white", "edgecolor": DOT_COLOUR})
 
     def decorate(ax, panel: pd.DataFrame, order: list[str]) -> None:
-        if has_estimate:
-            estimate = panel.groupby("config_label")["memory_estimate_mb"].median().astype(float).reindex(order)
-            ax.scatter(estimate.to_numpy(), range(len(order)), marker="D", s=30, facecolor="white", edgecolor=DOT_COLOUR, zorder=4)
+        for column, (_, style) in markers.items():
+            values = panel.groupby("config_label")[column].median().astype(float).reindex(order)
+            ax.scatter(values.to_numpy(), range(len(order)), zorder=4, **style)
         gpus = panel[panel["device"].isin(["cuda"]) & panel["device_memory_mb"].notna()]
         for capacity, names in gpus.groupby("device_memory_mb")["device_name"].unique().items():
             ax.axvline(capacity, color=CAPACITY_COLOUR, linestyle="--", linewidth=1.2)
             ax.text(capacity, len(order) - 0.6, f"{', '.join(map(analysis.short_device, names))}: {capacity / 1024:.0f} GiB ",
                     color=CAPACITY_COLOUR, fontsize=8, va="bottom", ha="right", rotation=90)
 
-    estimate_entry = {"estimate (before training)": Line2D([], [], marker="D", linestyle="", markerfacecolor="white",
-                                                            markeredgecolor=DOT_COLOUR, markersize=5)}
-    return _configuration_bars(measured, "peak_memory_mb", "peak memory (MiB): bar median of repeats, whiskers min-max",
-                               largest_first=True, decorate=decorate, legend_extra=estimate_entry if has_estimate else None)
+    extra = {label: Line2D([], [], linestyle="", marker=style["marker"], markersize=9 if style["marker"] == "|" else 5,
+                           markeredgewidth=2 if style["marker"] == "|" else 1, color=DOT_COLOUR,
+                           markerfacecolor=style.get("facecolor", DOT_COLOUR))
+             for label, style in markers.values()}
+    return _configuration_bars(measured, "peak_memory_mb",
+                               "peak memory (MiB): bar CUDA reserved (peak RSS on a CPU), median of repeats, whiskers min-max",
+                               largest_first=True, decorate=decorate, legend_extra=extra)
 
 
-def figure_throughput(runs: pd.DataFrame, steps: pd.DataFrame):
-    ok = ok_runs(runs)
-    ok = ok[ok["tokens_per_s"].notna()]
-    if ok.empty:
-        return "no run finished with a measured throughput"
-    return _configuration_bars(ok, "tokens_per_s", "tokens/s, all devices: bar median of repeats, whiskers min-max",
-                               largest_first=True)
+def figure_throughput(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
+    measured = measured_runs(runs)
+    if measured.empty:
+        return _no_throughput(runs)
+    measured = _statuses_in_label(runs, measured, {"ok"})
+    return _configuration_bars(measured, "tokens_per_s", _bar_label(configs, "tokens/s, all devices"), largest_first=True,
+                               summary=_summary(configs, "tokens_per_s", "tokens_per_s_low", "tokens_per_s_high"))
 
 
-def figure_cost(runs: pd.DataFrame, steps: pd.DataFrame):
-    ok = ok_runs(runs)
-    ok = ok[ok["cost_per_1m_tokens"].notna()]
-    if ok.empty:
-        return "no finished run has a price (see the warnings: its device is not in the price table)"
+def figure_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
+    measured = measured_runs(runs)
+    if measured.empty:
+        return _no_throughput(runs)
+    priced = measured[measured["cost_per_1m_tokens"].notna()]
+    if priced.empty:
+        return "no run with a measured throughput has a price (the notes name the devices missing from the price table)"
+    priced = _statuses_in_label(runs, priced, {"ok"})
 
     def label_bars(ax, panel: pd.DataFrame, order: list[str]) -> None:
         for container in ax.containers:
@@ -130,48 +198,85 @@ def figure_cost(runs: pd.DataFrame, steps: pd.DataFrame):
                 ax.bar_label(container, labels=[f"${v:.3g}" for v in container.datavalues], label_type="center",
                              fontsize=8, color="white", fontweight="bold")
 
-    return _configuration_bars(ok, "cost_per_1m_tokens", "$ per 1M training tokens: bar median of repeats, whiskers min-max",
-                               largest_first=False, decorate=label_bars)
+    return _configuration_bars(priced, "cost_per_1m_tokens", _bar_label(configs, "$ per 1M training tokens"), largest_first=False,
+                               summary=_summary(configs, "cost_per_1m_tokens", "cost_low", "cost_high"), decorate=label_bars)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Accuracy against memory and cost
 
 
-def figure_accuracy_vs_memory(runs: pd.DataFrame, steps: pd.DataFrame):
+def _no_quality(runs: pd.DataFrame, also: str) -> str:
+    """Why no run has a quality figure (and ``also``) to draw: none finished (only a finished run's
+    quality judges its configuration), the finished ones trained on synthetic data, or they lack ``also``."""
+    ok = ok_runs(runs)
+    if ok.empty:
+        statuses = ", ".join(f"{count} {status}" for status, count in sorted(runs["status"].astype(str).value_counts().items()))
+        return f"no run finished, and only a finished run's quality is compared ({statuses})"
+    if ok["data_kind"].eq(analysis.SYNTHETIC).all():
+        return "every finished run trained on synthetic (random-token) data, whose accuracy measures nothing"
+    if ok["quality"].isna().all():
+        return "no finished run has a quality figure for its task"
+    return f"no finished run has both a quality figure and {also}"
+
+
+def _error_bars(ax, data: pd.DataFrame, x: str, y: str, x_span: tuple[str, str] | None, y_span: tuple[str, str]) -> None:
+    """Grey 95% interval bars behind the points (a missing end draws no bar)."""
+    def offsets(centre: str, span: tuple[str, str]):
+        low, high = data[span[0]].astype(float), data[span[1]].astype(float)
+        return [(data[centre] - low).clip(lower=0).fillna(0).to_numpy(), (high - data[centre]).clip(lower=0).fillna(0).to_numpy()]
+
+    ax.errorbar(data[x], data[y], xerr=offsets(x, x_span) if x_span else None, yerr=offsets(y, y_span), fmt="none",
+                ecolor=INTERVAL_COLOUR, elinewidth=0.9, capsize=2, zorder=1)
+
+
+def figure_accuracy_vs_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
     ok = ok_runs(runs)
     ok = ok[ok["quality"].notna() & ok["peak_memory_mb"].notna()]
     if ok.empty:
-        return "no finished run has both an accuracy and a peak memory"
+        return _no_quality(runs, "a peak memory")
     _, name = analysis.quality_column(ok)
-    ok = ok.astype({"quality": float, "peak_memory_mb": float})
+    ok = ok.astype({"quality": float, "peak_memory_mb": float, "quality_low": float, "quality_high": float})
     methods = analysis.method_order(ok["method"])
     grid = sns.relplot(ok, kind="scatter", x="peak_memory_mb", y="quality", hue="method", hue_order=methods,
-                       palette=_palette(methods), s=60, alpha=0.85, height=5, aspect=1.5, **analysis.panels(ok))
-    grid.set_axis_labels("peak memory (MiB)", name)
+                       palette=_palette(methods), s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, **analysis.panels(ok))
+    grid.map_dataframe(lambda data, **_: _error_bars(plt.gca(), data, "peak_memory_mb", "quality", None,
+                                                     ("quality_low", "quality_high")))
+    grid.set_axis_labels("peak memory (MiB): CUDA reserved, peak RSS on a CPU", f"{name} (bars: 95% Wilson interval)")
     return grid
 
 
-def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame):
-    points = analysis.accuracy_and_cost(runs)
+def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
+    points = analysis.accuracy_and_cost(configs)
     if points.empty:
-        return "no finished run has both an accuracy and a cost"
+        measured = measured_runs(runs)
+        if not measured.empty and measured["cost_per_1m_tokens"].isna().all():
+            return "no run with a measured throughput has a price (the notes name the devices missing from the price table)"
+        return _no_quality(runs, "a cost") if not measured.empty else _no_throughput(runs)
     _, name = analysis.quality_column(runs[runs["config_key"].isin(points.index)])
     methods = analysis.method_order(points["method"])
     grid = sns.relplot(points, kind="scatter", x="cost", y="quality", hue="method", hue_order=methods, palette=_palette(methods),
                        s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, legend=False, **analysis.panels(points))
 
     def front(data: pd.DataFrame, **_) -> None:
-        line = data[data["on_front"]].sort_values("cost")
         ax = plt.gca()
+        _error_bars(ax, data, "cost", "quality", ("cost_low", "cost_high"), ("quality_low", "quality_high"))
+        line = data[data["on_front"]].sort_values("cost")
         ax.plot(line["cost"], line["quality"], color=DOT_COLOUR, linewidth=1.2, drawstyle="steps-post", zorder=2)
         ax.scatter(line["cost"], line["quality"], facecolor="none", edgecolor=DOT_COLOUR, s=160, linewidth=1.4, zorder=4)
-        for _, row in line.iterrows():
+        near = data[data["near_front"]]
+        ax.scatter(near["cost"], near["quality"], facecolor="none", edgecolor=DOT_COLOUR, s=160, linewidth=1.2,
+                   linestyle="--", zorder=4)
+        for _, row in pd.concat([line, near]).iterrows():
             ax.annotate(row["label"], (row["cost"], row["quality"]), fontsize=7, xytext=(7, -11), textcoords="offset points")
 
     grid.map_dataframe(front)
-    grid.set_axis_labels("$ per 1M training tokens (median of repeats)", f"{name} (median of repeats)")
-    _method_legend(grid, methods, **{"Pareto front": Line2D([], [], color=DOT_COLOUR, marker="o", markerfacecolor="none")})
+    scoring = analysis.REPEAT_SCORING[configs.attrs.get("scoring", "median")]
+    grid.set_axis_labels(f"$ per 1M training tokens ({scoring})", f"{name} (median of repeats)")
+    _method_legend(grid, methods, **{
+        "Pareto front": Line2D([], [], color=DOT_COLOUR, marker="o", markerfacecolor="none"),
+        "within noise of the front": Line2D([], [], color=DOT_COLOUR, marker="o", markerfacecolor="none", linestyle="--"),
+        "95% intervals": Line2D([], [], color=INTERVAL_COLOUR, linewidth=0.9)})
     return grid
 
 
@@ -179,10 +284,12 @@ def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame):
 # Scaling, step times, loss curves
 
 
-def figure_scaling(runs: pd.DataFrame, steps: pd.DataFrame):
+def figure_scaling(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
     gpu = analysis.scaling(runs)
     if gpu.empty:
-        return "no finished run trained on a GPU"
+        if measured_runs(runs).empty:
+            return _no_throughput(runs, " on a GPU")
+        return "no run with a measured throughput trained on a GPU"
     if gpu["devices"].nunique() < 2:
         return "every GPU run used the same number of GPUs"
     lines = analysis.scaling_lines(gpu)
@@ -203,17 +310,23 @@ def figure_scaling(runs: pd.DataFrame, steps: pd.DataFrame):
     return grid
 
 
-def figure_step_time(runs: pd.DataFrame, steps: pd.DataFrame):
+def figure_step_time(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
+    counted = measured_runs(runs)
+    if counted.empty:
+        return _no_throughput(runs)
     if steps.empty or "step_time_s" not in steps:
-        return "no per-step records"
+        return "no per-step records (results/runs/<run>/steps.parquet)"
     measured = steps[steps["measured"].astype(bool)] if "measured" in steps else steps
-    # Only finished runs: a diverged or timed-out run's steps are not a configuration's step time.
-    measured = measured[measured["run_id"].isin(ok_runs(runs)["run_id"])]
+    # Only the measured runs: a diverged or failed run's steps are not a configuration's step time.
+    measured = measured[measured["run_id"].isin(counted["run_id"])]
     if measured.empty:
-        return "no finished run has measured steps"
-    labels = analysis.run_labels(runs)
-    methods_of = runs.set_index("run_id")["method"]
-    data = measured.assign(run=measured["run_id"].map(labels), method=measured["run_id"].map(methods_of),
+        return "the runs with a measured throughput have no per-step records"
+    runs = runs.set_index("run_id")
+    # The run's label says what the reader must know before comparing it: timed out, unstable.
+    marks = (runs["status"].eq("timeout").map({True: " (timeout)", False: ""})
+             + runs["unstable"].eq(True).fillna(False).map({True: " (unstable)", False: ""}))
+    labels = analysis.run_labels(runs.reset_index()) + marks
+    data = measured.assign(run=measured["run_id"].map(labels), method=measured["run_id"].map(runs["method"]),
                            step_time_s=measured["step_time_s"].astype(float))
     order = list(data.groupby("run")["step_time_s"].median().sort_values().index)
     methods = analysis.method_order(data["method"])
@@ -225,9 +338,9 @@ def figure_step_time(runs: pd.DataFrame, steps: pd.DataFrame):
     return grid
 
 
-def figure_loss_curves(runs: pd.DataFrame, steps: pd.DataFrame):
+def figure_loss_curves(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
     if steps.empty or "loss" not in steps:
-        return "no per-step records"
+        return "no per-step records (results/runs/<run>/steps.parquet)"
     steps = steps[steps["run_id"].isin(runs["run_id"]) & steps["loss"].notna()]
     if steps.empty:
         return "no run recorded a training loss"

@@ -22,13 +22,15 @@ from .analysis import is_missing
 from .columns import COLUMNS
 
 # Columns whose text is long: wrapped instead of widening the table.
-WRAPPED = {"status_reason", "host_medians", "price_source"}
+WRAPPED = {"status_reason", "unstable_reason", "host_medians", "price_source", "tied_with", "interval_basis"}
 
 
 def fmt(value, column: str = "") -> str:
     """A cell's text: percentages for CVs, dollars for costs, thousands separators for large numbers."""
     if is_missing(value):
         return ""
+    if isinstance(value, str):  # text (an interval written out, a reason) is already written
+        return value
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if column.endswith("_cv") or column == "cv":
@@ -101,21 +103,24 @@ def table(frame: pd.DataFrame, columns: list[str], table_id: str | None = None,
 
 @dataclass(frozen=True)
 class FigureBlock:
-    """A drawn figure (``png_base64``) with its caption, or the note saying why it is left out."""
+    """A drawn figure (``png_base64``) with its caption and what it leaves out (``note``), or the note
+    saying why it is left out itself (``left_out``)."""
 
     name: str
     title: str
     caption: str
     png_base64: str | None
     left_out: str | None
+    note: str | None = None
 
 
-def figure_block(name: str, title: str, written: Path | str, captions: dict[str, str]) -> FigureBlock:
-    """``written``: the figure's PNG, or the note saying why it was not drawn."""
+def figure_block(name: str, title: str, written: Path | str, captions: dict[str, str], note: str | None = None) -> FigureBlock:
+    """``written``: the figure's PNG, or the note saying why it was not drawn; ``note``: what a drawn
+    figure leaves out."""
     if isinstance(written, str):
         return FigureBlock(name, title, "", None, written)
     encoded = base64.b64encode(Path(written).read_bytes()).decode("ascii")
-    return FigureBlock(name, title, captions.get(name, ""), encoded, None)
+    return FigureBlock(name, title, captions.get(name, ""), encoded, None, note)
 
 
 # ---------------------------------------------------------------------------------------------------
