@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from ftbench import analysis, uncertainty
+from ftbench import gpu_table
 from ftbench.errors import FtbenchError
 from test_report import GPU_TABLE, H100, fixture_runs, make_run
 
@@ -78,17 +79,17 @@ def test_language_model_runs_use_token_accuracy():
 
 
 def test_gpu_capacity_from_the_name_or_the_gpu_table(tmp_path):
-    gpus = analysis.read_gpu_table(GPU_TABLE)
-    assert analysis.gpu_capacity_mb(H100, gpus) == pytest.approx(80 * 1024)  # from its name
-    assert analysis.gpu_capacity_mb("NVIDIA H200", gpus) == pytest.approx(141 * 1024)  # from the table
-    assert analysis.gpu_capacity_mb("NVIDIA H200", []) is None
-    assert analysis.gpu_capacity_mb("Some Future GPU", gpus) is None
-    assert analysis.gpu_capacity_mb(None, gpus) is None
+    gpus = gpu_table.load_peaks(GPU_TABLE)
+    assert gpu_table.capacity_mb(H100, gpus) == pytest.approx(80 * 1024)  # from its name
+    assert gpu_table.capacity_mb("NVIDIA H200", gpus) == pytest.approx(141 * 1024)  # from the table
+    assert gpu_table.capacity_mb("NVIDIA H200", []) is None
+    assert gpu_table.capacity_mb("Some Future GPU", gpus) is None
+    assert gpu_table.capacity_mb(None, gpus) is None
     runs = analysis.prepare(fixture_runs("multi_gpu")[0], gpu_table=gpus)
     assert set(runs["device_memory_mb"].dropna()) == {80 * 1024, 40 * 1024}  # the B200 is in neither
     (tmp_path / "gpus.yaml").write_text("models: []\n")
     with pytest.raises(FtbenchError, match="GPU table .*gpus.yaml: cannot read its `gpus` list"):
-        analysis.read_gpu_table(tmp_path / "gpus.yaml")
+        gpu_table.load_peaks(tmp_path / "gpus.yaml")
 
 
 @pytest.mark.parametrize(("value", "missing"), [

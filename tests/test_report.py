@@ -27,6 +27,7 @@ import yaml
 
 from conftest import ROOT
 from ftbench import analysis, collect, compare, cost, figures, report
+from ftbench import gpu_table
 from ftbench.columns import COLUMNS
 from ftbench.errors import FtbenchError
 
@@ -265,7 +266,7 @@ def test_throughput_figure_shows_the_median_and_every_repeat_of_finished_runs():
 
 
 def test_memory_figure_shows_unfinished_configurations_estimates_and_capacities():
-    runs = analysis.prepare(fixture_runs("mixed")[0], gpu_table=analysis.read_gpu_table(GPU_TABLE))
+    runs = analysis.prepare(fixture_runs("mixed")[0], gpu_table=gpu_table.load_peaks(GPU_TABLE))
     ax = drawn("peak_memory", runs).axes.flat[0]
     lengths = bar_lengths(ax)
     assert lengths["full-b64-s512 @ H100 80GB HBM3 (oom)"] == 80500

@@ -14,12 +14,11 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
+from . import gpu_table as gpu_tables
 from . import uncertainty
 from .columns import SPEC_COLUMNS
 from .errors import FtbenchError
@@ -143,7 +142,7 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
     - ``quality``, ``quality_metric``, ``quality_n``, ``quality_low``, ``quality_high``: the figure that
       judges it for its task, the figure's name, the n of its 95% Wilson interval and the interval
       (see QUALITY); runs on synthetic data have none, and their eval figures are blanked;
-    - ``device_memory_mb``: its device's memory (gpu_capacity_mb), null when unknown.
+    - ``device_memory_mb``: its device's memory (gpu_table.capacity_mb), null when unknown.
     """
     runs = runs.copy().reset_index(drop=True)
     synthetic = runs["data_kind"].eq(SYNTHETIC).fillna(False).astype(bool)
@@ -165,7 +164,7 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
     runs["quality_n"] = pd.array([runs.at[i, QUALITY[t].n_column] if t in QUALITY else pd.NA for i, t in runs["task"].items()],
                                  dtype="Int64")
     runs["quality_low"], runs["quality_high"] = _wilson_columns(runs["quality"], runs["quality_n"])
-    runs["device_memory_mb"] = pd.array([gpu_capacity_mb(d, gpu_table or []) for d in runs["device_name"]], dtype="Float64")
+    runs["device_memory_mb"] = pd.array([gpu_tables.capacity_mb(d, gpu_table or []) for d in runs["device_name"]], dtype="Float64")
     return runs
 
 
@@ -571,26 +570,3 @@ def scaling_lines(gpu: pd.DataFrame) -> pd.DataFrame:
 # Device memory
 
 
-def read_gpu_table(path: str | Path) -> list[dict]:
-    """The ``gpus`` entries of a GPU table (config/gpus.yaml): name, match, memory_gb, ..."""
-    path = Path(path)
-    try:
-        entries = yaml.safe_load(path.read_text(encoding="utf-8"))["gpus"]
-    except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
-        raise FtbenchError(f"GPU table {path}: cannot read its `gpus` list ({exc})") from exc
-    return entries
-
-
-def gpu_capacity_mb(device_name, gpu_table: list[dict]) -> float | None:
-    """Memory of one device (MiB): the size in the device's own name ("A100-SXM4-40GB", "H100 80GB HBM3")
-    when it has one, else the memory_gb of the first GPU table entry whose ``match`` fits; None when unknown."""
-    if not isinstance(device_name, str):
-        return None
-    named = re.search(r"(\d+)\s*GB\b", device_name, flags=re.IGNORECASE)
-    if named:
-        return float(named.group(1)) * 1024
-    for entry in gpu_table:
-        if re.search(entry.get("match", "$^"), device_name, flags=re.IGNORECASE):
-            memory = entry.get("memory_gb")
-            return float(memory) * 1024 if memory else None
-    return None

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import analysis, atomic, cost, figures, pages, report
+from . import gpu_table as gpu_tables
 from .analysis import measured_runs
 from .collect import typed
 from .columns import COLUMNS
@@ -181,7 +182,7 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
     # Result sets carry no per-step records: intervals come from repeats where a configuration has three.
     steps = pd.DataFrame(columns=report.STEP_COLUMNS)
     runs = analysis.add_step_figures(analysis.prepare(merged, across_machines=True,
-                                                      gpu_table=analysis.read_gpu_table(gpu_table) if gpu_table else None), steps)
+                                                      gpu_table=gpu_tables.load_peaks(gpu_table) if gpu_table else None), steps)
     configs = analysis.configurations(runs)
     devices = across_devices(runs)
     variance = node_variance(runs, threshold)

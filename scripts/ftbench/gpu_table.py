@@ -45,3 +45,18 @@ def mfu(achieved_flops_per_s: float | None, device_name: str, dtype: str, device
         "mfu_peak_tflops": peak,
         "mfu_peak_source": source,
     }
+
+
+def capacity_mb(device_name, gpu_table: list[dict]) -> float | None:
+    """Memory of one device (MiB): the size in the device's own name ("A100-SXM4-40GB", "H100 80GB HBM3")
+    when it has one, else the memory_gb of the first GPU table entry whose ``match`` fits; None when unknown."""
+    if not isinstance(device_name, str):
+        return None
+    named = re.search(r"(\d+)\s*GB\b", device_name, flags=re.IGNORECASE)
+    if named:
+        return float(named.group(1)) * 1024
+    for entry in gpu_table:
+        if re.search(entry.get("match", "$^"), device_name, flags=re.IGNORECASE):
+            memory = entry.get("memory_gb")
+            return float(memory) * 1024 if memory else None
+    return None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import analysis, figures, pages
+from . import gpu_table as gpu_tables
 from .analysis import CV_THRESHOLD, is_missing
 from .collect import typed
 from .pages import fmt, money
@@ -382,7 +383,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     # typed(): a table from an older ftbench gets the columns it lacks, as nulls
     steps = read_steps(step_files)
     runs = analysis.prepare(typed(pd.read_parquet(metrics_path)),
-                            gpu_table=analysis.read_gpu_table(gpu_table) if gpu_table else None)
+                            gpu_table=gpu_tables.load_peaks(gpu_table) if gpu_table else None)
     runs = analysis.add_step_figures(runs, steps)
     configs = analysis.configurations(runs, repeat_scoring)
     shared = analysis.common_parts(runs)
