@@ -29,7 +29,7 @@ import torch
 from . import batch_size_search, batching, data, environment, faults, flops, gpu_monitor, memory_estimate, modeling
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
-from .metrics import energy_per_token, summarise
+from .metrics import Warmup, energy_per_token, summarise
 from .optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from .runspec import RunSpec
 
@@ -190,6 +190,15 @@ def _stop_reason(run: Run, typical_step_s: float) -> str | None:
     return reason or ("another rank stopped" if flag.item() > 0 else None)
 
 
+def _any_rank(run: Run, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: DDP ranks must begin the measured window at the same step."""
+    if not run.dist.active:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=run.device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value.item() > 0
+
+
 def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     """The training loop: (its figures, step records). A stop (deadline, divergence) is a status in the
     figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
@@ -209,6 +218,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec.batch_size * (devices // dist.world_size)
     order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    warmup = Warmup.of(spec, total_steps)
 
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
@@ -224,7 +234,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     synchronize(device)
     step_start = time.perf_counter()
     for step in range(total_steps):
-        if step == spec.warmup_steps:
+        if warmup.window_begins(step, [s["step_time_s"] for s in steps], agree=lambda flag: _any_rank(run, flag)):
             window_start = step_start
             sampler.start()
         stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
@@ -232,7 +242,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
         run.last_step = step
-        record = {"step": step, "measured": step >= spec.warmup_steps, "samples": 0, "tokens": 0,
+        record = {"step": step, "measured": window_start is not None, "samples": 0, "tokens": 0,
                   "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
@@ -282,7 +292,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
     # steps (timed, tokens counted) but did not update the weights.
     figures["grad_scaler_skipped_steps"] = skipped_steps if scaler.is_enabled() else None
-    figures.update(total_steps=total_steps, warmup_steps=spec.warmup_steps, grad_accum_steps=accum)
+    figures.update(total_steps=total_steps, grad_accum_steps=accum, **warmup.figures(len(steps)))
     window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
