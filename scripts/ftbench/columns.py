@@ -20,6 +20,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     **spec_columns(),
     "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
     "auto_batch_size_oom_at": ("Int64", "smallest per-device batch that ran out of memory; null if none did (the limit was reached)"),
+    # engine hf_trainer: the Trainer's own settings that change what is measured (null for the loop)
+    "hf_max_grad_norm": ("Float64", "engine hf_trainer: gradient clipping norm the Trainer applied (its default 1.0; the loop does not clip)"),
+    "hf_optim": ("string", "engine hf_trainer: the Trainer's optimizer name (adamw -> adamw_torch_fused on CUDA, adamw_torch otherwise)"),
+    "hf_lr_scheduler": ("string", "engine hf_trainer: the Trainer's learning-rate schedule (linear after lr_warmup_steps)"),
+    "hf_dataloader_workers": ("Int64", "engine hf_trainer: dataloader worker processes (0: batches built in the training process)"),
     # where it ran
     "device": ("string", "cuda | cpu: where the run actually trained"),
     "device_name": ("string", "GPU name, or CPU model"),

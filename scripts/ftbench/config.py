@@ -263,7 +263,6 @@ NOT_YET_RUNNABLE = {
     ("batching", "pack"): "packed batches",
     ("batching", "padding_free"): "padding-free batches",
     ("kernels", "liger"): "Liger kernels",
-    ("engine", "hf_trainer"): "the Hugging Face Trainer engine",
     ("attn_implementation", "flex_attention"): "flex attention",
     ("attn_implementation", "flash_attention_2"): "FlashAttention 2",
 }

@@ -144,7 +144,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         shape = flops.ModelShape.of(run.model)
         if dist.rank == 0:
             metrics.update(_count_flops(run, shape))
-        figures, trained_steps = _train(run, shape)
+        figures, trained_steps = _engine(run.spec)(run, shape)
         metrics.update(figures)
         if metrics["status"] == "ok" and dist.rank == 0:
             eval_started = time.perf_counter()
@@ -164,6 +164,15 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     metrics["wall_time_s"] = time.perf_counter() - started
     metrics["peak_rss_mb"] = peak_rss_mb()
     return metrics, steps
+
+
+def _engine(spec: RunSpec):
+    """What takes the steps: ftbench's loop, or transformers.Trainer with the same instrumentation (hf_engine.py)."""
+    if spec.engine == "hf_trainer":
+        from . import hf_engine
+
+        return hf_engine.train
+    return _train
 
 
 def _wrap_model(run: Run) -> torch.nn.Module:
