@@ -165,6 +165,10 @@ def train(run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
 
     with tempfile.TemporaryDirectory(prefix="ftbench-hf-") as output_dir:
         args = _arguments(spec, total_steps, device, output_dir)
+        if device.type == "cuda" and (args.n_gpu > 1 or args.device != device):
+            # The Trainer takes cuda:0 and wraps every visible GPU in DataParallel: another run than this one.
+            raise UnsupportedConfiguration(f"engine hf_trainer needs its one GPU alone visible (CUDA_VISIBLE_DEVICES); "
+                                           f"it sees {args.n_gpu} and would train on {args.device}, not {device}")
         trainer = MeasuredTrainer(model=run.model, args=args, train_dataset=range(len(run.train_split)),
                                   data_collator=meter.collate, callbacks=[make_callback(meter)])
         meter.skip_flag = lambda: bool(getattr(trainer.accelerator, "optimizer_step_was_skipped", False))
