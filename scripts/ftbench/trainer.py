@@ -333,7 +333,7 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     try:
         counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
-        # Seen: torch 2.11's sdpa counter rejects grouped-query attention (fewer KV heads than heads).
+        # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
         run.model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
     analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len), n * inputs_len**2,
