@@ -96,3 +96,17 @@ def test_data_parallel_is_refused_as_unsupported():
 
     with pytest.raises(UnsupportedConfiguration, match="parallel 'single' only"):
         hf_engine.train(run, None)
+
+
+@pytest.mark.parametrize("optimizer, device, expected", [
+    ("adamw", "cpu", "adamw_torch"), ("sgd", "cpu", "sgd (momentum=0.9)"), ("adamw_8bit", "cpu", "adamw_bnb_8bit"),
+])
+def test_optimizer_mapping_is_recorded(tmp_path, optimizer, device, expected):
+    """The loop's optimizers by the Trainer's names (CUDA: adamw -> adamw_torch_fused, as the loop fuses there)."""
+    from ftbench import hf_engine
+
+    args = hf_engine._arguments(llama_spec(optimizer=optimizer, lr_warmup_steps=2), 4, torch.device(device), str(tmp_path))
+    settings = hf_engine.trainer_settings(args)
+    assert settings["hf_optim"] == expected
+    assert (settings["hf_max_grad_norm"], settings["hf_lr_scheduler"], args.warmup_steps, args.max_steps) == (1.0, "linear", 2, 4)
+    assert args.report_to == [] and args.save_strategy == "no"  # no external services, no checkpoints

@@ -40,7 +40,8 @@ OPTIMIZERS = {"adamw": "adamw_torch", "sgd": "sgd", "adamw_8bit": "adamw_bnb_8bi
 
 def trainer_settings(args) -> dict:
     """The Trainer's settings that change what is measured, as metrics (hf_* columns)."""
-    return {"hf_max_grad_norm": float(args.max_grad_norm), "hf_optim": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
+    optim = str(getattr(args.optim, "value", args.optim)) + (f" ({args.optim_args})" if args.optim_args else "")
+    return {"hf_max_grad_norm": float(args.max_grad_norm), "hf_optim": optim,
             "hf_lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
             "hf_dataloader_workers": int(args.dataloader_num_workers)}
 
@@ -187,8 +188,8 @@ def _arguments(spec, total_steps: int, device: torch.device, output_dir: str):
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=spec.batch_size, gradient_accumulation_steps=spec.grad_accum_steps,
         max_steps=total_steps, seed=spec.seed, learning_rate=spec.learning_rate, weight_decay=spec.weight_decay,
-        optim=optim, lr_scheduler_type="linear", warmup_steps=spec.lr_warmup_steps,
-        bf16=spec.precision == "bf16", fp16=spec.precision == "fp16", torch_compile=spec.compile,
+        optim=optim, optim_args="momentum=0.9" if optim == "sgd" else None,  # the loop's SGD has momentum 0.9
+        lr_scheduler_type="linear", warmup_steps=spec.lr_warmup_steps, bf16=spec.precision == "bf16", fp16=spec.precision == "fp16", torch_compile=spec.compile,
         use_cpu=device.type == "cpu", report_to=[], save_strategy="no", eval_strategy="no", disable_tqdm=True,
         remove_unused_columns=False, label_names=["labels"],
     )
