@@ -24,7 +24,7 @@ import torch
 
 from conftest import LM_DEFAULTS, ROOT
 from ftbench.runspec import RunSpec
-from ftbench import batching, cli, gpu_table, collect, data, flops, gpu_monitor, matrix, memory_estimate, model_shape, modeling, trainer
+from ftbench import batching, cli, gpu_table, collect, data, flops, gpu_monitor, matrix, memory_estimate, metrics, model_shape, modeling, trainer
 from ftbench import config as ftconfig
 from ftbench.columns import COLUMNS
 from ftbench.metrics import energy_per_token
@@ -226,6 +226,74 @@ def test_loader_time_is_part_of_step_time(clocked_run):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Steady-state warmup (warmup_until_stable)
+
+
+@pytest.mark.parametrize("times, expected", [
+    ([1.0, 1.0, 1.0, 1.0], False),  # fewer than SETTLE_STEPS times: not yet
+    ([9.0, 3.0, 1.0, 1.02, 0.99, 1.0, 1.01], True),  # slow start, then five within 5%
+    ([1.0, 1.0, 1.0, 1.0, 1.2], False),  # the last step is 20% off
+    ([1.0, 1.0, 1.0, 1.06, 1.0], False),  # 6% off: outside the tolerance
+    ([1.0, 1.0, 1.0, 1.04, 1.0], True),
+    ([2.0, 1.0, 1.0, 1.0, 1.0, 1.0], True),  # only the last five count
+])
+def test_settling_rule_on_hand_made_step_times(times, expected):
+    assert metrics.settled(times) is expected
+
+
+def run_warmup(warmup: metrics.Warmup, times: list[float]) -> list[bool]:
+    """The measured flags a loop would give these step times."""
+    flags, begun = [], False
+    for step in range(len(times)):
+        begun = warmup.window_begins(step, times[:step]) or begun
+        flags.append(begun)
+    return flags
+
+
+def test_warmup_until_stable_begins_the_window_once_times_settle():
+    times = [5.0, 2.0, 1.5, 1.0, 1.01, 0.99, 1.0, 1.0, 1.0, 1.0, 1.0]
+    warmup = metrics.Warmup(warmup_steps=2, until_stable=True, max_steps=None, total_steps=20)  # cap: step 10
+    flags = run_warmup(warmup, times)
+    # Steps 3..7 are the first five settled times: measurement begins at step 8.
+    assert flags == [False] * 8 + [True] * 3
+    assert warmup.figures(len(times)) == {"warmup_steps": 8, "warmup_settled": True}
+
+
+def test_warmup_until_stable_stops_at_the_cap_and_says_so():
+    times = [1.0, 2.0] * 10  # never settles
+    warmup = metrics.Warmup(warmup_steps=1, until_stable=True, max_steps=None, total_steps=len(times))
+    assert run_warmup(warmup, times) == [False] * 10 + [True] * 10  # default cap: half the run
+    assert warmup.figures(len(times)) == {"warmup_steps": 10, "warmup_settled": False}
+    capped = metrics.Warmup(warmup_steps=1, until_stable=True, max_steps=4, total_steps=len(times))
+    assert run_warmup(capped, times).index(True) == 4
+
+
+def test_fixed_warmup_is_unchanged():
+    warmup = metrics.Warmup(warmup_steps=3, until_stable=False, max_steps=None, total_steps=6)
+    assert run_warmup(warmup, [9.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == [False] * 3 + [True] * 3
+    assert warmup.figures(6) == {"warmup_steps": 3, "warmup_settled": None}
+    assert metrics.Warmup(3, False, None, 6).figures(2)["warmup_steps"] == 2  # stopped before the window
+
+
+def test_warmup_max_steps_is_checked_at_parse_time():
+    with pytest.raises(ftconfig.ConfigError, match="warmup_max_steps.*expected warmup_max_steps < max_steps"):
+        llama_spec(warmup_until_stable=True, warmup_max_steps=4)
+    with pytest.raises(ftconfig.ConfigError, match="warmup_max_steps.*expected warmup_max_steps >= warmup_steps"):
+        llama_spec(warmup_until_stable=True, warmup_steps=2, max_steps=8, warmup_max_steps=1)
+
+
+@pytest.mark.slow
+def test_run_with_warmup_until_stable_measures_after_the_warmup_it_used(monkeypatch, llama_data):
+    """A CPU run's step times are not predictable: the rule is made to settle after 3 steps."""
+    monkeypatch.setattr(metrics, "settled", lambda times: len(times) >= 3)
+    result, steps = trainer.train_run(llama_spec(warmup_until_stable=True, max_steps=6), llama_data)
+    assert result["status"] == "ok"
+    assert [r["measured"] for r in steps] == [False] * 3 + [True] * 3
+    assert (result["warmup_steps"], result["warmup_settled"], result["measured_steps"], result["total_steps"]) == (3, True, 3, 6)
+    assert result["window_s"] == pytest.approx(sum(r["step_time_s"] for r in steps[3:]))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Analytic FLOPs and the model shape
 
 
@@ -310,8 +378,8 @@ def test_config_shape_of_a_config_object_reads_what_its_attributes_say():
 
 @pytest.mark.slow
 def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
-    """flop_counter on the run's own micro-batch vs 6N + attention. Eager attention: the counter does not
-    see the CPU SDPA kernel (it would miss the attention term)."""
+    """flop_counter on the run's own micro-batch vs 6N + attention (eager attention here; fused attention
+    with grouped-query heads: test_fused_attention_is_counted_with_grouped_query_heads)."""
     metrics, _ = trainer.train_run(llama_spec(attn_implementation="eager"), llama_data)
     assert metrics["status"] == "ok"
     linear = 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD
@@ -329,6 +397,30 @@ def test_counted_flops_of_lora_agree_with_4n_plus_2n_trainable(llama_data):
     # Not 6N: frozen weights get no weight gradient. (The first layer's frozen inputs need no input
     # gradient either, which the analytic count ignores: 0.965 on this 2-layer model; 6N would give ~0.67.)
     assert metrics["flops_counted_ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_fused_attention_is_counted_with_grouped_query_heads():
+    """SDPA on a model with fewer KV heads than heads (the tiny Llama: 4 heads, 2 KV heads): counted as the
+    eager math path counts it, and the count matches the analytic one (torch 2.11 raised here; the CPU
+    kernel had no formula, the attention term was missing)."""
+    model = tiny_llama(attn_implementation="sdpa")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    no_autocast = {"device_type": "cpu", "enabled": False}
+    fused = flops.counted_flops(model, inputs, no_autocast)
+    model.set_attn_implementation("eager")
+    assert fused == flops.counted_flops(model, inputs, no_autocast)
+    linear = 2 * LLAMA_LAYER_LINEAR + LLAMA_LM_HEAD
+    analytic = flops.step_flops(flops.ModelShape(linear, linear, 2, 64), True, 2 * 16, 2 * 16**2)
+    assert fused / analytic == pytest.approx(1.0, abs=0.01)
+
+
+def test_attention_formula_on_a_hand_computed_example():
+    # b=2, 4 query heads, 2 KV heads, S=8, head dim 16: QK^T and PV are 2 x (2*4*8*8*16) multiply-adds.
+    forward = flops._attention_forward_flops((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16))
+    assert forward == 2 * 2 * (2 * 4 * 8 * 8 * 16)
+    assert flops._attention_backward_flops((2, 4, 8, 16), (2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)) == 2 * forward
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -526,6 +618,20 @@ def test_adapter_activation_model_matches_what_autograd_keeps(family, precision,
     # The adapter terms bring it closer than the full fine-tuning model would (for 16-bit QLoRA on Llama,
     # that one is 20% low: the fp32 MLP tensors).
     assert abs(estimated_activations(method) - traced) < abs(estimated_activations("full") - traced)
+
+
+def test_compiled_run_gets_no_estimate_and_a_reason():
+    """torch.compile keeps fewer activations than eager autograd: no estimate rather than a wrong one."""
+    result = memory_estimate.estimate(tiny_llama(), estimate_spec(compile=True), "causal_lm", 1000)
+    assert result["memory_estimate_mb"] is None and result["memory_estimate_parts_mb"] is None
+    assert result["memory_estimate_note"].startswith("not modelled for compiled runs")
+    eager = memory_estimate.estimate(tiny_llama(), estimate_spec(), "causal_lm", 1000)
+    assert eager["memory_estimate_mb"] > 0 and eager["memory_estimate_note"] is None
+    from ftbench.columns import row_from_result
+
+    row = row_from_result({"spec": {**estimate_spec(compile=True).to_dict(), "model_def": {"task": "causal_lm"}},
+                           "metrics": {"status": "ok", "peak_rss_mb": 100.0, **result}})
+    assert row["memory_estimate_ratio"] is None and row["memory_estimate_note"] == result["memory_estimate_note"]
 
 
 def test_lora_dropout_adds_a_one_byte_mask_per_adapted_input():

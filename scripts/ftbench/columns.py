@@ -21,6 +21,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     **spec_columns(),
     "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
     "auto_batch_size_oom_at": ("Int64", "smallest per-device batch that ran out of memory; null if none did (the limit was reached)"),
+    # engine hf_trainer: the Trainer's own settings that change what is measured (null for the loop)
+    "hf_max_grad_norm": ("Float64", "engine hf_trainer: gradient clipping norm the Trainer applied (its default 1.0; the loop does not clip)"),
+    "hf_optim": ("string", "engine hf_trainer: the Trainer's optimizer name (adamw -> adamw_torch_fused on CUDA, adamw_torch otherwise)"),
+    "hf_lr_scheduler": ("string", "engine hf_trainer: the Trainer's learning-rate schedule (linear after lr_warmup_steps)"),
+    "hf_dataloader_workers": ("Int64", "engine hf_trainer: dataloader worker processes (0: batches built in the training process)"),
     # where it ran
     "device": ("string", "cuda | cpu: where the run actually trained"),
     "device_name": ("string", "GPU name, or CPU model"),
@@ -43,7 +48,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "total_steps": ("Int64", "optimizer steps planned, warmup included"),
     "last_step": ("Int64", "index of the last step started (where an oom / diverged / timeout run stopped)"),
     "grad_scaler_skipped_steps": ("Int64", "fp16: steps the GradScaler skipped (inf/NaN gradients, weights not updated); null without fp16"),
-    "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing"),
+    "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing (with warmup_until_stable: the steps it took)"),
+    "warmup_settled": ("boolean", "warmup_until_stable: true if step times settled (last 5 within 5% of their median), false if warmup_max_steps ended warmup; null without it"),
     "measured_steps": ("Int64", "steps in the measured window"),
     "measured_time_s": ("Float64", "seconds of the measured window (device synchronised at both ends)"),
     "measured_tokens": ("Int64", "real (unpadded) tokens processed in the measured window, all devices"),
@@ -73,6 +79,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
+    "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),
     "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU); null unless status ok"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),

@@ -263,10 +263,8 @@ NOT_YET_RUNNABLE = {
     ("batching", "pack"): "packed batches",
     ("batching", "padding_free"): "padding-free batches",
     ("kernels", "liger"): "Liger kernels",
-    ("engine", "hf_trainer"): "the Hugging Face Trainer engine",
     ("attn_implementation", "flex_attention"): "flex attention",
     ("attn_implementation", "flash_attention_2"): "FlashAttention 2",
-    ("warmup_until_stable", True): "warmup until step times settle",
 }
 
 
@@ -302,6 +300,15 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
             f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to measure in run {run.run_id} "
             f"(max_steps {run.max_steps}); expected warmup_steps < max_steps"
         )
+    if run.warmup_until_stable and run.warmup_max_steps is not None:
+        # The cap must leave room for the fixed warmup before it and for a measured step after it.
+        key = _setting_key(config, "warmup_max_steps", run.warmup_max_steps)
+        if run.warmup_max_steps < run.warmup_steps:
+            raise ConfigError(f"config key {key}: {run.warmup_max_steps} is below warmup_steps {run.warmup_steps} in run "
+                              f"{run.run_id}; expected warmup_max_steps >= warmup_steps")
+        if run.max_steps is not None and run.warmup_max_steps >= run.max_steps:
+            raise ConfigError(f"config key {key}: {run.warmup_max_steps} leaves nothing to measure in run {run.run_id} "
+                              f"(max_steps {run.max_steps}); expected warmup_max_steps < max_steps")
     if run.compile and run.warmup_steps < 1:
         raise ConfigError(
             f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: run {run.run_id} compiles; expected warmup_steps >= 1 so compilation is not measured"

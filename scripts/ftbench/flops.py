@@ -81,12 +81,44 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
     return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention
 
 
+def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """QK^T and PV of a fused attention kernel: 2 matmuls over every query head. Grouped-query attention
+    (fewer key/value heads) shares each key/value head between query heads; the work is per query head."""
+    b, heads, s_q, d = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * b * heads * s_q * s_k * (d + d_v)
+
+
+def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """Backward of a fused attention kernel: the gradients of P, V, Q and K, twice the forward. Model FLOPs:
+    the kernel's recomputation of the scores is not counted (torch's own formula counts it), so a fused
+    kernel counts what the eager path and the analytic 12 x layers x width x S convention count."""
+    return 2 * _attention_forward_flops(query_shape, key_shape, value_shape)
+
+
+def attention_flop_formulas() -> dict:
+    """Formulas for the fused attention kernels that SDPA dispatches to, given to the counter in place of
+    torch's: torch 2.11's reject grouped-query attention (fewer key/value heads than query heads: Llama 3,
+    Qwen, Mistral shapes), and the CPU kernels have none (the attention term was silently missing). The
+    kernels a torch build lacks are skipped."""
+    aten = torch.ops.aten
+    forward = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+    formulas = {}
+    for name in forward:
+        for op, formula in ((name, _attention_forward_flops), (f"{name}_backward", _attention_backward_flops)):
+            if hasattr(aten, op):
+                formulas[getattr(aten, op)] = formula
+    return formulas
+
+
 def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
-    """FLOPs of one forward + backward as torch.utils.flop_counter counts them (matmuls and attention
-    kernels it knows; bitsandbytes 4-bit matmuls are custom ops it does not see). Gradients are cleared."""
+    """FLOPs of one forward + backward as torch.utils.flop_counter counts them (matmuls, and fused attention
+    through ``attention_flop_formulas``; bitsandbytes 4-bit matmuls are custom ops it does not see).
+    Gradients are cleared."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
     with counter:
         with torch.autocast(**autocast):
             output = model(**inputs)

@@ -62,6 +62,57 @@ def summarise(steps: list[dict], window_s: float | None, devices: int) -> dict:
     }
 
 
+# warmup_until_stable's rule: warmup ends once the last SETTLE_STEPS step times all lie within
+# SETTLE_TOLERANCE of their median (allocator growth, autotuning and recompilation make early steps slow or
+# uneven; a steady loop repeats its step time to a few percent).
+SETTLE_STEPS = 5
+SETTLE_TOLERANCE = 0.05
+
+
+def settled(step_times: list[float], k: int = SETTLE_STEPS, tolerance: float = SETTLE_TOLERANCE) -> bool:
+    """Whether the last ``k`` step times are each within ``tolerance`` (relative) of their median."""
+    if len(step_times) < k:
+        return False
+    last = np.asarray(step_times[-k:], dtype=float)
+    median = float(np.median(last))
+    return bool(np.all(np.abs(last - median) <= tolerance * median))
+
+
+class Warmup:
+    """When the measured window begins: after ``warmup_steps``; with ``until_stable`` later, once step
+    times have settled (``settled``), and at the latest after ``max_steps`` warmup steps (default half the
+    run). Total steps do not change: what warmup takes longer, the window has fewer steps (measured_steps
+    says how many)."""
+
+    def __init__(self, warmup_steps: int, until_stable: bool, max_steps: int | None, total_steps: int):
+        self.min_steps = warmup_steps
+        self.until_stable = until_stable
+        self.max_steps = max(warmup_steps, max_steps if max_steps is not None else total_steps // 2)
+        self.used: int | None = None  # warmup steps actually run, once the window has begun
+        self.settled: bool | None = None  # with until_stable: whether the rule (not the cap) ended warmup
+
+    @classmethod
+    def of(cls, spec, total_steps: int) -> "Warmup":
+        return cls(spec.warmup_steps, spec.warmup_until_stable, spec.warmup_max_steps, total_steps)
+
+    def window_begins(self, step: int, step_times: list[float], agree=lambda flag: flag) -> bool:
+        """Called before each step with the times of the steps run so far: True once, at the first measured
+        step. ``agree`` makes DDP ranks decide together (any rank settled: all begin)."""
+        if self.used is not None or step < self.min_steps:
+            return False
+        if self.until_stable:
+            self.settled = agree(settled(step_times))
+            if not self.settled and step < self.max_steps:
+                return False
+        self.used = step
+        return True
+
+    def figures(self, steps_run: int) -> dict:
+        """warmup_steps: the steps run before the window (all of them if it never began)."""
+        return {"warmup_steps": self.used if self.used is not None else steps_run,
+                "warmup_settled": self.settled if self.until_stable else None}
+
+
 def energy_per_token(metrics: dict) -> float | None:
     """GPU energy of the measured window per real token (None without NVML energy or tokens)."""
     energy, tokens = metrics.get("energy_j"), metrics.get("measured_tokens")

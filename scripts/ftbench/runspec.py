@@ -185,7 +185,7 @@ class RunSpec:
                                 {"type": "integer", "minimum": 0, "maximum": 100000})
     warmup_until_stable: bool = setting(
         False, "extend warmup past warmup_steps until step times settle (up to warmup_max_steps); the steps it took are "
-        "recorded", {"type": "boolean"}, "boolean")
+        "recorded", {"type": "boolean"}, "boolean", name_part=lambda s: "stablewarmup" if s.warmup_until_stable else None)
     warmup_max_steps: int | None = setting(
         None, "with warmup_until_stable: the most warmup steps (null: half the run)", _nullable({"type": "integer", "minimum": 1}),
         applies=lambda settings: bool(settings.get("warmup_until_stable")))

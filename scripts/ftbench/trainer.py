@@ -29,7 +29,7 @@ import torch
 from . import batch_size_search, batching, data, environment, faults, flops, gpu_monitor, memory_estimate, modeling
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
-from .metrics import energy_per_token, summarise
+from .metrics import Warmup, energy_per_token, summarise
 from .optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from .runspec import RunSpec
 
@@ -144,7 +144,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         shape = flops.ModelShape.of(run.model)
         if dist.rank == 0:
             metrics.update(_count_flops(run, shape))
-        figures, trained_steps = _train(run, shape)
+        figures, trained_steps = _engine(run.spec)(run, shape)
         metrics.update(figures)
         if metrics["status"] == "ok" and dist.rank == 0:
             eval_started = time.perf_counter()
@@ -164,6 +164,15 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     metrics["wall_time_s"] = time.perf_counter() - started
     metrics["peak_rss_mb"] = peak_rss_mb()
     return metrics, steps
+
+
+def _engine(spec: RunSpec):
+    """What takes the steps: ftbench's loop, or transformers.Trainer with the same instrumentation (hf_engine.py)."""
+    if spec.engine == "hf_trainer":
+        from . import hf_engine
+
+        return hf_engine.train
+    return _train
 
 
 def _wrap_model(run: Run) -> torch.nn.Module:
@@ -190,6 +199,15 @@ def _stop_reason(run: Run, typical_step_s: float) -> str | None:
     return reason or ("another rank stopped" if flag.item() > 0 else None)
 
 
+def _any_rank(run: Run, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: DDP ranks must begin the measured window at the same step."""
+    if not run.dist.active:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=run.device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value.item() > 0
+
+
 def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     """The training loop: (its figures, step records). A stop (deadline, divergence) is a status in the
     figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
@@ -209,6 +227,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec.batch_size * (devices // dist.world_size)
     order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    warmup = Warmup.of(spec, total_steps)
 
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
@@ -224,7 +243,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     synchronize(device)
     step_start = time.perf_counter()
     for step in range(total_steps):
-        if step == spec.warmup_steps:
+        if warmup.window_begins(step, [s["step_time_s"] for s in steps], agree=lambda flag: _any_rank(run, flag)):
             window_start = step_start
             sampler.start()
         stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
@@ -232,7 +251,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
             break
         run.last_step = step
-        record = {"step": step, "measured": step >= spec.warmup_steps, "samples": 0, "tokens": 0,
+        record = {"step": step, "measured": window_start is not None, "samples": 0, "tokens": 0,
                   "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
@@ -282,7 +301,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
     # steps (timed, tokens counted) but did not update the weights.
     figures["grad_scaler_skipped_steps"] = skipped_steps if scaler.is_enabled() else None
-    figures.update(total_steps=total_steps, warmup_steps=spec.warmup_steps, grad_accum_steps=accum)
+    figures.update(total_steps=total_steps, grad_accum_steps=accum, **warmup.figures(len(steps)))
     window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
@@ -314,7 +333,7 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     try:
         counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
-        # Seen: torch 2.11's sdpa counter rejects grouped-query attention (fewer KV heads than heads).
+        # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
         run.model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
     analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len), n * inputs_len**2,
