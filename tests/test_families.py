@@ -653,9 +653,20 @@ def load_example(name: str) -> dict:
     return config
 
 
-def test_every_example_is_checked_here():
-    assert sorted(path.name for path in EXAMPLES.glob("*.yaml")) == [
-        "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml", "seq-batch-diagnostic.yaml"]
+@pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.yaml")))
+def test_every_example_is_a_valid_experiment_with_runs(name):
+    """Each ready experiment a user may run as it is passes validation and expands to runs (those with a
+    particular design have their own test below)."""
+    assert matrix.expand_runs(load_example(name))
+
+
+def test_example_engines():
+    runs = matrix.expand_runs(load_example("engines.yaml"))
+    assert {r.engine for r in runs} == {"loop", "hf_trainer"}
+    # Every configuration measured through the Trainer is also measured through the loop, side by side.
+    loop = {(r.method, r.precision, r.compile) for r in runs if r.engine == "loop"}
+    trainer_engine = {(r.method, r.precision, r.compile) for r in runs if r.engine == "hf_trainer"}
+    assert trainer_engine and trainer_engine <= loop
 
 
 def test_example_llama_methods():
