@@ -74,7 +74,22 @@ def get_train_threads(wildcards):
 
 
 def get_train_cpus_per_gpu(wildcards):
-    return ftbench_resources.train_cpus_per_gpu(RUNS[wildcards.run_id], _train_nodes())
+    run = RUNS[wildcards.run_id]
+    cpus = ftbench_resources.train_cpus_per_gpu(run, _train_nodes())
+    if run.uses_gpu and cpus < ftbench_resources.TRAIN_CPUS_PER_GPU and not workflow.remote_exec:
+        _say_once(f"ftbench: the nodes of partition '{ftbench_resources.train_partition(os.environ) or 'default'}' "
+                  f"have {cpus} CPUs per GPU for {run.num_gpus}-GPU runs: asking for --cpus-per-gpu={cpus}, "
+                  f"not {ftbench_resources.TRAIN_CPUS_PER_GPU}")
+    return cpus
+
+
+_SAID = set()
+
+
+def _say_once(line):
+    if line not in _SAID:
+        _SAID.add(line)
+        sys.stderr.write(line + "\n")
 
 
 def get_train_partition(wildcards):
