@@ -1,6 +1,7 @@
 # Shared helpers: config validation, the run table, and get_* input functions. No rules here.
 
 import json
+import os
 import re
 import sys
 
@@ -8,6 +9,7 @@ import sys
 from ftbench import config as ftbench_config
 from ftbench import matrix
 from ftbench import resources as ftbench_resources
+from ftbench import slurm as ftbench_slurm
 from ftbench.errors import FtbenchError
 
 # Validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
@@ -20,6 +22,10 @@ try:
 except FtbenchError as error:
     sys.stderr.write(f"ftbench: {error}\n")
     sys.exit(1)
+
+# The repository, for the conda environments' post-deploy scripts (envs/*.post-deploy.sh), which run
+# from copies under .snakemake/conda/ and install ftbench from here (`--use-conda`).
+os.environ["FTBENCH_ROOT"] = str(workflow.basedir)
 
 RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
 DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))
@@ -55,7 +61,7 @@ def all_run_steps():
 # ---------------------------------------------------------------------------------------------------
 # Resources of the train rule: the estimate and the reasons for its numbers are in ftbench/resources.py.
 # `workflow.non_local_exec` is true both where jobs are submitted and inside them, so both sides agree
-# on a job's threads.
+# on a job's threads (both read the partition's nodes with sinfo).
 
 
 def get_train_gpus(wildcards):
@@ -63,7 +69,52 @@ def get_train_gpus(wildcards):
 
 
 def get_train_threads(wildcards):
-    return ftbench_resources.train_threads(RUNS[wildcards.run_id], local=not workflow.non_local_exec, cores=workflow.cores)
+    run = RUNS[wildcards.run_id]
+    return ftbench_resources.train_threads(run, local=not _cluster_jobs(), cores=workflow.cores, nodes=_train_nodes())
+
+
+def get_train_cpus_per_gpu(wildcards):
+    run = RUNS[wildcards.run_id]
+    cpus = ftbench_resources.train_cpus_per_gpu(run, _train_nodes())
+    if run.uses_gpu and cpus < ftbench_resources.TRAIN_CPUS_PER_GPU and not workflow.remote_exec:
+        _say_once(f"ftbench: the nodes of partition '{ftbench_resources.train_partition(os.environ) or 'default'}' "
+                  f"have {cpus} CPUs per GPU for {run.num_gpus}-GPU runs: asking for --cpus-per-gpu={cpus}, "
+                  f"not {ftbench_resources.TRAIN_CPUS_PER_GPU}")
+    return cpus
+
+
+_SAID = set()
+
+
+def _say_once(line):
+    if line not in _SAID:
+        _SAID.add(line)
+        sys.stderr.write(line + "\n")
+
+
+def get_train_partition(wildcards):
+    return ftbench_resources.train_partition(os.environ)
+
+
+def _train_nodes():
+    """The train partition's nodes (sinfo, read once) on a cluster; () locally. Read where jobs are
+    submitted and again inside each job, so both fit a job's CPUs alike (no sinfo there: nothing fitted)."""
+    if not _cluster_jobs():
+        return ()
+    return ftbench_slurm.node_shapes(ftbench_resources.train_partition(os.environ))
+
+
+def _cluster_jobs():
+    """Whether jobs run (or, in a dry run, would run) through a cluster executor. A dry run executes
+    with the local `dryrun` executor; Snakemake forces use_threads only when the executor it stands in
+    for is not local, so `snakemake --profile slurm -n` shows the CPUs that would be submitted."""
+    return workflow.non_local_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
+
+
+# The one start hook of the workflow (after the DAG is built, before the first submission; never in a
+# dry run). On a SLURM cluster without accounting, track jobs with squeue: sacct would hang silently.
+onstart:
+    ftbench_slurm.choose_status_command(workflow)
 
 
 def get_train_runtime(wildcards, attempt=1):

@@ -15,7 +15,8 @@ rule train:
     # job the SLURM plugin turns it into --ntasks-per-gpu, which torchrun does not want.
     resources:
         gpu=get_train_gpus,
-        cpus_per_gpu=ftbench_resources.TRAIN_CPUS_PER_GPU,
+        cpus_per_gpu=get_train_cpus_per_gpu,
+        slurm_partition=get_train_partition,
         nodes=1,
         mem_mb=get_train_mem_mb,
         runtime=get_train_runtime,

@@ -88,8 +88,10 @@ def _running(name: str) -> bool:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cpus: int = NODE_CPUS):
+        """``cpus``: CPUs the node advertises (a small number makes a node too small for the jobs' requests)."""
         self.root = Path(root)
+        self.cpus = cpus
         self.host = socket.gethostname().split(".")[0]
         self.log_dir = self.root / "log"
         self.ctld_log = self.log_dir / "slurmctld.log"
@@ -141,7 +143,7 @@ SlurmctldLogFile={self.ctld_log}
 SlurmdLogFile={self.slurmd_log}
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={mem_mib} Gres=gpu:{NODE_GPUS} State=UNKNOWN
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem_mib} Gres=gpu:{NODE_GPUS} State=UNKNOWN
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName={GPU_PARTITION} Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 """

@@ -1,9 +1,11 @@
 """The conda environments (envs/*.yaml) the rules use with --use-conda.
 
-Creating them needs conda and conda-forge, which CI has not (conda is neither a Debian 12 package nor on
-PyPI): these tests check that they pin what requirements.txt pins, that every rule names one, and that
-`snakemake -n --use-conda` plans the workflow with them (against a stand-in `conda` that answers only
-the queries Snakemake makes before creating anything).
+Creating them needs conda and conda-forge, which CI has not: Debian 12 packages no conda, PyPI's `conda`
+stops at 4.3.16 (Python 2 era) and conda-forge itself is out of reach. So these tests check that they
+pin what requirements.txt pins, that the post-deploy scripts install ftbench and the asset packages
+the default experiment reads, that every rule names one, and that `snakemake -n --use-conda` plans the
+workflow with them (against a stand-in `conda` that answers only the queries Snakemake makes before
+creating anything). Untested here: the solve and install themselves, and running a rule in them.
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def test_envs_pin_the_versions_requirements_pin():
         env_pins(ROOT / "envs" / "train.yaml")
     )
     assert {"pandas", "pyarrow", "matplotlib", "seaborn"} <= set(env_pins(ROOT / "envs" / "analysis.yaml"))
+
+
+def test_post_deploy_scripts_install_ftbench_and_the_assets():
+    """Snakemake runs envs/NAME.post-deploy.sh inside the new environment, from a copy under
+    .snakemake/conda/: the scripts find the repository through FTBENCH_ROOT, which the Snakefile sets."""
+    for path in ENVS:
+        script = path.with_name(f"{path.stem}.post-deploy.sh").read_text()
+        assert 'pip install --no-deps -e "$FTBENCH_ROOT"' in script, path
+        assert "set -euo pipefail" in script
+    train = (ROOT / "envs" / "train.post-deploy.sh").read_text()
+    assert 'pip install --no-deps -r "$FTBENCH_ROOT/requirements-assets.txt"' in train
+    assert 'os.environ["FTBENCH_ROOT"] = str(workflow.basedir)' in (ROOT / "rules" / "common.smk").read_text()
 
 
 def test_every_rule_with_a_command_names_an_env():

@@ -1,13 +1,14 @@
-"""The workflow on a real SLURM cluster: `snakemake --profile profiles/slurm` against Debian's slurmctld.
+"""The workflow on a real SLURM cluster, run as the README tells a new user: the profile linked to
+~/.config/snakemake/slurm, account/partitions in environment variables, `snakemake --profile slurm`
+with a per-invocation --set-resources, against Debian's slurmctld with no accounting database.
 
-One single-node cluster (tests/slurm_cluster.py) serves the whole module; its daemons are stopped at the
-end whatever happens. The experiment is the conftest's tiny BERT on the tiny CSV, a few steps per run.
-Test-only overrides, as shared/notes/slurm-on-one-machine.md explains: `--slurm-status-command squeue`
-(no accounting database, so no sacct) and `--slurm-init-seconds-before-status-checks 1` (the
-plugin checks 1, 12, 33, 64 s after a submission: each stage of the DAG costs one of those).
+One single-node cluster (tests/slurm_cluster.py) serves the module; its daemons are stopped at the end
+whatever happens. The experiment is the conftest's tiny BERT on the tiny CSV, a few steps per run. No
+test-only plugin settings: the profile's own polling, and ftbench's own switch to squeue (no sacct here).
 
 The tests share one workdir and build on each other: the matrix with one run that fails inside its job,
 then a run that is cancelled while it trains and is submitted again, after which collect and report run.
+The last test restarts the cluster with a node smaller than a GPU job's usual CPU request.
 """
 
 from __future__ import annotations
@@ -30,9 +31,19 @@ from ftbench import matrix
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 PROFILE = ROOT / "profiles" / "slurm"
-# Test-only settings of the executor plugin, as the notes explain; the profile keeps the real-cluster ones.
-PLUGIN_OVERRIDES = ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
 SNAKEMAKE_LIMIT_S = 240
+# The README's per-invocation override: it must add to the rules' resources, not drop the GPU partition.
+SET_TRAIN_MEMORY = ["--set-resources", "train:mem_mb=9000"]
+SWITCH_LINE = "ftbench: sacct does not work on this cluster"
+
+
+@pytest.fixture(scope="module")
+def config_home(tmp_path_factory):
+    """The README's install step: `ln -s "$PWD/profiles/slurm" ~/.config/snakemake/slurm` (in a test home)."""
+    home = tmp_path_factory.mktemp("config-home")
+    (home / "snakemake").mkdir()
+    (home / "snakemake" / "slurm").symlink_to(PROFILE)
+    return home
 
 
 @pytest.fixture(scope="module")
@@ -76,28 +87,32 @@ def snakemake_command(workdir: Path, configfile: Path, *extra: str) -> list[str]
         "--snakefile", str(SNAKEFILE),
         "--directory", str(workdir),
         "--configfile", str(configfile),
-        "--profile", str(PROFILE),
-        *PLUGIN_OVERRIDES,
+        "--profile", "slurm",
         *extra,  # --set-resources last: it takes every argument after it
     ]
 
 
-def snakemake_env() -> dict[str, str]:
+def snakemake_env(config_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     # The rules call `python`: the jobs (sbatch --export=ALL) must find this venv's.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    # No accounting database here, so an account could not be validated: leave it unset. GPU jobs go to
-    # the `gpu` partition through the profile's FTBENCH_GPU_PARTITION; the others to the default one.
+    env["XDG_CONFIG_HOME"] = str(config_home)  # where `--profile slurm` is found
+    # The README's environment variables. No accounting database here, so an account could not be
+    # validated: leave it unset. Training jobs go to the `gpu` partition, the others to `debug`.
     env.pop("SBATCH_ACCOUNT", None)
-    env.pop("SBATCH_PARTITION", None)
+    env["SBATCH_PARTITION"] = slurm_cluster.PARTITION
     env["FTBENCH_GPU_PARTITION"] = slurm_cluster.GPU_PARTITION
     return env
 
 
-def run(workdir: Path, configfile: Path, *extra: str) -> subprocess.CompletedProcess:
+def _umask_022():
+    os.umask(0o022)  # a common login umask: results must come out readable by teammates (0644)
+
+
+def run(workdir: Path, configfile: Path, config_home: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        snakemake_command(workdir, configfile, *extra), cwd=workdir, env=snakemake_env(),
-        capture_output=True, text=True, timeout=SNAKEMAKE_LIMIT_S + 30,
+        snakemake_command(workdir, configfile, *extra), cwd=workdir, env=snakemake_env(config_home),
+        capture_output=True, text=True, timeout=SNAKEMAKE_LIMIT_S + 30, preexec_fn=_umask_022,
     )
 
 
@@ -131,7 +146,7 @@ def broken_model(tiny_model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def first_run(cluster, workdir, base_config, tiny_model_dir):
+def first_run(cluster, workdir, base_config, tiny_model_dir, config_home):
     """The two-run matrix plus one run that fails, trained through SLURM (targets: every run's
     metrics.json, since the failing run keeps collect and report from running)."""
     config = {
@@ -143,7 +158,8 @@ def first_run(cluster, workdir, base_config, tiny_model_dir):
     run_ids = [spec.run_id for spec in matrix.expand_runs(config)]
     before = set(cluster.submitted_job_ids())
     started = time.monotonic()
-    process = run(workdir, configfile, *(f"results/runs/{run_id}/metrics.json" for run_id in run_ids))
+    targets = [f"results/runs/{run_id}/metrics.json" for run_id in run_ids]
+    process = run(workdir, configfile, config_home, *targets, *SET_TRAIN_MEMORY)
     print(f"\nfirst run through SLURM: {time.monotonic() - started:.0f} s")
     jobs = submitted(process)
     trains: dict[str, list[int]] = {}  # run id -> its train jobs, in submission order
@@ -169,14 +185,25 @@ def test_matrix_jobs_go_through_sbatch_with_their_resources(cluster, workdir, fi
         infos[result["spec"]["num_gpus"]] = info
     # runtime (minutes) is the walltime: the train estimate's 10-minute floor for a run this small.
     assert {info["TimeLimit"] for info in infos.values()} == {"00:10:00"}
-    assert cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))["TimeLimit"] == "00:30:00"
-    # num_gpus 1: one (fake) GPU, 4 CPUs per GPU, the GPU partition from FTBENCH_GPU_PARTITION.
+    prepare = cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))
+    # The README's table, read back from slurmctld. prepare_data: 1 CPU, 4 GB, 30 min, SBATCH_PARTITION.
+    assert (prepare["TimeLimit"], prepare["NumCPUs"], prepare["MinMemoryNode"]) == ("00:30:00", "1", "4000M"), prepare
+    assert prepare["Partition"] == slurm_cluster.PARTITION
+    # Training: FTBENCH_GPU_PARTITION (for CPU runs of the matrix too) survives the command line's
+    # --set-resources, whose memory applies; the rule's CPUs are not capped at the login node's cores.
+    for info in infos.values():
+        assert info["Partition"] == slurm_cluster.GPU_PARTITION, info
+        assert info["MinMemoryNode"] == "9000M", info
+    # num_gpus 1: one (fake) GPU and 4 CPUs per GPU.
     assert infos[1].get("TresPerJob") == "gres:gpu:1", infos[1]
     assert infos[1].get("CpusPerTres") == "gres:gpu:4", infos[1]
-    assert infos[1]["Partition"] == slurm_cluster.GPU_PARTITION
-    # num_gpus 0: no GPU asked for.
+    assert infos[1]["NumCPUs"] == "4", infos[1]
+    # num_gpus 0: no GPU asked for, 8 CPUs.
     assert "gpu" not in infos[0].get("TresPerJob", ""), infos[0]
-    assert cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))["Partition"] == slurm_cluster.PARTITION
+    assert infos[0]["NumCPUs"] == "8", infos[0]
+    # No silent wait: sacct fails here, and the switch to squeue is said before the first submission.
+    output = process.stdout + process.stderr
+    assert SWITCH_LINE in output and output.index(SWITCH_LINE) < output.index("submitted with SLURM jobid"), output[-3000:]
 
 
 def test_failing_job_is_reported_as_failed(cluster, workdir, first_run):
@@ -186,13 +213,15 @@ def test_failing_job_is_reported_as_failed(cluster, workdir, first_run):
     (run_id,) = (run_id for run_id in trains if run_id.startswith("broken-"))
     first, retry = trains[run_id]  # the profile's one retry, with twice the walltime
     assert [cluster.job_info(job_id)["JobState"] for job_id in (first, retry)] == ["FAILED", "FAILED"]
+    # A retry doubles the estimated walltime; memory given with --set-resources stays as given.
     assert [cluster.job_info(job_id)["TimeLimit"] for job_id in (first, retry)] == ["00:10:00", "00:20:00"]
+    assert [cluster.job_info(job_id)["MinMemoryNode"] for job_id in (first, retry)] == ["9000M", "9000M"]
     assert "Error in rule train" in output and f"SLURM-job '{retry}' failed" in output, output[-5000:]
     assert not (workdir / "results" / "runs" / run_id / "metrics.json").exists()
     assert "ValueError" in (workdir / "logs" / "train" / f"{run_id}.log").read_text()
 
 
-def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, first_run):
+def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, first_run, config_home):
     """scancel a training job while it runs; the re-run submits that run again and no other training,
     then collect and report, so metrics.parquet and the report appear.
 
@@ -207,8 +236,8 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     command = snakemake_command(workdir, configfile, *extra)
 
     started = time.monotonic()
-    first = subprocess.Popen(command, cwd=workdir, env=snakemake_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(command, cwd=workdir, env=snakemake_env(config_home), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, preexec_fn=_umask_022)
     try:
         job_id, run_id = _wait_for_running_train(cluster, workdir, timeout_s=90)
         subprocess.run(["scancel", str(job_id)], check=True)
@@ -225,7 +254,7 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     assert f"SLURM-job '{job_id}' failed" in output and "CANCELLED" in output, output[-4000:]
 
     started = time.monotonic()
-    rerun = run(workdir, configfile, *extra)
+    rerun = run(workdir, configfile, config_home, *extra)
     print(f"re-run: {time.monotonic() - started:.0f} s")
     assert rerun.returncode == 0, snakemake_failure(rerun)
     jobs = submitted(rerun)
@@ -240,6 +269,9 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     metrics = pd.read_parquet(workdir / "results" / "metrics.parquet")
     assert sorted(metrics["status"]) == ["ok", "ok", "timeout"], metrics[["run_id", "status"]]
     assert (workdir / "results" / "report.html").stat().st_size > 1000
+    # Written by SLURM jobs under a 022 umask: readable by teammates.
+    for path in ("results/metrics.parquet", "results/report.html", f"results/runs/{run_id}/metrics.json"):
+        assert oct((workdir / path).stat().st_mode & 0o777) == oct(0o644), path
 
 
 def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[int, str]:
@@ -255,3 +287,30 @@ def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[i
                 return int(job_id), match.group(1)
         time.sleep(0.5)
     raise AssertionError(f"no train job started running within {timeout_s} s:\n{cluster.tail_logs()}")
+
+
+def test_small_node_gets_a_fitted_request(cluster, tmp_path_factory, base_config, config_home):
+    """A node with 2 CPUs: a GPU run's 4 CPUs per GPU would be refused by sbatch ("Requested node
+    configuration is not available") on every attempt; the request is fitted to the node instead
+    (2 per GPU, said in one line), submitted once, and the job completes. (A CPU run's 8 CPUs are
+    fitted the same way: tests/test_slurm_fit.py.)"""
+    cluster.stop()
+    small = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm-small"), cpus=2)
+    try:
+        small.start()
+        workdir = tmp_path_factory.mktemp("slurm-small-workflow")
+        configfile = write_config(workdir, base_config)
+        started = time.monotonic()
+        (gpu_run,) = (spec for spec in matrix.expand_runs(base_config) if spec.num_gpus == 1)
+        process = run(workdir, configfile, config_home, f"results/runs/{gpu_run.run_id}/metrics.json")
+        print(f"\nsmall node: {time.monotonic() - started:.0f} s")
+        assert process.returncode == 0, snakemake_failure(process)
+        jobs = submitted(process)
+        assert sorted(jobs.values()) == ["prepare_data", "train"], jobs  # submitted once
+        (train_job,) = (job_id for job_id, rule in jobs.items() if rule == "train")
+        info = small.job_info(train_job)
+        assert (info["TresPerJob"], info["CpusPerTres"], info["NumCPUs"]) == ("gres:gpu:1", "gres:gpu:2", "2"), info
+        assert info["JobState"] == "COMPLETED", info
+        assert "have 2 CPUs per GPU for 1-GPU runs: asking for --cpus-per-gpu=2, not 4" in process.stderr
+    finally:
+        small.stop()

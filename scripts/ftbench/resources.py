@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from . import model_shape, sources
 from .errors import FtbenchError
 from .runspec import RunSpec
+from .slurm import NodeShape
 
 # CPU cores per GPU of a training job (sbatch --cpus-per-gpu): the data is pre-tokenised, so a few
 # cores feed a GPU; raise it where your cluster gives each GPU a fixed share of a node's cores anyway.
@@ -57,18 +59,46 @@ def train_gpus(run: RunSpec) -> int:
     return run.num_gpus if run.uses_gpu else 0
 
 
-def train_threads(run: RunSpec, local: bool, cores: int) -> int:
+def train_threads(run: RunSpec, local: bool, cores: int, nodes: Sequence[NodeShape] = ()) -> int:
     """CPU threads of a training job (torch.set_num_threads, and sbatch --cpus-per-task of a CPU run).
 
     Locally (``local``) a training job takes all ``cores``, so runs are timed one at a time and never
-    slow each other down. On a cluster each job has a node share of its own: TRAIN_CPUS_PER_GPU per GPU
-    for a GPU run, TRAIN_CPU_THREADS_CLUSTER for a CPU run.
+    slow each other down. On a cluster each job has a node share of its own: train_cpus_per_gpu per GPU
+    for a GPU run, TRAIN_CPU_THREADS_CLUSTER for a CPU run, at most the CPUs of the partition's
+    largest node (``nodes``, from sinfo; empty: not known, asked for as it is).
     """
     if local:
         return cores
     if run.uses_gpu:
-        return TRAIN_CPUS_PER_GPU * run.num_gpus
-    return TRAIN_CPU_THREADS_CLUSTER
+        return train_cpus_per_gpu(run, nodes) * run.num_gpus
+    largest = max((node.cpus for node in nodes), default=TRAIN_CPU_THREADS_CLUSTER)
+    return min(TRAIN_CPU_THREADS_CLUSTER, largest)
+
+
+def train_cpus_per_gpu(run: RunSpec, nodes: Sequence[NodeShape] = ()) -> int:
+    """sbatch --cpus-per-gpu of a GPU run: TRAIN_CPUS_PER_GPU, fitted to the partition's nodes.
+
+    SLURM refuses outright a job that no node can hold ("Requested node configuration is not
+    available"), and a retry would ask the same again: on nodes with fewer cores per GPU, ask for what
+    the best node with num_gpus GPUs has. No such node at all is refused here, with the numbers."""
+    if not run.uses_gpu or not nodes:
+        return TRAIN_CPUS_PER_GPU
+    shares = [node.cpus // run.num_gpus for node in nodes if node.gpus >= run.num_gpus]
+    if not shares or max(shares) < 1:
+        offered = ", ".join(sorted({f"{node.gpus} GPUs/{node.cpus} CPUs" for node in nodes}))
+        raise FtbenchError(
+            f"run {run.run_id} asks for num_gpus {run.num_gpus} on one node, but the nodes of its partition "
+            f"have {offered} (sinfo): lower num_gpus or set FTBENCH_GPU_PARTITION to a partition with larger nodes"
+        )
+    return min(TRAIN_CPUS_PER_GPU, max(shares))
+
+
+def train_partition(environ: Mapping[str, str]) -> str:
+    """SLURM partition of a training job: FTBENCH_GPU_PARTITION, else SBATCH_PARTITION, else "" (the
+    cluster's default). CPU runs of the matrix (num_gpus 0) go there too, so one matrix is measured on one
+    kind of node. A rule resource, not a profile `set-resources` entry: a user's --set-resources on the
+    command line replaces the profile's whole set-resources, but only adds to a rule's resources."""
+    return environ.get("FTBENCH_GPU_PARTITION") or environ.get("SBATCH_PARTITION", "")
 
 
 def train_runtime_minutes(run: RunSpec, attempt: int = 1) -> int:
