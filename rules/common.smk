@@ -67,7 +67,7 @@ def get_train_threads(wildcards):
 
 
 def get_train_runtime(wildcards, attempt=1):
-    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt)
+    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt, local=not workflow.non_local_exec)
 
 
 def get_train_mem_mb(wildcards, attempt=1):
