@@ -23,7 +23,8 @@ rule train:
         "../envs/train.yaml"
     # --time-limit-s is the job's walltime (runtime is in minutes): training stops early enough to
     # evaluate and write its results with status=timeout instead of being killed with nothing.
+    # --watch-pid $PPID: this shell's parent is Snakemake; locally the job ends when it dies (lifeline.py).
     shell:
         "python -m ftbench train --spec {params.spec:q} --data {input.data}"
         " --out {output.metrics} --threads {threads} --time-limit-s $(( {resources.runtime} * 60 ))"
-        " > {log} 2>&1"
+        " --watch-pid $PPID > {log} 2>&1"

@@ -41,12 +41,15 @@ def train(argv: list[str] | None = None) -> None:
         "--time-limit-s", type=float, default=None,
         help="the job's wall-clock limit; training stops early (status timeout) leaving a margin to save results",
     )
+    parser.add_argument("--watch-pid", type=int, default=None,
+                        help="end this job when that process (the Snakemake that started it) ends; ignored under SLURM")
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
-    from . import ddp, job
+    from . import ddp, job, lifeline
     from .runspec import RunSpec
 
+    lifeline.watch(args.watch_pid)
     spec = RunSpec.from_json(args.spec)
     stop = job.stop_signal(args.time_limit_s)
     if args.rank_dir:
@@ -65,6 +68,7 @@ def collect(argv: list[str] | None = None) -> None:
     parser.add_argument("--price-settings", default="{}", help="JSON: the experiment's `prices` key (provider, pricing, ...)")
     parser.add_argument("--budget", default="null", help="JSON: training budget {tokens|samples, epochs} for projections")
     parser.add_argument("--gpu-peaks", default=None, help="GPU peak table YAML (config/gpus.yaml) for MFU; without it mfu stays null")
+    parser.add_argument("--summary", default=None, help="text file for the outcome summary (runs per status, why each is not ok)")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
     from . import collect as collect_module
@@ -75,7 +79,7 @@ def collect(argv: list[str] | None = None) -> None:
         settings["table"] = args.prices_table
     prices = cost.resolve(settings)
     frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
-                                   gpu_peaks=args.gpu_peaks)
+                                   gpu_peaks=args.gpu_peaks, summary_path=args.summary)
     print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
@@ -152,5 +156,6 @@ def run(command, argv: list[str] | None = None) -> None:
     try:
         command(argv)
     except FtbenchError as exc:
-        print(f"ftbench: {exc}", file=sys.stderr)
+        sys.stdout.flush()  # what the command printed first stays before this line in the log
+        print(f"ftbench: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
