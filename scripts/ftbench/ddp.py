@@ -81,7 +81,10 @@ def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None
         # (not a signal or an exit) is first written as this rank's failed result: the run's row.
         traceback.print_exc()
         sys.stderr.flush()
-        if isinstance(exc, Exception) and not isinstance(exc, ManifestError):
+        # Not when a peer already stopped with a result (OOM, divergence, an error): this rank's error is
+        # then the consequence (gloo: connection closed by peer), and the run's row is the peer's.
+        peer_stopped = any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir))
+        if isinstance(exc, Exception) and not isinstance(exc, ManifestError) and not peer_stopped:
             from .job import failed_metrics
 
             atomic.write_json(rank_dir / f"rank{dist.rank}.json", {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -14,7 +15,7 @@ import pandas as pd
 import torch
 
 from . import atomic, ddp, environment, trainer
-from .errors import ManifestError, TerminatedError
+from .errors import FtbenchError, ManifestError, TerminatedError
 from .gpu_slots import GpuSlots, assign_gpus
 from .metrics import STEP_FIELDS
 from .runspec import RunSpec
@@ -50,7 +51,12 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
     except (TerminatedError, ManifestError):
         raise
     except Exception as exc:  # noqa: BLE001 - any other error becomes the run's failed row
-        traceback.print_exc()
+        if stop.terminate_requested:
+            raise  # an error on the way out of a terminated run (a DDP rank ended): no result either
+        if isinstance(exc, FtbenchError):
+            print(f"ftbench: {exc}", file=sys.stderr, flush=True)  # a known error: its message says it all
+        else:
+            traceback.print_exc()
         metrics, steps = failed_metrics(spec, exc), []
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=STEP_FIELDS))
     # metrics.json is written last: its presence means the run's results are complete.
@@ -59,10 +65,14 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
 
 
 def failed_metrics(spec: RunSpec, exc: BaseException) -> dict:
-    """The figures of a run that ended in an unexpected error: its status and the error in one line."""
+    """The figures of a run that ended in an error: its status and the error in one line (an unknown
+    error's traceback is in the job log)."""
     message = " ".join(str(exc).split())
-    reason = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    return {"run_id": spec.run_id, "status": "failed", "status_reason": reason[:300] + " (traceback in the job log)"}
+    if isinstance(exc, FtbenchError):
+        reason = message[:400]
+    else:
+        reason = (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:300] + " (traceback in the job log)"
+    return {"run_id": spec.run_id, "status": "failed", "status_reason": reason}
 
 
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
