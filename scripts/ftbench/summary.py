@@ -20,7 +20,7 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
     not_ok = frame[frame["status"] != "ok"].copy()
     not_ok["order"] = not_ok["status"].map({status: i for i, status in enumerate(OUTCOMES)}).fillna(len(OUTCOMES))
     for _, row in not_ok.sort_values(["order", "run_id"]).head(MAX_LISTED).iterrows():
-        reason = row["status_reason"] if pd.notna(row["status_reason"]) else "(no reason recorded)"
+        reason = " ".join(row["status_reason"].split()) if pd.notna(row["status_reason"]) else "(no reason recorded)"
         if len(reason) > REASON_CHARS:
             reason = reason[: REASON_CHARS - 3] + "..."
         lines.append(f"  {row['status']:<11} {row['run_id']}: {reason}")
