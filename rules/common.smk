@@ -1,6 +1,7 @@
 # Shared helpers: config validation, the run table, and get_* input functions. No rules here.
 
 import json
+from pathlib import Path
 import re
 import sys
 
@@ -34,6 +35,22 @@ wildcard_constraints:
 def get_run_spec_json(wildcards):
     """Only this run's own spec reaches its job, so editing one run re-runs only that run."""
     return RUNS[wildcards.run_id].to_json()
+
+
+# The job reads its spec from a file with exactly params.spec (the rerun trigger) in it, so the shell
+# line, which Snakemake prints in every error block, stays short. Written where the job is evaluated
+# (also inside a cluster job), and only when it differs.
+RUN_SPEC_DIR = Path(".snakemake", "ftbench", "specs")
+
+
+def get_run_spec_file(wildcards):
+    from ftbench import atomic
+
+    path = RUN_SPEC_DIR / f"{wildcards.run_id}.json"
+    text = get_run_spec_json(wildcards)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        atomic.write_text(path, text)
+    return str(path)
 
 
 def get_run_data(wildcards):

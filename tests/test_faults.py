@@ -713,6 +713,9 @@ def test_sigkilled_training_job_under_keep_going(tmp_path, tiny_config_factory, 
         kill(process.pid)
     text = output.read_text()
     assert process.returncode != 0, text[-4000:]
+    # The error block names the job's spec file, not 1.5 KB of spec JSON (issue 19); the end says what happened.
+    assert "--spec-file .snakemake/ftbench/specs/" in text and '"model_def"' not in text
+    assert "ftbench: no table from this invocation: a job failed before collect" in text[-1500:]
     assert not metrics_file(tmp_path, victim).exists()
     for run_id in siblings:
         assert json.loads(metrics_file(tmp_path, run_id).read_text())["metrics"]["status"] == "ok"

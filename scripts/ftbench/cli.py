@@ -32,7 +32,9 @@ def prepare_data(argv: list[str] | None = None) -> None:
 
 def train(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train and measure one run.")
-    parser.add_argument("--spec", required=True, help="JSON run spec")
+    spec_source = parser.add_mutually_exclusive_group(required=True)
+    spec_source.add_argument("--spec", help="JSON run spec")
+    spec_source.add_argument("--spec-file", help="file holding the JSON run spec (what the train rule passes)")
     parser.add_argument("--data", required=True, help="prepared data folder")
     parser.add_argument("--out", help="metrics.json to write; steps.parquet goes beside it")
     parser.add_argument("--rank-dir", help="(DDP worker started by torchrun) folder for this rank's result")
@@ -50,7 +52,7 @@ def train(argv: list[str] | None = None) -> None:
     from .runspec import RunSpec
 
     lifeline.watch(args.watch_pid)
-    spec = RunSpec.from_json(args.spec)
+    spec = RunSpec.from_json(args.spec if args.spec is not None else Path(args.spec_file).read_text(encoding="utf-8"))
     stop = job.stop_signal(args.time_limit_s)
     if args.rank_dir:
         ddp.train_rank(spec, args.data, Path(args.rank_dir), args.threads, stop)
