@@ -7,6 +7,7 @@
 
 from pathlib import Path
 import sys
+import time
 
 from snakemake.utils import min_version
 
@@ -60,3 +61,30 @@ rule all:
         "results/metrics.csv",
         "results/report.html",
     default_target: True
+
+
+# The end of an invocation, on the terminal: runs per status and why each is not ok (written by collect),
+# and where the report is. After a failed job too: the summary then says whether collect ran this time.
+_STARTED = time.time()
+
+
+def _print_outcome(failed_jobs: bool) -> None:
+    summary, report = Path("results/summary.txt"), Path("results/report.html")
+    lines = ["", "=" * 100]
+    if summary.is_file() and (summary.stat().st_mtime >= _STARTED or not failed_jobs):
+        lines.append(summary.read_text(encoding="utf-8").rstrip("\n"))
+    else:
+        lines.append("ftbench: no table from this invocation: a job failed before collect (see its error above)")
+    lines.append(f"report: {report.resolve()}" if report.is_file() else "report: not built")
+    if failed_jobs:
+        lines.append("ftbench: some jobs failed (their logs are named above); rerun snakemake to retry them")
+    lines.append("=" * 100)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+onsuccess:
+    _print_outcome(failed_jobs=False)
+
+
+onerror:
+    _print_outcome(failed_jobs=True)

@@ -26,6 +26,8 @@ rule collect:
     output:
         parquet="results/metrics.parquet",
         csv="results/metrics.csv",
+        # Printed by the Snakefile when Snakemake ends (onsuccess/onerror): runs per status, and why.
+        summary="results/summary.txt",
     log:
         "logs/collect.log",
     threads: 1
@@ -41,5 +43,5 @@ rule collect:
     shell:
         "python -m ftbench collect --parquet {output.parquet} --csv {output.csv}"
         " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q}"
-        " --gpu-peaks {input.gpu_peaks:q}"
+        " --gpu-peaks {input.gpu_peaks:q} --summary {output.summary}"
         " {input.metrics} > {log} 2>&1"

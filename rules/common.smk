@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 import re
 import sys
 
@@ -40,6 +41,22 @@ wildcard_constraints:
 def get_run_spec_json(wildcards):
     """Only this run's own spec reaches its job, so editing one run re-runs only that run."""
     return RUNS[wildcards.run_id].to_json()
+
+
+# The job reads its spec from a file with exactly params.spec (the rerun trigger) in it, so the shell
+# line, which Snakemake prints in every error block, stays short. Written where the job is evaluated
+# (also inside a cluster job), and only when it differs.
+RUN_SPEC_DIR = Path(".snakemake", "ftbench", "specs")
+
+
+def get_run_spec_file(wildcards):
+    from ftbench import atomic
+
+    path = RUN_SPEC_DIR / f"{wildcards.run_id}.json"
+    text = get_run_spec_json(wildcards)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        atomic.write_text(path, text)
+    return str(path)
 
 
 def get_run_data(wildcards):
@@ -118,7 +135,7 @@ onstart:
 
 
 def get_train_runtime(wildcards, attempt=1):
-    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt)
+    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt, local=not workflow.non_local_exec)
 
 
 def get_train_mem_mb(wildcards, attempt=1):

@@ -9,6 +9,7 @@ rule train:
         "logs/train/{run_id}.log",
     params:
         spec=get_run_spec_json,
+        spec_file=get_run_spec_file,
     threads: get_train_threads
     # One node per run: a dp/ddp run gets its N GPUs on one machine and starts torchrun inside the job.
     # A CPU run (num_gpus 0 or device cpu) asks for no GPU. `tasks` stays unset on purpose: on a GPU
@@ -24,7 +25,8 @@ rule train:
         "../envs/train.yaml"
     # --time-limit-s is the job's walltime (runtime is in minutes): training stops early enough to
     # evaluate and write its results with status=timeout instead of being killed with nothing.
+    # --watch-pid $PPID: this shell's parent is Snakemake; locally the job ends when it dies (lifeline.py).
     shell:
-        "python -m ftbench train --spec {params.spec:q} --data {input.data}"
+        "python -m ftbench train --spec-file {params.spec_file:q} --data {input.data}"
         " --out {output.metrics} --threads {threads} --time-limit-s $(( {resources.runtime} * 60 ))"
-        " > {log} 2>&1"
+        " --watch-pid $PPID > {log} 2>&1"

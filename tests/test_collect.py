@@ -82,3 +82,34 @@ def test_collect_imports_no_torch():
 
     code = "import sys; from ftbench import collect, report; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_the_summary_counts_outcomes_and_gives_each_reason(tmp_path):
+    """summary.txt: runs per status in a fixed order, one line per run that is not ok, the table's place.
+    Printed at the end of an invocation: tests/test_faults.py::test_failing_runs_are_failed_rows_and_the_invocation_ends_with_a_summary."""
+    runs = tmp_path / "runs"
+    paths = [write_run(runs, name, "cpu", "Intel Xeon") for name in ("a-ok", "b-failed", "c-timeout", "d-long")]
+    for path, status, reason in ((paths[1], "failed", "ValueError: bad\nthing"), (paths[2], "timeout", "stopped at step 3"),
+                                 (paths[3], "oom", "x" * 500)):
+        result = json.loads(path.read_text())
+        result["metrics"].update(status=status, status_reason=reason)
+        path.write_text(json.dumps(result))
+    summary = tmp_path / "summary.txt"
+    cli.collect(["--parquet", str(tmp_path / "metrics.parquet"), "--csv", str(tmp_path / "metrics.csv"),
+                 "--summary", str(summary), *map(str, paths)])
+    lines = summary.read_text().splitlines()
+    assert lines[0] == "ftbench: 4 runs: 1 ok, 1 timeout, 1 oom, 0 diverged, 0 unsupported, 1 failed"
+    assert lines[1] == "  timeout     c-timeout: stopped at step 3"
+    assert lines[2].startswith("  oom         d-long: xxx") and lines[2].endswith("...") and len(lines[2]) < 200
+    assert lines[3] == "  failed      b-failed: ValueError: bad thing"  # one line each
+    assert lines[-1] == f"table: {tmp_path / 'metrics.parquet'}"
+
+
+def test_the_summary_lists_at_most_a_screen_of_runs():
+    from ftbench import summary
+
+    frame = pd.DataFrame({"run_id": [f"run{i:02d}" for i in range(40)], "status": ["failed"] * 40,
+                          "status_reason": ["boom"] * 40})
+    lines = summary.outcome_summary(frame, "t.parquet").splitlines()
+    assert len(lines) == 1 + summary.MAX_LISTED + 2
+    assert lines[-2] == f"  ... and {40 - summary.MAX_LISTED} more not ok: see the status column of the table"

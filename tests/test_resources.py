@@ -9,6 +9,7 @@ model whose config cannot be read (1e9 parameters assumed), and config.json shap
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -147,6 +148,27 @@ def test_a_split_smaller_than_one_batch_asks_for_the_floor_not_a_crash(represent
     assert resources.train_runtime_minutes(run) == resources.TRAIN_RUNTIME_FLOOR_MIN
 
 
+def test_locally_a_gpu_run_on_a_machine_without_a_gpu_is_estimated_at_the_cpu_rate(representative_runs, monkeypatch):
+    """Such a run falls back to the CPU (device auto): a GPU-speed limit would stop it as a timeout."""
+    run = representative_runs[2]["gpu_bf16"]
+    at_cpu_rate = math.ceil((resources.TRAIN_STARTUP_S + resources.TRAIN_RUNTIME_MARGIN
+                             * resources.train_compute_seconds(run, on_gpu=False)) / 60)
+    monkeypatch.setattr(resources, "local_gpu_visible", lambda: False)
+    assert resources.train_runtime_minutes(run, local=True) == at_cpu_rate > 10 * resources.train_runtime_minutes(run)
+    assert resources.train_runtime_minutes(run, local=False) == EXPECTED["gpu_bf16"][2]  # a cluster's GPU node
+    monkeypatch.setattr(resources, "local_gpu_visible", lambda: True)
+    assert resources.train_runtime_minutes(run, local=True) == EXPECTED["gpu_bf16"][2]
+
+
+def test_no_gpu_is_visible_where_cuda_visible_devices_hides_them(monkeypatch):
+    resources.local_gpu_visible.cache_clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    try:
+        assert resources.local_gpu_visible() is False
+    finally:
+        resources.local_gpu_visible.cache_clear()
+
+
 def train_job_requests(output: str) -> dict[str, dict]:
     """run_id -> {threads, gpu, runtime, mem_mb} of the train jobs a dry run lists."""
     requests = {}
@@ -167,5 +189,7 @@ def test_the_train_rule_asks_for_the_estimate(representative_runs, snakemake_run
     assert process.returncode == 0, snakemake_failure(process)
     requests = train_job_requests(process.stdout + process.stderr)
     for name, run in runs.items():
-        gpus, _, runtime, _, mem_mb, _ = EXPECTED[name]
+        gpus, _, _, _, mem_mb, _ = EXPECTED[name]
+        # Locally, for the device this machine has (tests/test_resources.py above: no GPU -> the CPU's rate).
+        runtime = resources.train_runtime_minutes(run, local=True)
         assert requests[run.run_id] == {"threads": 2, "gpu": gpus, "runtime": runtime, "mem_mb": mem_mb}, name

@@ -32,7 +32,9 @@ def prepare_data(argv: list[str] | None = None) -> None:
 
 def train(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train and measure one run.")
-    parser.add_argument("--spec", required=True, help="JSON run spec")
+    spec_source = parser.add_mutually_exclusive_group(required=True)
+    spec_source.add_argument("--spec", help="JSON run spec")
+    spec_source.add_argument("--spec-file", help="file holding the JSON run spec (what the train rule passes)")
     parser.add_argument("--data", required=True, help="prepared data folder")
     parser.add_argument("--out", help="metrics.json to write; steps.parquet goes beside it")
     parser.add_argument("--rank-dir", help="(DDP worker started by torchrun) folder for this rank's result")
@@ -41,13 +43,16 @@ def train(argv: list[str] | None = None) -> None:
         "--time-limit-s", type=float, default=None,
         help="the job's wall-clock limit; training stops early (status timeout) leaving a margin to save results",
     )
+    parser.add_argument("--watch-pid", type=int, default=None,
+                        help="end this job when that process (the Snakemake that started it) ends; ignored under SLURM")
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
-    from . import ddp, job
+    from . import ddp, job, lifeline
     from .runspec import RunSpec
 
-    spec = RunSpec.from_json(args.spec)
+    lifeline.watch(args.watch_pid)
+    spec = RunSpec.from_json(args.spec if args.spec is not None else Path(args.spec_file).read_text(encoding="utf-8"))
     stop = job.stop_signal(args.time_limit_s)
     if args.rank_dir:
         ddp.train_rank(spec, args.data, Path(args.rank_dir), args.threads, stop)
@@ -65,6 +70,7 @@ def collect(argv: list[str] | None = None) -> None:
     parser.add_argument("--price-settings", default="{}", help="JSON: the experiment's `prices` key (provider, pricing, ...)")
     parser.add_argument("--budget", default="null", help="JSON: training budget {tokens|samples, epochs} for projections")
     parser.add_argument("--gpu-peaks", default=None, help="GPU peak table YAML (config/gpus.yaml) for MFU; without it mfu stays null")
+    parser.add_argument("--summary", default=None, help="text file for the outcome summary (runs per status, why each is not ok)")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
     from . import collect as collect_module
@@ -75,7 +81,7 @@ def collect(argv: list[str] | None = None) -> None:
         settings["table"] = args.prices_table
     prices = cost.resolve(settings)
     frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
-                                   gpu_peaks=args.gpu_peaks)
+                                   gpu_peaks=args.gpu_peaks, summary_path=args.summary)
     print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
@@ -155,5 +161,6 @@ def run(command, argv: list[str] | None = None) -> None:
     try:
         command(argv)
     except FtbenchError as exc:
-        print(f"ftbench: {exc}", file=sys.stderr)
+        sys.stdout.flush()  # what the command printed first stays before this line in the log
+        print(f"ftbench: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import atomic, cost, gpu_table, metrics, projection
+from . import atomic, cost, gpu_table, metrics, projection, summary
 from .columns import COLUMNS, row_from_result
 
 
@@ -57,11 +57,16 @@ def add_mfu(rows: list[dict], gpu_peaks: str | Path, warnings_out: list[str] | N
 
 def collect(result_files: list[str | Path], parquet_path: str | Path, csv_path: str | Path,
             prices: cost.Prices | None = None, budget: dict | None = None,
-            gpu_peaks: str | Path | None = None) -> pd.DataFrame:
+            gpu_peaks: str | Path | None = None, summary_path: str | Path | None = None) -> pd.DataFrame:
+    """Write the table (Parquet and CSV) and, with ``summary_path``, the outcome summary (summary.py)."""
     messages: list[str] = []
     frame = build_table(result_files, prices, budget, messages, gpu_peaks)
     for warning in messages:
         print(f"warning: {warning}", file=sys.stderr)
     atomic.write_parquet(parquet_path, frame)
     atomic.write_csv(csv_path, frame)
+    if summary_path is not None:
+        text = summary.outcome_summary(frame, str(parquet_path))
+        atomic.write_text(summary_path, text)
+        print(text, end="")
     return frame

@@ -80,11 +80,12 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
     "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),
-    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU); null unless status ok"),
+    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / CUDA peak allocated in training, what the estimate models; null unless status ok, and on the CPU (RSS holds the interpreter, libraries and data too)"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),
-    "peak_rss_mb": ("Float64", "process peak resident memory (MiB) over the whole job, loading included"),
-    "peak_memory_mb": ("Float64", "the run's memory figure: CUDA reserved on GPU, peak RSS on CPU"),
+    "peak_rss_mb": ("Float64", "process peak resident memory (MiB) of loading and training, before evaluation"),
+    "peak_memory_mb": ("Float64", "the run's training memory figure: CUDA reserved on GPU, peak RSS on CPU"),
+    "eval_peak_memory_mb": ("Float64", "peak memory of evaluation alone (MiB): CUDA allocated on GPU, resident memory on CPU"),
     # quality
     "final_train_loss": ("Float64", "training loss of the last step"),
     "eval_accuracy": ("Float64", "classification accuracy on the eval split"),
@@ -147,7 +148,9 @@ def row_from_result(result: dict) -> dict:
     )
     metrics = result["metrics"]
     row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
-    measured = metrics.get("peak_memory_allocated_mb", metrics.get("peak_rss_mb"))
+    # The estimate models the tensors of training on the device (memory_estimate.py): compare it with
+    # the CUDA peak allocated alone. A CPU run's RSS also holds the interpreter, libraries and data.
+    measured = metrics.get("peak_memory_allocated_mb")
     estimate = metrics.get("memory_estimate_mb")
     # Only a finished run's peak is the run's peak: an OOM run's high-water mark stops where it failed.
     finished = metrics.get("status") == "ok"

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, modeling, trainer
+from . import atomic, lifeline, modeling, trainer
 from .devices import Distributed, choose_device
-from .errors import UnsupportedConfiguration
+from .errors import ManifestError, UnsupportedConfiguration
+from .lifeline import alive
 from .metrics import merge_ranks
 from .runspec import RunSpec
 
@@ -74,11 +75,21 @@ def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None
     torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     try:
         metrics, steps = trainer.train_run(spec, data_dir, stop, dist)
-    except BaseException:
+    except BaseException as exc:
         # Peers may be waiting in a collective this rank will never join: destroying the process group
-        # would wait for them too. Exit at once; torchrun and the launcher stop the others.
+        # would wait for them too. Exit at once; torchrun and the launcher stop the others. An error
+        # (not a signal or an exit) is first written as this rank's failed result: the run's row.
         traceback.print_exc()
         sys.stderr.flush()
+        # Not when a peer already stopped with a result (OOM, divergence, an error): this rank's error is
+        # then the consequence (gloo: connection closed by peer), and the run's row is the peer's.
+        peer_stopped = any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir))
+        if isinstance(exc, Exception) and not isinstance(exc, ManifestError) and not peer_stopped:
+            from .job import failed_metrics
+
+            atomic.write_json(rank_dir / f"rank{dist.rank}.json", {
+                "rank": dist.rank, "metrics": {**failed_metrics(spec, exc), "rank": dist.rank}, "steps": [],
+                "terminated": stop.terminate_requested})
         os._exit(1)
     metrics["rank"] = dist.rank
     atomic.write_json(rank_dir / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps,
@@ -106,10 +117,20 @@ def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, t
         args += ["--time-limit-s", str(time_limit_s)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
     process = subprocess.Popen(ddp_command(processes, args), env=env)
+    # If Snakemake dies (lifeline.py), the job ends its torchrun and ranks before it exits.
+    end_all = lambda: end_torchrun(process, rank_dir, grace_s=1.0)  # noqa: E731
+    lifeline.on_parent_death(end_all)
+    try:
+        return _wait_for_ranks(process, rank_dir)
+    finally:
+        lifeline.forget(end_all)
+
+
+def _wait_for_ranks(process: subprocess.Popen, rank_dir: Path) -> int:
     stopped_at = None
     while process.poll() is None:
         time.sleep(1.0)
-        if stopped_at is None and any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir)):
+        if stopped_at is None and any(r["metrics"]["status"] in PEER_STUCK_STATUSES for r in read_rank_results(rank_dir)):
             stopped_at = time.monotonic()
         # A rank stopped early (OOM, divergence) and wrote its result; the others would wait for it in
         # their next collective until the process-group timeout. Give them a moment, then end them.
@@ -121,6 +142,9 @@ def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, t
 
 
 RANK_GRACE_S = 20.0
+# A rank that ended with one of these stopped alone, so its peers may wait for it in a collective. A
+# timeout is not one: every rank stops at the same step (trainer._stop_reason), and rank 0 then evaluates.
+PEER_STUCK_STATUSES = ("failed", "oom", "diverged")
 # Seconds a rank gets between SIGTERM and SIGKILL when its run is ended. A rank blocked in a collective
 # (NCCL, gloo) does not run Python signal handlers, so only SIGKILL ends it.
 RANK_KILL_GRACE_S = 5.0
@@ -140,11 +164,11 @@ def end_torchrun(process: subprocess.Popen, rank_dir: Path, grace_s: float | Non
         for pid in pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids) and process.poll() is None:
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids) and process.poll() is None:
             time.sleep(0.2)
         for pid in pids:
             # A rank is checked again: once torchrun is gone its pid could be another process's.
-            if _alive(pid) and (not are_ranks or str(rank_dir) in _cmdline(pid)):
+            if alive(pid) and (not are_ranks or str(rank_dir) in _cmdline(pid)):
                 _signal(pid, signal.SIGKILL)
     try:
         process.wait(timeout=grace_s + 30)
@@ -172,15 +196,6 @@ def _cmdline(pid: int) -> str:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    """Running (not a zombie waiting to be reaped)."""
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -12,13 +12,16 @@ size comes from its config.json alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import model_shape, sources
 from .errors import FtbenchError
+from .gpu_slots import visible_gpu_count
 from .runspec import RunSpec
 from .slurm import NodeShape
 
@@ -101,12 +104,26 @@ def train_partition(environ: Mapping[str, str]) -> str:
     return environ.get("FTBENCH_GPU_PARTITION") or environ.get("SBATCH_PARTITION", "")
 
 
-def train_runtime_minutes(run: RunSpec, attempt: int = 1) -> int:
+def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False) -> int:
     """Walltime (minutes) of a training job: startup + margin x the compute estimate, at least
     TRAIN_RUNTIME_FLOOR_MIN, doubled on each retry. The train rule passes it to the job as its time
-    limit, so a run that is slower than guessed stops itself with status=timeout and what it measured."""
-    seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run)
+    limit, so a run that is slower than guessed stops itself with status=timeout and what it measured.
+
+    On a cluster a GPU run gets a GPU node: GPU speed. Locally (``local``) the estimate is for the device
+    the run will find here: a GPU run on a machine with no GPU visible falls back to the CPU (device
+    auto), so it is estimated at the CPU's rate, not timed out at a GPU's."""
+    on_gpu = run.uses_gpu and (not local or local_gpu_visible())
+    seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run, on_gpu)
     return max(TRAIN_RUNTIME_FLOOR_MIN, math.ceil(seconds / 60)) * 2 ** (attempt - 1)
+
+
+@functools.cache
+def local_gpu_visible() -> bool:
+    """Whether a job started here could see a GPU: none if CUDA_VISIBLE_DEVICES hides them all, else
+    what NVML counts (torch-free; no NVML library or driver: none)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return visible_gpu_count() > 0
 
 
 def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
@@ -115,9 +132,10 @@ def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
     return math.ceil(TRAIN_MEM_FLOOR_MB + run.processes * weights_mb) * attempt
 
 
-def train_compute_seconds(run: RunSpec) -> float:
-    """Compute seconds of one training job on the device it asks for: training tokens per device
-    x 6 FLOPs per parameter (forward + backward), plus evaluation (2 per parameter), over ACHIEVED_FLOPS."""
+def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
+    """Compute seconds of one training job on a GPU (``on_gpu``; default: where the run asks for one)
+    or the CPU: training tokens per device x 6 FLOPs per parameter (forward + backward), plus
+    evaluation (2 per parameter), over ACHIEVED_FLOPS."""
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
@@ -129,7 +147,8 @@ def train_compute_seconds(run: RunSpec) -> float:
         flops *= 2  # 4-bit weights are dequantised on every use
     eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
     flops += 2 * params * eval_examples * run.seq_len
-    rate = ACHIEVED_FLOPS[run.precision] if run.uses_gpu else ACHIEVED_FLOPS["cpu"]
+    on_gpu = run.uses_gpu if on_gpu is None else on_gpu
+    rate = ACHIEVED_FLOPS[run.precision] if on_gpu else ACHIEVED_FLOPS["cpu"]
     return flops / rate
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size_search, batching, data, environment, faults, flops, gpu_monitor, memory_estimate, modeling
+from . import batch_size_search, batching, data, environment, evaluation, faults, flops, gpu_monitor, memory_estimate, modeling
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, summarise
@@ -41,6 +40,10 @@ class StopSignal:
 
     deadline: float | None = None  # time.monotonic() value
     terminate_requested: bool = False
+    # When the job's time limit ends it (time.monotonic()), and the seconds kept between the deadline and
+    # then: evaluation and writing results happen there (evaluation.py).
+    limit: float | None = None
+    margin: float = 0.0
 
     def reason(self, typical_step_s: float) -> str | None:
         if self.terminate_requested:
@@ -84,11 +87,6 @@ def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
             produced += 1
             if produced == count:
                 return
-
-
-def peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux: the process's high-water resident memory since it started.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def set_seed(seed: int) -> None:
@@ -146,10 +144,9 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
             metrics.update(_count_flops(run, shape))
         figures, trained_steps = _engine(run.spec)(run, shape)
         metrics.update(figures)
-        if metrics["status"] == "ok" and dist.rank == 0:
-            eval_started = time.perf_counter()
-            metrics.update(evaluate(run.model, run.eval_split, run.spec, run.task, device, run.pad_id))
-            metrics["eval_time_s"] = time.perf_counter() - eval_started
+        metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
+        if metrics["status"] in evaluation.EVALUATED and not stop.terminate_requested and dist.rank == 0:
+            evaluation.evaluate_run(run, evaluate, metrics)
         steps = trained_steps
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
@@ -162,7 +159,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     if run is not None and run.last_step is not None:
         metrics["last_step"] = run.last_step
     metrics["wall_time_s"] = time.perf_counter() - started
-    metrics["peak_rss_mb"] = peak_rss_mb()
+    metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
 
 
@@ -346,15 +343,22 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int) -> dict:
+def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int,
+             another_batch_fits=lambda: True) -> dict:
+    """Scores on the eval split; ``another_batch_fits`` (asked before each batch) may end it early, and
+    eval_samples counts the examples scored."""
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
     scores = batching.EvalAccumulator(task)
+    scored = 0
     for start in range(0, count, spec.eval_batch_size):
+        if not another_batch_fits():
+            break
         indices = np.arange(start, min(start + spec.eval_batch_size, count))
+        scored += len(indices)
         batch = batching.collate(task, split, indices, pad_id).to(device)
         with torch.autocast(**autocast_args(device, spec.precision)):
             output = model(**batch.inputs)
         scores.add(output, batch)
     model.train()
-    return {"eval_samples": count, **scores.result()}
+    return {"eval_samples": scored, "eval_samples_planned": count, **scores.result()}

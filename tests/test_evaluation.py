@@ -1,0 +1,62 @@
+"""evaluation.py: a timed-out run's evaluation fits in the job's margin, and its memory peak is its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ftbench import evaluation, trainer
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_eval_batches_stop_while_the_reserve_for_writing_is_still_left():
+    clock = Clock()
+    budget = evaluation.EvalBudget(limit=10.0, reserve=2.0, clock=clock)
+    fits = []
+    for _ in range(8):
+        fits.append(budget.another_batch_fits())
+        clock.now += 2.5  # each batch takes 2.5 s
+    # Batches start at 0, 2.5 and 5; at 7.5 another 2.5 s batch plus the 2 s reserve would pass 10.
+    assert fits[:4] == [True, True, True, False]
+
+
+def test_without_a_limit_every_batch_fits():
+    budget = evaluation.EvalBudget(limit=None, reserve=0.0)
+    assert all(budget.another_batch_fits() for _ in range(100))
+
+
+def test_eval_peak_is_reset_and_read_apart_from_trainings():
+    """/proc/self/clear_refs resets the high-water mark (VmHWM): evaluation's peak is not training's."""
+    held = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    before = evaluation.peak_rss_mb()
+    del held
+    assert evaluation.reset_peak_rss()
+    after = evaluation.peak_rss_mb()
+    assert after < before - 32  # the earlier peak no longer counts
+
+
+@pytest.mark.slow
+def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, prepared_data):
+    """evaluate() asks before each batch; a run's metrics say how many examples were scored and why."""
+    from ftbench import batching, data, devices, matrix, modeling
+    import torch
+
+    config = tiny_config_factory(defaults={**tiny_config_factory()["defaults"], "eval_batch_size": 4},
+                                 matrix={"model": ["tiny"], "dataset": ["tiny"]})
+    (spec,) = matrix.expand_runs(config)
+    folder, manifest = prepared_data
+    split = data.load_split(folder, "eval", data.verify(folder))
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
+                                 pad_token_id=manifest["pad_token_id"])
+    answers = iter([True, True, False])
+    figures = trainer.evaluate(built.model, split, spec, "classification", torch.device("cpu"), manifest["pad_token_id"],
+                               another_batch_fits=lambda: next(answers))
+    assert figures["eval_samples"] == 8 and figures["eval_samples_planned"] == len(split) > 8
+    assert 0 <= figures["eval_accuracy"] <= 1
