@@ -25,6 +25,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "device_name": ("string", "GPU name, or CPU model"),
     "world_size": ("Int64", "devices that trained together"),
     "host": ("string", "host name"),
+    "hosts": ("string", "ddp/fsdp: every host the run's ranks ran on, comma-separated (num_nodes of them; num_gpus "
+                        "GPUs on each); null for one-process runs"),
     "gpu_names": ("string", "all visible GPUs, comma-separated"),
     "gpu_driver": ("string", "NVIDIA driver version"),
     "cuda_version": ("string", "CUDA version torch was built with"),
@@ -72,6 +74,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
+    "memory_estimate_host_mb": ("Float64", "fsdp_cpu_offload: host memory per process predicted for the offloaded shards "
+                                "(weights, gradients, optimizer state), MiB; null otherwise"),
     "memory_estimate_ratio": ("Float64", "memory_estimate_mb / measured (CUDA peak allocated on GPU, peak RSS on CPU); null unless status ok"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),

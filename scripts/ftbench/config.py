@@ -258,7 +258,6 @@ def experiment_warnings(config: dict) -> list[str]:
 # Settings whose values are declared in RunSpec but not yet implemented by the trainer: refused at parse
 # time with the reason, never run as if they were something else. Each entry goes when its code lands.
 NOT_YET_RUNNABLE = {
-    ("parallel", "fsdp"): "FSDP2 sharding",
     ("batching", "group_by_length"): "length-grouped batches",
     ("batching", "pack"): "packed batches",
     ("batching", "padding_free"): "padding-free batches",
@@ -315,6 +314,10 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
             f"grad_accum_steps {run.grad_accum_steps}) but datasets.{run.dataset}.train_size is {train_size}; "
             "expected a smaller batch or a larger train_size"
         )
+    if run.parallel == "fsdp" and run.auto_batch_size:
+        # The search tries batches in one process; a sharded model's memory depends on every rank's.
+        raise ConfigError(f"config key {_setting_key(config, 'auto_batch_size', True)}: run {run.run_id} uses parallel "
+                          "'fsdp'; auto_batch_size is not combined with fsdp: set batch_size")
     if run.parallel in ("dp", "ddp") and run.num_gpus < 2 and run.device != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, modeling, trainer
+from . import atomic, fsdp, modeling, trainer
 from .devices import Distributed, choose_device
 from .errors import UnsupportedConfiguration
 from .metrics import merge_ranks
@@ -38,6 +39,7 @@ def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, tim
     try:
         device, _ = choose_device(spec, Distributed())
         modeling.check_supported(spec, device)
+        fsdp.check_supported(spec)
     except UnsupportedConfiguration as exc:
         return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
     shutil.rmtree(rank_dir, ignore_errors=True)
@@ -56,6 +58,8 @@ def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, tim
         # A rank died without writing its result (killed, segfault): no honest row can be made.
         raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
     metrics, steps = merge_ranks(results, devices)
+    metrics.pop("host", None)
+    metrics["hosts"] = ",".join(sorted({r["metrics"]["host"] for r in results if r["metrics"].get("host")})) or None
     if len(results) < devices:
         metrics["status_reason"] += f"; {devices - len(results)} other rank(s) ended while waiting for it, without results"
     return metrics, steps
@@ -81,6 +85,7 @@ def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None
         sys.stderr.flush()
         os._exit(1)
     metrics["rank"] = dist.rank
+    metrics["host"] = socket.gethostname()  # a multi-node run's ranks run on several hosts
     atomic.write_json(rank_dir / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps,
                                                           "terminated": stop.terminate_requested})
     if metrics["status"] != "ok":
