@@ -145,3 +145,74 @@ def test_fsdp_two_ranks_train_like_one_process(settings, llama_data, tmp_path):
     assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=2e-4)
     assert ranks[1]["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"])  # both ranks evaluated
     assert "fsdp" in metrics["flops_counted_error"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-node: two local "nodes" (torchrun node ranks 0 and 1) meeting at a localhost rendezvous
+
+
+@pytest.mark.slow
+def test_two_node_ranks_meet_at_a_localhost_rendezvous(llama_data, tmp_path, monkeypatch):
+    """What srun starts on each node (ddp.node_command), here as two local processes: one rank each, FSDP
+    over both, merged by the launcher like any ddp/fsdp run."""
+    import socket
+
+    from ftbench import trainer
+
+    spec = llama_spec(parallel="fsdp", num_gpus=1, num_nodes=2)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def two_local_nodes(spec, data_dir, rank_dir, threads, time_limit_s) -> int:
+        args = ddp.worker_args(spec, data_dir, rank_dir, 1, time_limit_s)
+        nodes = [subprocess.Popen(ddp.node_command(spec, args, str(rank), f"127.0.0.1:{port}", "test"))
+                 for rank in (0, 1)]
+        return max(node.wait(timeout=300) for node in nodes)
+
+    monkeypatch.setattr(ddp, "run_ddp", two_local_nodes)
+    metrics, steps = ddp.train(spec, str(llama_data), tmp_path / "ranks", 2, None, trainer.StopSignal())
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert metrics["world_size"] == 2 and len(metrics["per_rank"]) == 2
+    assert metrics["hosts"] == socket.gethostname()  # both "nodes" ran here
+    assert steps[0]["samples"] == 2 * spec.batch_size  # one global batch over both nodes
+
+
+def test_multi_node_runs_need_ddp_or_fsdp():
+    with pytest.raises(ConfigError, match=r"num_nodes.*expected parallel 'ddp' or 'fsdp'"):
+        ftconfig.validate_config(lm_config(llama_def(), num_nodes=2))
+
+
+def test_multi_node_runs_are_refused_without_a_cluster():
+    config = lm_config(llama_def(), parallel="fsdp", num_gpus=1, num_nodes=2)
+    ftconfig.validate_config(config)  # valid as such: where it can run is the executor's question
+    with pytest.raises(ConfigError, match=r"num_nodes: run .* spans 2 nodes, which needs a SLURM cluster"):
+        ftconfig.check_nodes(config, cluster=False)
+    ftconfig.check_nodes(config, cluster=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a job asks SLURM for
+
+
+def test_multi_node_jobs_ask_per_node():
+    from ftbench import resources
+
+    one = llama_spec(parallel="fsdp", num_gpus=4, device="auto")
+    two = one.replace(num_nodes=2)
+    assert (resources.train_gpus(one), resources.train_gres(one), resources.train_nodes(one)) == (4, None, 1)
+    # --gpus counts the job's total, which SLURM may spread unevenly: gres gpu:4 is 4 on each node.
+    assert (resources.train_gpus(two), resources.train_gres(two), resources.train_nodes(two)) == (0, "gpu:4", 2)
+    assert resources.train_mem_mb(two) == resources.train_mem_mb(one)  # --mem is per node: same processes per node
+
+
+def test_offload_asks_for_host_memory_and_time():
+    from ftbench import resources
+
+    sharded = llama_spec(parallel="fsdp", num_gpus=4, device="auto", precision="bf16")
+    offload = only_spec(lm_config(llama_def(), parallel="fsdp", num_gpus=4, device="auto", fsdp_cpu_offload=True))
+    params = resources.model_params(sharded.model_def)
+    # Each of the node's 4 processes holds a quarter of the fp32 weights, gradients and AdamW state.
+    extra_mb = 4 * params * 16 / 4 / 1e6
+    assert resources.train_mem_mb(offload) == pytest.approx(resources.train_mem_mb(sharded) + extra_mb, abs=1)
+    assert resources.train_compute_seconds(offload) > 10 * resources.train_compute_seconds(sharded)

@@ -47,9 +47,9 @@ from __future__ import annotations
 import torch
 
 from . import fsdp, model_shape
+from .resources import OPTIMIZER_BYTES
 from .runspec import RunSpec
 
-OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
 MIB = 2**20
 
 # (bytes per layer-token per unit of width, per unit of MLP width), by (norm kind, MLP kind, 16-bit?).
