@@ -320,7 +320,8 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         # The search tries batches in one process; a sharded model's memory depends on every rank's.
         raise ConfigError(f"config key {_setting_key(config, 'auto_batch_size', True)}: run {run.run_id} uses parallel "
                           "'fsdp'; auto_batch_size is not combined with fsdp: set batch_size")
-    if run.parallel in ("dp", "ddp") and run.num_gpus < 2 and run.device != "cpu":
+    # DDP over one GPU per node of several nodes is still DDP: devices counts them all.
+    if run.parallel in ("dp", "ddp") and run.devices < 2 and run.device != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 
 
