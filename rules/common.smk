@@ -85,6 +85,24 @@ def get_train_gpus(wildcards):
     return ftbench_resources.train_gpus(RUNS[wildcards.run_id])
 
 
+def get_train_gres(wildcards):
+    return ftbench_resources.train_gres(RUNS[wildcards.run_id])
+
+
+def get_train_nodes(wildcards):
+    """Nodes of the run's job. Multi-node runs need a cluster executor (SLURM): checked here, when the DAG
+    is built, because while the Snakefile is parsed Snakemake has not chosen its executor yet. A dry run
+    executes with Snakemake's dry-run executor whatever --executor says; the intended one shows in
+    use_threads, which Snakemake turns on for every non-local executor (and for --use-threads)."""
+    cluster = workflow.non_local_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
+    try:
+        ftbench_config.check_nodes(config, cluster)
+    except FtbenchError as error:
+        sys.stderr.write(f"ftbench: {error}\n")
+        sys.exit(1)
+    return ftbench_resources.train_nodes(RUNS[wildcards.run_id])
+
+
 def get_train_threads(wildcards):
     run = RUNS[wildcards.run_id]
     return ftbench_resources.train_threads(run, local=not _cluster_jobs(), cores=workflow.cores, nodes=_train_nodes())

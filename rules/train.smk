@@ -11,14 +11,17 @@ rule train:
         spec=get_run_spec_json,
         spec_file=get_run_spec_file,
     threads: get_train_threads
-    # One node per run: a dp/ddp run gets its N GPUs on one machine and starts torchrun inside the job.
-    # A CPU run (num_gpus 0 or device cpu) asks for no GPU. `tasks` stays unset on purpose: on a GPU
-    # job the SLURM plugin turns it into --ntasks-per-gpu, which torchrun does not want.
+    # A dp/ddp/fsdp run gets its N GPUs on one machine and starts torchrun inside the job; a multi-node
+    # run (num_nodes, SLURM only) gets num_nodes nodes with gres gpu:N on each, and its job starts one
+    # torchrun per node with srun (ftbench/ddp.py). A CPU run (num_gpus 0 or device cpu) asks for no GPU.
+    # `tasks` stays unset on purpose: on a GPU job the SLURM plugin turns it into --ntasks-per-gpu, which
+    # torchrun does not want.
     resources:
         gpu=get_train_gpus,
+        gres=get_train_gres,
         cpus_per_gpu=get_train_cpus_per_gpu,
         slurm_partition=get_train_partition,
-        nodes=1,
+        nodes=get_train_nodes,
         mem_mb=get_train_mem_mb,
         runtime=get_train_runtime,
     conda:

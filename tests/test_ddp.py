@@ -45,3 +45,37 @@ def test_a_deadline_stop_is_not_a_termination(tmp_path, monkeypatch):
     metrics, _ = ddp.train(SPEC, "data", tmp_path / "ranks", None, None, stop)
     assert not stop.terminate_requested
     assert metrics["status"] == "timeout"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-node launch (num_nodes > 1): one torchrun per node through srun
+
+
+NODES_SPEC = RunSpec(run_id="r", parallel="fsdp", num_gpus=4, num_nodes=2, device="auto")
+
+
+def test_a_node_torchrun_joins_a_c10d_rendezvous():
+    command = ddp.node_command(NODES_SPEC, ["--spec", "{}"], "1", "gpu01:29600", "77")
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    for flag in ("--nnodes=2", "--nproc-per-node=4", "--node-rank=1", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=gpu01:29600", "--rdzv-id=77"):
+        assert flag in command
+    assert "--standalone" not in command
+    assert command[-4:] == ["ftbench", "train", "--spec", "{}"]
+
+
+def test_srun_starts_one_torchrun_per_node_meeting_on_the_first_host(monkeypatch):
+    monkeypatch.setattr(ddp, "first_host", lambda nodelist: {"gpu[07-08]": "gpu07"}[nodelist])
+    command = ddp.slurm_command(NODES_SPEC, ["--spec", "{}"], {"SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "gpu[07-08]"})
+    assert command[:6] == ["srun", "--overlap", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "bash"]
+    script = command[-1]
+    assert script.startswith("exec ")
+    # Each node's task expands its own node index; the rendezvous port follows the job id.
+    assert '--node-rank="$SLURM_NODEID"' in script
+    assert f"--rdzv-endpoint=gpu07:{ddp.RDZV_PORT_BASE + 1234}" in script
+    assert "--nnodes=2" in script and "--nproc-per-node=4" in script
+
+
+def test_a_multi_node_run_outside_slurm_says_so():
+    with pytest.raises(RuntimeError, match="inside a SLURM job"):
+        ddp.slurm_command(NODES_SPEC, [], {})

@@ -289,6 +289,34 @@ def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[i
     raise AssertionError(f"no train job started running within {timeout_s} s:\n{cluster.tail_logs()}")
 
 
+def test_a_multi_node_run_asks_slurm_for_its_nodes(cluster, tmp_path, tiny_model_dir, tiny_csv, config_home):
+    """num_nodes 2: one job of 2 nodes with gres gpu:N on each (ftbench/ddp.py then starts one torchrun per
+    node with srun). This one-node cluster cannot give it 2 nodes: the job stays pending, as submitted."""
+    config = tiny_config(tiny_model_dir, tiny_csv, matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"],
+                                                          "parallel": ["ddp"], "num_gpus": [1], "num_nodes": [2]})
+    configfile = write_config(tmp_path, config, name="config-nodes.yaml")
+    snakemake = subprocess.Popen(snakemake_command(tmp_path, configfile, "--retries", "0"), cwd=tmp_path,
+                                 env=snakemake_env(config_home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job_id = None
+    try:
+        deadline = time.monotonic() + 90
+        while job_id is None and time.monotonic() < deadline:
+            out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True).stdout
+            job_id = next((int(line.split()[0]) for line in out.splitlines() if "rule_train_" in line), None)
+            time.sleep(0.5)
+        assert job_id is not None, f"no train job submitted within 90 s:\n{cluster.tail_logs()}"
+        time.sleep(2)  # the scheduler's first look at it
+        info = cluster.job_info(job_id)
+    finally:
+        snakemake.terminate()
+        snakemake.wait(timeout=60)
+        if job_id is not None:
+            subprocess.run(["scancel", str(job_id)])
+    assert info["NumNodes"].startswith("2"), info
+    assert info["TresPerNode"] == "gres:gpu:1", info  # per node, not a job total SLURM could spread
+    assert (info["JobState"], info["Reason"]) == ("PENDING", "PartitionNodeLimit"), info
+
+
 def test_small_node_gets_a_fitted_request(cluster, tmp_path_factory, base_config, config_home):
     """A node with 2 CPUs: a GPU run's 4 CPUs per GPU would be refused by sbatch ("Requested node
     configuration is not available") on every attempt; the request is fitted to the node instead

@@ -31,6 +31,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "device_name": ("string", "GPU name, or CPU model"),
     "world_size": ("Int64", "devices that trained together"),
     "host": ("string", "host name"),
+    "hosts": ("string", "ddp/fsdp: every host the run's ranks ran on, comma-separated (num_nodes of them; num_gpus "
+                        "GPUs on each); null for one-process runs"),
     "gpu_names": ("string", "all visible GPUs, comma-separated"),
     "gpu_driver": ("string", "NVIDIA driver version"),
     "cuda_version": ("string", "CUDA version torch was built with"),
@@ -80,6 +82,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/memory_estimate.py), MiB"),
     "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),
+    "memory_estimate_host_mb": ("Float64", "fsdp_cpu_offload: host memory per process predicted for the offloaded shards "
+                                "(weights, gradients, optimizer state), MiB; null otherwise"),
     "memory_estimate_ratio": ("Float64", "memory_estimate_mb / CUDA peak allocated in training, what the estimate models; null unless status ok, and on the CPU (RSS holds the interpreter, libraries and data too)"),
     "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
     "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),

@@ -258,7 +258,6 @@ def experiment_warnings(config: dict) -> list[str]:
 # Settings whose values are declared in RunSpec but not yet implemented by the trainer: refused at parse
 # time with the reason, never run as if they were something else. Each entry goes when its code lands.
 NOT_YET_RUNNABLE = {
-    ("parallel", "fsdp"): "FSDP2 sharding",
     ("batching", "group_by_length"): "length-grouped batches",
     ("batching", "pack"): "packed batches",
     ("batching", "padding_free"): "padding-free batches",
@@ -275,10 +274,12 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         if getattr(run, name) == value:
             raise ConfigError(f"config key {_setting_key(config, name, value)}: {name}: {value!r} ({what}) is not "
                               "implemented by this ftbench version")
-    if run.num_nodes > 1 or run.image_size is not None:
-        name = "num_nodes" if run.num_nodes > 1 else "image_size"
-        raise ConfigError(f"config key {_setting_key(config, name, getattr(run, name))}: {name} is not implemented by "
-                          "this ftbench version")
+    if run.image_size is not None:
+        raise ConfigError(f"config key {_setting_key(config, 'image_size', run.image_size)}: image_size is not "
+                          "implemented by this ftbench version")
+    if run.num_nodes > 1 and not run.distributed:
+        raise ConfigError(f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans "
+                          f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
     from . import sources
     from .task_types import TASKS, model_task
 
@@ -322,7 +323,12 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
             f"grad_accum_steps {run.grad_accum_steps}) but datasets.{run.dataset}.train_size is {train_size}; "
             "expected a smaller batch or a larger train_size"
         )
-    if run.parallel in ("dp", "ddp") and run.num_gpus < 2 and run.device != "cpu":
+    if run.parallel == "fsdp" and run.auto_batch_size:
+        # The search tries batches in one process; a sharded model's memory depends on every rank's.
+        raise ConfigError(f"config key {_setting_key(config, 'auto_batch_size', True)}: run {run.run_id} uses parallel "
+                          "'fsdp'; auto_batch_size is not combined with fsdp: set batch_size")
+    # DDP over one GPU per node of several nodes is still DDP: devices counts them all.
+    if run.parallel in ("dp", "ddp") and run.devices < 2 and run.device != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 
 
@@ -387,6 +393,22 @@ def check_gpu_limit(config: dict, limit: int | None) -> None:
                 f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} asks for "
                 f"{run.num_gpus} GPUs but this invocation allows {limit} (resources gpu={limit}, from the "
                 f"command line or a profile); expected num_gpus <= {limit}"
+            )
+
+
+def check_nodes(config: dict, cluster: bool) -> None:
+    """Multi-node runs only where jobs go to a cluster (the SLURM executor): locally a job is one process
+    tree on this machine, and its torchrun cannot reach another."""
+    if cluster:
+        return
+    from . import matrix
+
+    for run in matrix.expand_runs(config):
+        if run.num_nodes > 1:
+            raise ConfigError(
+                f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans {run.num_nodes} "
+                "nodes, which needs a SLURM cluster (snakemake --profile profiles/slurm); this invocation runs jobs "
+                "on this machine: expected num_nodes 1"
             )
 
 

@@ -1,8 +1,10 @@
 """DDP runs: the launcher side (torchrun, one process per device, and the merged result) and the worker
 side (one rank).
 
-DDP runs are started by the training job itself (``torchrun --standalone``, one process per device), so
-the same rule works locally and inside one SLURM allocation. Each rank writes its own result file; the
+DDP and FSDP runs are started by the training job itself (``torchrun --standalone``, one process per
+device), so the same rule works locally and inside one SLURM allocation. A multi-node run (num_nodes > 1,
+SLURM only) starts one torchrun per node of the job's allocation with ``srun``, all meeting at a c10d
+rendezvous on the allocation's first host; the job's own process (on the first node) stays the launcher. Each rank writes its own result file; the
 launcher merges them after torchrun returns. No collective runs after training, so a rank that failed
 cannot leave the others waiting.
 """
@@ -13,7 +15,9 @@ import datetime
 import json
 import os
 import shutil
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, lifeline, modeling, trainer
+from . import atomic, fsdp, lifeline, modeling, trainer
 from .devices import Distributed, choose_device
 from .errors import ManifestError, UnsupportedConfiguration
 from .lifeline import alive
@@ -39,6 +43,7 @@ def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, tim
     try:
         device, _ = choose_device(spec, Distributed())
         modeling.check_supported(spec, device)
+        fsdp.check_supported(spec)
     except UnsupportedConfiguration as exc:
         return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
     shutil.rmtree(rank_dir, ignore_errors=True)
@@ -57,6 +62,8 @@ def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, tim
         # A rank died without writing its result (killed, segfault): no honest row can be made.
         raise RuntimeError(f"torchrun exited with {code}; {len(results)} of {devices} ranks wrote results (see the log above)")
     metrics, steps = merge_ranks(results, devices)
+    metrics.pop("host", None)
+    metrics["hosts"] = ",".join(sorted({r["metrics"]["host"] for r in results if r["metrics"].get("host")})) or None
     if len(results) < devices:
         metrics["status_reason"] += f"; {devices - len(results)} other rank(s) ended while waiting for it, without results"
     return metrics, steps
@@ -92,6 +99,7 @@ def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None
                 "terminated": stop.terminate_requested})
         os._exit(1)
     metrics["rank"] = dist.rank
+    metrics["host"] = socket.gethostname()  # a multi-node run's ranks run on several hosts
     atomic.write_json(rank_dir / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps,
                                                           "terminated": stop.terminate_requested})
     if metrics["status"] != "ok":
@@ -107,16 +115,66 @@ def ddp_command(processes: int, worker_args: list[str]) -> list[str]:
     ]
 
 
-def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
-    """Start one process per device with torchrun; each writes ``rank_dir/rank<R>.json``."""
-    processes = max(1, spec.num_gpus)
-    args = ["--spec", spec.to_json(), "--data", data_dir, "--rank-dir", str(rank_dir)]
+def node_command(spec: RunSpec, worker_args: list[str], node_rank: str, endpoint: str, rdzv_id: str) -> list[str]:
+    """One node's torchrun of a multi-node run: num_gpus processes here, num_nodes x num_gpus in all, meeting
+    at the c10d rendezvous ``endpoint`` (host:port). ``node_rank``: a number, or "$SLURM_NODEID" for srun."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.num_nodes}",
+        f"--nproc-per-node={max(1, spec.num_gpus)}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", "-m", "ftbench", "train", *worker_args,
+    ]
+
+
+def slurm_command(spec: RunSpec, worker_args: list[str], environ: dict | None = None) -> list[str]:
+    """``srun`` of a multi-node run inside its SLURM job: one task per node, each a torchrun (node_command).
+
+    --overlap: the job's own step (this launcher) already holds the first node's CPUs and GPUs, which its
+    torchrun must use too. The rendezvous is on the allocation's first host; its port follows the job id,
+    so two multi-node jobs sharing a first host do not meet each other.
+    """
+    environ = os.environ if environ is None else environ
+    job_id = environ.get("SLURM_JOB_ID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not job_id or not nodelist:
+        raise RuntimeError(f"num_nodes {spec.num_nodes}: a multi-node run starts inside a SLURM job "
+                           "(SLURM_JOB_ID and SLURM_JOB_NODELIST unset)")
+    endpoint = f"{first_host(nodelist)}:{RDZV_PORT_BASE + int(job_id) % RDZV_PORT_SPAN}"
+    torchrun = " ".join(shlex.quote(part) for part in node_command(spec, worker_args, "NODE_RANK", endpoint, job_id))
+    # $SLURM_NODEID is each task's own node index: expanded by the task's shell, not here.
+    script = "exec " + torchrun.replace("--node-rank=NODE_RANK", '--node-rank="$SLURM_NODEID"')
+    gpus = [f"--gpus-per-node={spec.num_gpus}"] if spec.uses_gpu else []
+    return ["srun", "--overlap", f"--nodes={spec.num_nodes}", "--ntasks-per-node=1", *gpus, "bash", "-c", script]
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("gpu[01-04]" -> "gpu01"), as scontrol expands it."""
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+
+
+# c10d rendezvous ports of multi-node runs: RDZV_PORT_BASE + job id modulo RDZV_PORT_SPAN.
+RDZV_PORT_BASE = 29500
+RDZV_PORT_SPAN = 20000
+
+
+def worker_args(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> list[str]:
+    """``python -m ftbench train`` arguments of one rank (threads: this node's, shared by its processes)."""
+    args = ["--spec", spec.to_json(), "--data", str(data_dir), "--rank-dir", str(rank_dir)]
     if threads:
-        args += ["--threads", str(max(1, threads // processes))]
+        args += ["--threads", str(max(1, threads // max(1, spec.num_gpus)))]
     if time_limit_s:
         args += ["--time-limit-s", str(time_limit_s)]
+    return args
+
+
+def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None) -> int:
+    """Start one process per device with torchrun (one torchrun per node); each writes ``rank_dir/rank<R>.json``
+    (a multi-node run's rank_dir must be on a file system every node sees, as results/ is on a cluster)."""
+    processes = max(1, spec.num_gpus)
+    args = worker_args(spec, data_dir, rank_dir, threads, time_limit_s)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
-    process = subprocess.Popen(ddp_command(processes, args), env=env)
+    command = slurm_command(spec, args) if spec.num_nodes > 1 else ddp_command(processes, args)
+    process = subprocess.Popen(command, env=env)
     # If Snakemake dies (lifeline.py), the job ends its torchrun and ranks before it exits.
     end_all = lambda: end_torchrun(process, rank_dir, grace_s=1.0)  # noqa: E731
     lifeline.on_parent_death(end_all)

@@ -62,10 +62,12 @@ class EvalBudget:
         return self.limit is None or now + self.slowest + self.reserve < self.limit
 
 
-def evaluate_run(run, evaluate, metrics: dict) -> None:
+def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True) -> None:
     """Evaluate ``run`` (a trainer.Run) with ``evaluate`` within the job's time, into ``metrics``: its
     figures, its time and its own memory peak; a note in status_reason when the time limit cut it short.
-    Call after the training figures (and their peaks) were taken."""
+    Call after the training figures (and their peaks) were taken. ``may_stop_early`` False: score every
+    batch (a sharded model evaluates on every rank, and ranks that stopped at different batches would
+    wait for each other in the next all-gather)."""
     local_gpus = [run.device.index] if run.device.type == "cuda" else []
     for index in local_gpus:
         synchronize(run.device)
@@ -75,7 +77,7 @@ def evaluate_run(run, evaluate, metrics: dict) -> None:
     budget = EvalBudget(stop.limit, WRITE_RESERVE * stop.margin if stop.limit else 0.0)
     started = time.perf_counter()
     figures = evaluate(run.model, run.eval_split, run.spec, run.task, run.device, run.pad_id,
-                       another_batch_fits=budget.another_batch_fits)
+                       another_batch_fits=budget.another_batch_fits if may_stop_early else lambda: True)
     figures["eval_time_s"] = time.perf_counter() - started
     if local_gpus:
         figures["eval_peak_memory_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20

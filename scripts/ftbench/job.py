@@ -83,7 +83,7 @@ def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_
         print(f"using GPUs {assigned}")
     if threads:
         torch.set_num_threads(threads)
-    if spec.parallel == "ddp":
+    if spec.distributed:  # ddp and fsdp: torchrun, one process per device
         metrics, steps = ddp.train(spec, data_dir, out.parent / "ranks", threads, time_limit_s, stop)
     else:
         metrics, steps = trainer.train_run(spec, data_dir, stop)

@@ -32,6 +32,12 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   the layer inputs and one recomputed layer). Seen on an H100 by reading the allocated memory after each
   phase of a step (Llama-134M shape, bf16, 8 x 1024): the peak came at the start of the backward pass,
   without gradients, and with checkpointing also without autocast's weight copies.
+- fsdp (FSDP2, per GPU): the fp32 weights, gradients and optimizer state are sharded, 1/world each (none
+  on the GPU with fsdp_cpu_offload: they are host memory, memory_estimate_host_mb). In place of autocast's
+  weight copies, the gathered (unsharded) parameters in the compute dtype: the root's (embeddings, head,
+  kept gathered) plus two blocks (the one computing and the one prefetched), or every block with
+  fsdp_reshard_after_forward off (all stay gathered from their forward to their backward). Gradients add
+  two blocks' unsharded gradients in the reduce dtype, before their reduce-scatter.
 It ignores allocator fragmentation, CUDA context and library workspaces: compare it with CUDA
 max_memory_allocated (not reserved), and expect it to be low by a margin on small models.
 """
@@ -40,10 +46,10 @@ from __future__ import annotations
 
 import torch
 
-from . import model_shape
+from . import fsdp, model_shape
+from .resources import OPTIMIZER_BYTES
 from .runspec import RunSpec
 
-OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
 MIB = 2**20
 
 # (bytes per layer-token per unit of width, per unit of MLP width), by (norm kind, MLP kind, 16-bit?).
@@ -164,11 +170,33 @@ def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int |
         "recompute": recompute,
         "logits": logits,
     }
+    host = 0.0
+    if spec.parallel == "fsdp":
+        parts, host = sharded(parts, model, spec, trainable)
     return {
         "memory_estimate_mb": peak_bytes(parts) / MIB,
         "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
         "memory_estimate_note": None,
+        "memory_estimate_host_mb": host / MIB if spec.parallel == "fsdp" and spec.fsdp_cpu_offload else None,
     }
+
+
+def sharded(parts: dict, model: torch.nn.Module, spec: RunSpec, trainable: int) -> tuple[dict, float]:
+    """One GPU's parts under FSDP2 (see the module's docstring), and the host bytes that offload holds."""
+    world = spec.devices
+    blocks = [sum(p.numel() for p in block.parameters()) for block in fsdp.repeated_blocks(model)]
+    total = sum(p.numel() for p in model.parameters())
+    compute_bytes = 4 if spec.precision == "fp32" else 2
+    reduce_bytes = 4 if (spec.fsdp_reduce_dtype or spec.precision) == "fp32" else 2
+    largest = max(blocks, default=total)
+    gathered_params = total if not spec.fsdp_reshard_after_forward else (total - sum(blocks)) + 2 * largest
+    states = {name: parts[name] / world for name in ("weights", "gradients", "optimizer")}
+    host = sum(states.values())
+    if spec.fsdp_cpu_offload:
+        states = dict.fromkeys(states, 0.0)
+    in_flight = 2 * min(largest, trainable) * reduce_bytes  # unsharded gradients awaiting their reduce-scatter
+    return {**parts, **states, "gradients": states["gradients"] + in_flight,
+            "weight_copies": min(gathered_params, total) * compute_bytes}, host
 
 
 def peak_bytes(parts: dict) -> float:

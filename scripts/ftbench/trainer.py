@@ -10,7 +10,7 @@ How the numbers are taken (so they can be trusted):
 
 Parallel modes: ``single`` (one device), ``dp`` (torch.nn.DataParallel: one process splits each batch
 over the GPUs), ``ddp`` (DistributedDataParallel: one process per device, started by torchrun; see
-``ddp.py``). ``batch_size`` is always per device, so the global batch is batch_size x devices.
+``ddp.py``), ``fsdp`` (FSDP2, launched like ddp; see ``fsdp.py``). ``batch_size`` is always per device, so the global batch is batch_size x devices.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size_search, batching, data, environment, evaluation, faults, flops, gpu_monitor, memory_estimate, modeling
+from . import batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, memory_estimate, modeling
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, summarise
@@ -122,7 +122,8 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         load_started = time.perf_counter()
         train_split = data.load_split(data_dir, "train", manifest, spec.data_source)
         eval_split = data.load_split(data_dir, "eval", manifest)
-        built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None, device=device,
+        built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
+                                     device=fsdp.build_device(spec, device),
                                      pad_token_id=manifest["pad_token_id"])
         run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
                   eval_split, built.model)
@@ -140,13 +141,18 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
             metrics["batch_size"] = search.found
         metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
         shape = flops.ModelShape.of(run.model)
-        if dist.rank == 0:
+        if dist.rank == 0 and spec.parallel == "fsdp":
+            # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
+            metrics["flops_counted_error"] = "not counted under fsdp (the model is sharded over the ranks)"
+        elif dist.rank == 0:
             metrics.update(_count_flops(run, shape))
         figures, trained_steps = _engine(run.spec)(run, shape)
         metrics.update(figures)
         metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
-        if metrics["status"] in evaluation.EVALUATED and not stop.terminate_requested and dist.rank == 0:
-            evaluation.evaluate_run(run, evaluate, metrics)
+        # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
+        sharded = spec.parallel == "fsdp"
+        if metrics["status"] in evaluation.EVALUATED and not stop.terminate_requested and (dist.rank == 0 or sharded):
+            evaluation.evaluate_run(run, evaluate, metrics, may_stop_early=not sharded)
         steps = trained_steps
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
@@ -173,11 +179,13 @@ def _engine(spec: RunSpec):
 
 
 def _wrap_model(run: Run) -> torch.nn.Module:
-    """The model as trained: DataParallel / DDP / compiled as asked."""
+    """The model as trained: DataParallel / DDP / FSDP / compiled as asked."""
     model, spec, device = run.model, run.spec, run.device
     if spec.parallel == "dp" and device.type == "cuda" and spec.devices > 1:
         model = torch.nn.DataParallel(model, device_ids=list(range(spec.devices)))
-    if run.dist.active:
+    if spec.parallel == "fsdp":
+        model = fsdp.shard(model, spec, device)  # in place: run.model is the sharded model from here on
+    elif run.dist.active:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -262,8 +270,10 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
                 if micro == 0:
                     injector.before_step(step)
                 injector.check_batch(spec.batch_size)
-            # Gradients are all-reduced only on the last micro-batch of a step.
-            no_sync = model.no_sync() if dist.active and micro < accum - 1 else contextlib.nullcontext()
+            # DDP all-reduces gradients only on the last micro-batch of a step. FSDP reduce-scatters every
+            # micro-batch's: skipping it would keep whole unsharded gradients, the memory fsdp saves.
+            ddp_accumulating = spec.parallel == "ddp" and dist.active and micro < accum - 1
+            no_sync = model.no_sync() if ddp_accumulating else contextlib.nullcontext()
             with no_sync:
                 with torch.autocast(**autocast):
                     # Only the loss is kept: holding the whole output would keep the logits (batch x S x

@@ -1,0 +1,218 @@
+"""parallel: fsdp (ftbench.fsdp): FSDP2 over two gloo processes on the CPU, against a one-process run on the
+same data; what is refused; the per-GPU memory estimate under sharding and offload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftbench import config as ftconfig
+from ftbench import ddp, fsdp, memory_estimate, modeling
+from ftbench.errors import ConfigError, UnsupportedConfiguration
+from ftbench.runspec import RunSpec
+
+from test_families import lm_config, llama_def, llama_spec, only_spec, prepare_for
+
+
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory) -> Path:
+    return prepare_for(llama_spec(), tmp_path_factory.mktemp("fsdp-tokens"))
+
+
+def tiny_llama(spec: RunSpec):
+    return modeling.build_model(spec, num_labels=None, device=torch.device("cpu"), vocab_size=None).model
+
+
+def train(spec: RunSpec, data: Path, folder: Path) -> tuple[dict, list[dict]]:
+    """The train rule's command: (merged metrics, rank results; none for a one-process run)."""
+    out = folder / spec.run_id / "metrics.json"
+    out.parent.mkdir(parents=True)
+    process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data),
+                              "--out", str(out), "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, f"--- stdout\n{process.stdout[-3000:]}\n--- stderr\n{process.stderr[-3000:]}"
+    return json.loads(out.read_text())["metrics"], ddp.read_rank_results(out.parent / "ranks")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrapping and policies
+
+
+def test_repeated_blocks_are_the_decoder_layers():
+    model = tiny_llama(llama_spec())
+    blocks = fsdp.repeated_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * model.config.num_hidden_layers
+    # Under peft the same blocks are found through the adapter wrapper.
+    lora = tiny_llama(llama_spec(method="lora"))
+    assert len(fsdp.repeated_blocks(lora)) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("precision, reduce, param_dtype, reduce_dtype", [
+    ("bf16", None, torch.bfloat16, torch.bfloat16),
+    ("bf16", "fp32", torch.bfloat16, torch.float32),
+    ("fp32", None, None, torch.float32),
+])
+def test_mixed_precision_follows_the_run(precision, reduce, param_dtype, reduce_dtype):
+    spec = RunSpec(parallel="fsdp", precision=precision, fsdp_reduce_dtype=reduce, fsdp_reshard_after_forward=False,
+                   fsdp_cpu_offload=True)
+    kwargs = fsdp.policies(spec)
+    assert (kwargs["mp_policy"].param_dtype, kwargs["mp_policy"].reduce_dtype) == (param_dtype, reduce_dtype)
+    assert kwargs["reshard_after_forward"] is False
+    assert type(kwargs["offload_policy"]).__name__ == "CPUOffloadPolicy"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refused at parse time, or unsupported with the reason
+
+
+def test_auto_batch_size_with_fsdp_is_refused_at_parse_time():
+    config = lm_config(llama_def(), parallel="fsdp", num_gpus=2, auto_batch_size=True)
+    with pytest.raises(ConfigError, match=r"auto_batch_size.*fsdp"):
+        ftconfig.validate_config(config)
+
+
+def test_fsdp_is_accepted_at_parse_time():
+    assert only_spec(lm_config(llama_def(), parallel="fsdp", num_gpus=2, fsdp_cpu_offload=True)).parallel == "fsdp"
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"method": "qlora"}, "4-bit"),
+    ({"optimizer": "adamw_8bit"}, "8-bit"),
+])
+def test_what_fsdp2_cannot_shard_is_unsupported(settings, words):
+    with pytest.raises(UnsupportedConfiguration, match=words):
+        fsdp.check_supported(RunSpec(parallel="fsdp", **settings))
+    fsdp.check_supported(RunSpec(parallel="ddp", **settings))  # only fsdp refuses them
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory estimate per GPU
+
+
+def test_estimate_shards_states_and_moves_them_to_the_host_with_offload():
+    model_def = llama_def()
+    model_def["source"]["overrides"]["num_hidden_layers"] = 4  # more blocks than the two gathered at a time
+    single = only_spec(lm_config(model_def, precision="bf16"))
+    model = tiny_llama(single)
+    base = memory_estimate.estimate(model, single, "causal_lm", model.config.vocab_size)["memory_estimate_parts_mb"]
+    four = only_spec(lm_config(model_def, precision="bf16", parallel="fsdp", num_gpus=4))
+    sharded = memory_estimate.estimate(model, four, "causal_lm", model.config.vocab_size)
+    parts = sharded["memory_estimate_parts_mb"]
+    assert parts["weights"] == pytest.approx(base["weights"] / 4)
+    assert parts["optimizer"] == pytest.approx(base["optimizer"] / 4)
+    assert parts["gradients"] > base["gradients"] / 4  # plus the gradients awaiting their reduce-scatter
+    assert parts["activations"] == base["activations"]  # a per-device batch either way
+    assert sharded["memory_estimate_host_mb"] is None
+    kept = memory_estimate.estimate(model, four.replace(fsdp_reshard_after_forward=False), "causal_lm", model.config.vocab_size)
+    assert kept["memory_estimate_parts_mb"]["weight_copies"] > parts["weight_copies"]  # every block stays gathered
+    offload = memory_estimate.estimate(model, four.replace(fsdp_cpu_offload=True), "causal_lm", model.config.vocab_size)
+    assert offload["memory_estimate_parts_mb"]["weights"] == offload["memory_estimate_parts_mb"]["optimizer"] == 0
+    assert offload["memory_estimate_host_mb"] == pytest.approx((base["weights"] + base["gradients"] + base["optimizer"]) / 4)
+    assert offload["memory_estimate_mb"] < sharded["memory_estimate_mb"] < memory_estimate.estimate(
+        model, single, "causal_lm", model.config.vocab_size)["memory_estimate_mb"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two gloo ranks against one process on the same global batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    {},
+    # lora_dropout 0: dropout masks would differ between one process and two.
+    {"method": "lora", "lora_dropout": 0.0, "gradient_checkpointing": True, "fsdp_reshard_after_forward": False},
+], ids=["full", "lora-gc-noreshard"])
+def test_fsdp_two_ranks_train_like_one_process(settings, llama_data, tmp_path):
+    """Same global batch (4 x 2 ranks against 8 x 1), same order: the same losses and the same final weights
+    (the eval loss, computed sharded on both ranks, is a function of them)."""
+    single, _ = train(llama_spec(batch_size=8, **settings), llama_data, tmp_path)
+    spec = llama_spec(batch_size=4, parallel="fsdp", num_gpus=2, **settings)
+    metrics, ranks = train(spec, llama_data, tmp_path)
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert metrics["world_size"] == 2 and len(ranks) == 2
+    assert metrics["hosts"]  # where the ranks ran
+    assert metrics["trainable_params"] == single["trainable_params"]
+    # Each rank's loss is the mean over its half of the batch: their mean is the one process's loss.
+    rank_losses = [[step["loss"] for step in r["steps"]] for r in ranks]
+    mean_losses = [sum(pair) / 2 for pair in zip(*rank_losses)]
+    single_out = tmp_path / llama_spec(batch_size=8, **settings).run_id / "steps.parquet"
+    import pandas as pd
+    assert mean_losses == pytest.approx(pd.read_parquet(single_out)["loss"].tolist(), abs=2e-4)
+    assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=2e-4)
+    assert ranks[1]["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"])  # both ranks evaluated
+    assert "fsdp" in metrics["flops_counted_error"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-node: two local "nodes" (torchrun node ranks 0 and 1) meeting at a localhost rendezvous
+
+
+@pytest.mark.slow
+def test_two_node_ranks_meet_at_a_localhost_rendezvous(llama_data, tmp_path, monkeypatch):
+    """What srun starts on each node (ddp.node_command), here as two local processes: one rank each, FSDP
+    over both, merged by the launcher like any ddp/fsdp run."""
+    import socket
+
+    from ftbench import trainer
+
+    spec = llama_spec(parallel="fsdp", num_gpus=1, num_nodes=2)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def two_local_nodes(spec, data_dir, rank_dir, threads, time_limit_s) -> int:
+        args = ddp.worker_args(spec, data_dir, rank_dir, 1, time_limit_s)
+        nodes = [subprocess.Popen(ddp.node_command(spec, args, str(rank), f"127.0.0.1:{port}", "test"))
+                 for rank in (0, 1)]
+        return max(node.wait(timeout=300) for node in nodes)
+
+    monkeypatch.setattr(ddp, "run_ddp", two_local_nodes)
+    metrics, steps = ddp.train(spec, str(llama_data), tmp_path / "ranks", 2, None, trainer.StopSignal())
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert metrics["world_size"] == 2 and len(metrics["per_rank"]) == 2
+    assert metrics["hosts"] == socket.gethostname()  # both "nodes" ran here
+    assert steps[0]["samples"] == 2 * spec.batch_size  # one global batch over both nodes
+
+
+def test_multi_node_runs_need_ddp_or_fsdp():
+    with pytest.raises(ConfigError, match=r"num_nodes.*expected parallel 'ddp' or 'fsdp'"):
+        ftconfig.validate_config(lm_config(llama_def(), num_nodes=2))
+
+
+def test_multi_node_runs_are_refused_without_a_cluster():
+    config = lm_config(llama_def(), parallel="fsdp", num_gpus=1, num_nodes=2)
+    ftconfig.validate_config(config)  # valid as such: where it can run is the executor's question
+    with pytest.raises(ConfigError, match=r"num_nodes: run .* spans 2 nodes, which needs a SLURM cluster"):
+        ftconfig.check_nodes(config, cluster=False)
+    ftconfig.check_nodes(config, cluster=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a job asks SLURM for
+
+
+def test_multi_node_jobs_ask_per_node():
+    from ftbench import resources
+
+    one = llama_spec(parallel="fsdp", num_gpus=4, device="auto")
+    two = one.replace(num_nodes=2)
+    assert (resources.train_gpus(one), resources.train_gres(one), resources.train_nodes(one)) == (4, None, 1)
+    # --gpus counts the job's total, which SLURM may spread unevenly: gres gpu:4 is 4 on each node.
+    assert (resources.train_gpus(two), resources.train_gres(two), resources.train_nodes(two)) == (0, "gpu:4", 2)
+    assert resources.train_mem_mb(two) == resources.train_mem_mb(one)  # --mem is per node: same processes per node
+
+
+def test_offload_asks_for_host_memory_and_time():
+    from ftbench import resources
+
+    sharded = llama_spec(parallel="fsdp", num_gpus=4, device="auto", precision="bf16")
+    offload = only_spec(lm_config(llama_def(), parallel="fsdp", num_gpus=4, device="auto", fsdp_cpu_offload=True))
+    params = resources.model_params(sharded.model_def)
+    # Each of the node's 4 processes holds a quarter of the fp32 weights, gradients and AdamW state.
+    extra_mb = 4 * params * 16 / 4 / 1e6
+    assert resources.train_mem_mb(offload) == pytest.approx(resources.train_mem_mb(sharded) + extra_mb, abs=1)
+    assert resources.train_compute_seconds(offload) > 10 * resources.train_compute_seconds(sharded)
