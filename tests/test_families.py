@@ -655,7 +655,7 @@ def load_example(name: str) -> dict:
 
 def test_every_example_is_checked_here():
     assert sorted(path.name for path in EXAMPLES.glob("*.yaml")) == [
-        "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml", "seq-batch-diagnostic.yaml"]
+        "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml", "multimodal.yaml", "seq-batch-diagnostic.yaml"]
 
 
 def test_example_llama_methods():

@@ -27,7 +27,7 @@ has_digits = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
                                 reason="scikit-learn (requirements-assets.txt) ships the digits")
 IMAGE_DEFAULTS = {"method": "full", "precision": "fp32", "batch_size": 8, "seq_len": 32, "max_steps": 4,
                   "warmup_steps": 1, "learning_rate": 0.002, "device": "cpu", "num_gpus": 0, "eval_batch_size": 64,
-                  "image_size": 16, "lora_rank": 4, "lora_targets": ["query", "value"]}
+                  "image_size": 16, "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}
 
 
 def png_bytes(seed: int, size: int = 12) -> bytes:
@@ -255,6 +255,21 @@ def test_planned_tasks_are_refused_with_the_reason(image_folder, task):
         config_module.validate_config(config)
 
 
+def test_example_multimodal():
+    import yaml
+
+    from conftest import ROOT
+
+    config = yaml.safe_load((ROOT / "config" / "examples" / "multimodal.yaml").read_text())
+    config_module.validate_config(config)
+    runs = matrix.expand_runs(config)
+    assert len(runs) == 3 + 4
+    assert {run.method for run in runs if run.model == "vit_base"} == {"full", "lora", "qlora"}
+    assert {run.image_size for run in runs} == {224, 384, 32}
+    assert len({run.data_id for run in runs}) == 3  # 224 and 384 prepared apart, the digits once
+    assert all(run.model_def["task"] == "image_classification" for run in runs)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training (slow)
 
@@ -281,7 +296,7 @@ def test_training_reports_images_and_image_tokens(tmp_path, image_folder, method
     assert metrics["memory_estimate_mb"] > 0
     # the analytic FLOPs (vision tower's Linear layers + attention) against torch's counter: the patch
     # embedding convolution is the known gap
-    assert 0.8 < metrics["flops_counted_ratio"] < 1.2
+    assert 0.7 < metrics["flops_counted_ratio"] < 1.2
     if method == "lora":
         assert metrics["trainable_params"] < metrics["total_params"]
 
