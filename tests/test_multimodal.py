@@ -226,6 +226,16 @@ def test_image_size_is_part_of_the_data_id_and_the_run_name(image_folder):
         config_module.check_run(run, config)
 
 
+def test_the_time_estimate_counts_image_tokens_not_seq_len(image_folder):
+    from ftbench import resources
+
+    config = experiment(image_dataset(image_folder))
+    config["matrix"]["image_size"] = [16, 32]
+    small, large = matrix.expand_runs(config)
+    # 17 and 65 tokens per image (patch 4), whatever seq_len is
+    assert resources.train_compute_seconds(large) / resources.train_compute_seconds(small) == pytest.approx(65 / 17)
+
+
 def test_text_runs_refuse_image_size():
     config = experiment({"source": {"kind": "synthetic"}}, image_size=64)
     config["models"]["vit"] = {"task": "causal_lm", "source": {"kind": "config", "architecture": "LlamaConfig",

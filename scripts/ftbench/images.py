@@ -33,9 +33,8 @@ import pyarrow as pa
 
 from . import atomic, sources
 from .errors import ConfigError, SourceError
+from .task_types import DEFAULT_IMAGE_SIZE, image_tokens_per_image
 
-DEFAULT_IMAGE_SIZE = 224  # ViT's; used when neither the run nor the model's config names a size
-DEFAULT_PATCH_SIZE = 16
 # A config-built model has no processor: images are scaled to [-1, 1] (ViT's own processor default).
 DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)
 CHANNELS = 3
@@ -67,12 +66,6 @@ def model_image_size(model_def: dict) -> int:
 def resolve_image_size(image_size: int | None, model_def: dict) -> int:
     """The run's image side: its ``image_size`` setting, else the model config's."""
     return int(image_size) if image_size else model_image_size(model_def)
-
-
-def image_tokens_per_image(model_config: dict, image_size: int) -> int:
-    """Patch tokens plus the class token of a ViT-style encoder at this image size."""
-    patch = int(model_config.get("patch_size", DEFAULT_PATCH_SIZE))
-    return (image_size // patch) ** 2 + 1
 
 
 def processor_stats(model_def: dict) -> tuple[list[float], list[float], str | None]:

@@ -51,5 +51,18 @@ PLANNED = {
 IMAGE_TASKS = tuple(name for name, task in TASKS.items() if task.modality == "image")
 
 
+# ViT's defaults, for a model config that names no image or patch size.
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_PATCH_SIZE = 16
+
+
+def image_tokens_per_image(model_config: dict | None, image_size: int | None) -> int:
+    """Patch tokens plus the class token a ViT-style encoder makes of one image at ``image_size``
+    (null: the config's own size). Reads a config dict only: the resource estimate uses it at parse time."""
+    model_config = model_config or {}
+    size = int(image_size or model_config.get("image_size", DEFAULT_IMAGE_SIZE))
+    return (size // int(model_config.get("patch_size", DEFAULT_PATCH_SIZE))) ** 2 + 1
+
+
 def model_task(model_def: dict) -> str:
     return model_def.get("task", "classification")
