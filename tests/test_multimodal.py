@@ -13,6 +13,7 @@ import io
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from ftbench import batching, config as config_module, cost, data, images, matrix
 from ftbench.errors import ConfigError
@@ -181,6 +182,8 @@ def test_disk_and_memory_splits_give_the_same_batches(tmp_path, image_folder):
     indices = np.array([5, 0, 15, 3])
     memory = batching.collate("image_classification", data.load_split(tmp_path, "train", manifest), indices, None)
     disk = batching.collate("image_classification", data.load_split(tmp_path, "train", manifest, "disk"), indices, None)
+    assert memory.inputs["pixel_values"].dtype == torch.uint8  # bytes until the batch reaches its device
+    memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     assert (memory.inputs["pixel_values"] == disk.inputs["pixel_values"]).all()
     assert (memory.inputs["labels"] == disk.inputs["labels"]).all()
     assert memory.inputs["pixel_values"].shape == (4, 3, 16, 16)

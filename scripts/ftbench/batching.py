@@ -15,7 +15,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import images
 from .task_types import IMAGE_TASKS
 
 IGNORE_INDEX = -100  # positions the loss skips (padding)
@@ -119,6 +118,8 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
     ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk.
     Image tasks are batched by images.py."""
     if task in IMAGE_TASKS:
+        from . import images  # imports this module (its batches are Batches)
+
         return images.collate(split, indices)
     rows = split.take(indices)
     sequences = rows.input_ids

@@ -22,6 +22,7 @@ images are also reported apart (``image_tokens_per_s``, ``text_tokens_per_s``, `
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import pandas as pd
 import pyarrow as pa
 
 from . import atomic, sources
+from .batching import Batch
 from .errors import ConfigError, SourceError
 from .task_types import DEFAULT_IMAGE_SIZE, image_tokens_per_image
 
@@ -345,23 +347,42 @@ def load_split(shards: list[Path], manifest: dict, data_source: str):
     return from_table(pa.concat_tables([pq.read_table(path) for path in shards]), facts)
 
 
-def collate(split, indices: np.ndarray):
-    """A batch of normalised float pixel values (N x 3 x H x W) and labels; every token is real (no padding)."""
+def collate(split, indices: np.ndarray) -> "ImageBatch":
+    """A batch of images and labels; every token is real (no padding). The pixels stay uint8 until the
+    batch is on its device (``ImageBatch.to``)."""
     import torch
 
-    from .batching import Batch
-
     rows = split.take(np.asarray(indices))
-    pixels = torch.from_numpy(np.ascontiguousarray(rows.pixels)).permute(0, 3, 1, 2).float().div_(255.0)
-    mean = torch.tensor(rows.facts.mean).view(1, -1, 1, 1)
-    std = torch.tensor(rows.facts.std).view(1, -1, 1, 1)
-    inputs = {"pixel_values": (pixels - mean) / std, "labels": torch.from_numpy(rows.labels)}
+    inputs = {"pixel_values": torch.from_numpy(np.ascontiguousarray(rows.pixels)), "labels": torch.from_numpy(rows.labels)}
     if rows.facts.interpolate:
         inputs["interpolate_pos_encoding"] = True
     count = len(rows)
     per_image = rows.facts.tokens_per_image
-    return Batch(inputs=inputs, samples=count, real_tokens=count * per_image, padded_tokens=count * per_image,
-                 sum_squared_lengths=count * per_image**2, images=count, image_tokens=count * per_image)
+    return ImageBatch(inputs=inputs, samples=count, real_tokens=count * per_image, padded_tokens=count * per_image,
+                      sum_squared_lengths=count * per_image**2, images=count, image_tokens=count * per_image,
+                      facts=rows.facts)
+
+
+@dataclass
+class ImageBatch(Batch):
+    """A Batch whose ``to`` moves uint8 pixels (a quarter of float32's bytes) and normalises them there:
+    on a GPU the host side of the loader then only gathers bytes. After ``to``, ``pixel_values`` is
+    float32, batch x 3 x side x side, normalised with the processor's mean and std."""
+
+    facts: ImageFacts | None = None
+
+    def to(self, device) -> "ImageBatch":
+        import torch
+
+        moved = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                 for key, value in self.inputs.items()}
+        pixels = moved["pixel_values"]
+        if pixels.dtype == torch.uint8:  # N x H x W x 3 bytes -> normalised N x 3 x H x W floats
+            mean = torch.tensor(self.facts.mean, device=device).view(1, -1, 1, 1)
+            std = torch.tensor(self.facts.std, device=device).view(1, -1, 1, 1)
+            pixels = pixels.permute(0, 3, 1, 2).float().div_(255.0)
+            moved["pixel_values"] = ((pixels - mean) / std).contiguous()
+        return dataclasses.replace(self, inputs=moved)
 
 
 def memory_estimate(model, spec, manifest: dict) -> dict:
