@@ -143,6 +143,31 @@ def test_synthetic_images_have_the_run_size_and_random_classes(tmp_path):
     assert split.pixels.shape == (20, 32, 32, 3)
 
 
+@pytest.fixture(scope="module")
+def vit_checkpoint(tmp_path_factory):
+    """The tiny ViT saved as a checkpoint folder (16 px) with an image processor of its own statistics."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    folder = tmp_path_factory.mktemp("vit-checkpoint")
+    torch.manual_seed(0)
+    # a pretraining head of 5 classes: fine-tuning on 2 makes a new head
+    ViTForImageClassification(ViTConfig(**TINY_VIT["overrides"], num_labels=5)).save_pretrained(folder)
+    ViTImageProcessor(image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3], size={"height": 16, "width": 16}).save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoint_folder_brings_its_processor_statistics(tmp_path, vit_checkpoint):
+    source = {"source": {"kind": "path", "path": str(vit_checkpoint)}}
+    dataset_def = {"source": {"kind": "synthetic"}, "train_size": 4, "eval_size": 2}
+    manifest = prepare(dataset_def, tmp_path / "same", image_size=None, **source)
+    assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["image_std"] == [0.2, 0.25, 0.3]
+    assert manifest["processor_class"] == "ViTImageProcessor"
+    assert (manifest["image_size"], manifest["interpolate_pos_encoding"]) == (16, False)
+    # another size than the checkpoint's: its position embeddings are interpolated
+    larger = prepare(dataset_def, tmp_path / "larger", image_size=32, **source)
+    assert larger["interpolate_pos_encoding"] is True and larger["image_tokens_per_image"] == 65
+
+
 def test_image_size_defaults_to_the_model_config(tmp_path):
     manifest = prepare({"source": {"kind": "synthetic"}, "train_size": 4, "eval_size": 2}, tmp_path, image_size=None)
     assert manifest["image_size"] == 16
@@ -312,6 +337,19 @@ def test_training_reports_images_and_image_tokens(tmp_path, image_folder, method
     assert 0.7 < metrics["flops_counted_ratio"] < 1.2
     if method == "lora":
         assert metrics["trainable_params"] < metrics["total_params"]
+
+
+@pytest.mark.slow
+def test_lora_on_a_checkpoint_at_another_image_size(tmp_path, image_folder, vit_checkpoint):
+    from ftbench import trainer
+
+    config = experiment(image_dataset(image_folder), method="lora", image_size=24)
+    config["models"]["vit"] = {"task": "image_classification", "source": {"kind": "path", "path": str(vit_checkpoint)}}
+    spec = matrix.expand_runs(config)[0]
+    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
+    metrics, steps = trainer.train_run(spec, tmp_path)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert steps[0]["image_tokens"] == 8 * ((24 // 4) ** 2 + 1)
 
 
 @pytest.mark.slow

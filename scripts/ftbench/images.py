@@ -71,20 +71,29 @@ def resolve_image_size(image_size: int | None, model_def: dict) -> int:
 
 
 def processor_stats(model_def: dict) -> tuple[list[float], list[float], str | None]:
-    """(mean, std, processor class) to normalise with: the checkpoint's image processor's, or [-1, 1] scaling."""
+    """(mean, std, processor class) to normalise with: the checkpoint's image processor's
+    (preprocessor_config.json: read as a file, so no processor class and its dependencies are needed), or
+    [-1, 1] scaling for a config-built model or a checkpoint saved without a processor."""
     source = model_def["source"]
     if source["kind"] == "config":
         return list(DEFAULT_MEAN), list(DEFAULT_STD), None
-    from transformers import AutoImageProcessor
+    if source["kind"] == "hub":
+        from huggingface_hub import hf_hub_download
 
-    location = sources.resolve_location(source)
-    try:
-        processor = AutoImageProcessor.from_pretrained(location, revision=source.get("revision"))
-    except (OSError, ValueError):
-        return list(DEFAULT_MEAN), list(DEFAULT_STD), None  # a checkpoint saved without a processor
-    mean = getattr(processor, "image_mean", None) or DEFAULT_MEAN
-    std = getattr(processor, "image_std", None) or DEFAULT_STD
-    return [float(v) for v in mean], [float(v) for v in std], type(processor).__name__
+        try:
+            path = Path(hf_hub_download(source["name"], "preprocessor_config.json", revision=source.get("revision")))
+        except Exception:  # noqa: BLE001 - no processor file (or no network): the model's config loads or fails next
+            path = None
+    else:
+        path = Path(sources.resolve_location(source)) / "preprocessor_config.json"
+    if path is None or not path.is_file():
+        return list(DEFAULT_MEAN), list(DEFAULT_STD), None
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    mean = settings.get("image_mean") or DEFAULT_MEAN
+    std = settings.get("image_std") or DEFAULT_STD
+    if not isinstance(mean, list):  # one value for every channel
+        mean, std = [mean] * CHANNELS, [std] * CHANNELS
+    return [float(v) for v in mean], [float(v) for v in std], settings.get("image_processor_type")
 
 
 # ---------------------------------------------------------------------------------------------------

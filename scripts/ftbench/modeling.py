@@ -177,6 +177,10 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
                 model = model_class.from_pretrained(folder, **kwargs, **quantised)
     else:
         location, extra = _pretrained_args(source)
+        if task.modality == "image":
+            # An image checkpoint usually carries its pretraining head (ImageNet's 1,000 classes): a head of
+            # another class count is made new, as for a text encoder without one.
+            extra["ignore_mismatched_sizes"] = True
         try:
             model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
         except OSError as exc:
