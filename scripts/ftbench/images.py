@@ -327,6 +327,15 @@ class DiskImageSplit:
 
         self.rows = data.DiskSplit(shards)  # its row-group index; the decoding is this module's
         self.facts = facts
+        self._cache: dict[int, ImageSplit] = {}  # recently read row groups, as DiskSplit keeps them
+
+    def _group(self, index: int) -> ImageSplit:
+        if index not in self._cache:
+            if len(self._cache) >= self.rows.CACHED_GROUPS:
+                self._cache.pop(next(iter(self._cache)))  # oldest first
+            file_index, row_group, _ = self.rows.groups[index]
+            self._cache[index] = from_table(self.rows.files[file_index].read_row_group(row_group), self.facts)
+        return self._cache[index]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -340,9 +349,7 @@ class DiskImageSplit:
         labels = np.empty(len(indices), dtype=np.int64)
         for group in np.unique(group_of):
             positions = np.flatnonzero(group_of == group)
-            file_index, row_group, start = rows.groups[int(group)]
-            part = from_table(rows.files[file_index].read_row_group(row_group), self.facts)
-            picked = part.take(indices[positions] - start)
+            picked = self._group(int(group)).take(indices[positions] - rows.group_starts[group])
             pixels[positions], labels[positions] = picked.pixels, picked.labels
         return ImageSplit(pixels, labels, self.facts)
 
