@@ -519,7 +519,7 @@ def test_compare_within_threshold_is_not_flagged_and_old_sets_are_read(tmp_path)
         capture_output=True, text=True, check=False, cwd=ROOT,  # the default tables are the repository's
     )
     assert process.returncode == 0, process.stderr
-    assert "lacks 12 column(s)" in process.stderr
+    assert f"lacks {len(cost.COST_COLUMNS) + 1} column(s)" in process.stderr
     merged = pd.read_parquet(tmp_path / "out" / "compare.parquet")
     assert set(merged[compare.SET_COLUMN]) == {"first", "second"}
     assert merged["cost_per_1m_tokens"].notna().all()  # re-priced, so the old set has costs too

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from .task_types import IMAGE_TASKS
+
 IGNORE_INDEX = -100  # positions the loss skips (padding)
 
 
@@ -47,6 +49,8 @@ class Batch:
     sum_squared_lengths: int  # sum over input sequences of real length squared (attention FLOPs)
     target_tokens: int = 0  # seq2seq: the part of real_tokens that is decoder targets
     target_sum_squared_lengths: int = 0
+    images: int = 0  # image tasks (images.py): images in the batch
+    image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
 
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
@@ -111,7 +115,12 @@ def _pad(sequences: list[np.ndarray], value: int) -> tuple[np.ndarray, np.ndarra
 def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
     """Pad a batch to its longest sequence; count real tokens before padding is added.
 
-    ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk."""
+    ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk.
+    Image tasks are batched by images.py."""
+    if task in IMAGE_TASKS:
+        from . import images  # imports this module (its batches are Batches)
+
+        return images.collate(split, indices)
     rows = split.take(indices)
     sequences = rows.input_ids
     ids, mask = _pad(sequences, pad_token_id)
@@ -151,7 +160,7 @@ class EvalAccumulator:
     def add(self, output, batch: Batch) -> None:
         labels = batch.inputs["labels"]
         logits = output.logits
-        if self.task == "classification":
+        if self.task in ("classification", "image_classification"):
             self.loss_sum += float(output.loss.mean()) * batch.samples
             self.count += batch.samples
             self.correct += int((logits.argmax(dim=-1) == labels).sum())
@@ -171,7 +180,7 @@ class EvalAccumulator:
         if self.count == 0:
             return {}
         loss = self.loss_sum / self.count
-        if self.task == "classification":
+        if self.task in ("classification", "image_classification"):
             return {"eval_loss": loss, "eval_accuracy": self.correct / self.count}
         return {
             "eval_loss": loss,

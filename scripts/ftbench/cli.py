@@ -25,7 +25,7 @@ def prepare_data(argv: list[str] | None = None) -> None:
 
     job = json.loads(args.preparation)
     manifest = data.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
-                            job.get("model", "model"))
+                            job.get("model", "model"), job.get("image_size"))
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
     print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
 

@@ -274,25 +274,31 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         if getattr(run, name) == value:
             raise ConfigError(f"config key {_setting_key(config, name, value)}: {name}: {value!r} ({what}) is not "
                               "implemented by this ftbench version")
-    if run.image_size is not None:
-        raise ConfigError(f"config key {_setting_key(config, 'image_size', run.image_size)}: image_size is not "
-                          "implemented by this ftbench version")
     if run.num_nodes > 1 and not run.distributed:
         raise ConfigError(f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans "
                           f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
     from . import sources
-    from .task_types import TASKS, model_task
+    from .task_types import IMAGE_TASKS, PLANNED, TASKS, model_task
 
     task = model_task(run.model_def)
     dataset_def = run.dataset_def
     where = f"datasets.{run.dataset}"
     model_source = run.model_def["source"]
-    if dataset_def["source"]["kind"] != "synthetic" and model_source["kind"] == "config" and "tokenizer" not in model_source:
+    if task in PLANNED:
+        raise ConfigError(f"config key models.{run.model}.task: {task!r} ({PLANNED[task]}) is not implemented by this "
+                          "ftbench version")
+    if task in IMAGE_TASKS:
+        _check_image_run(run, config, task)
+    elif run.image_size is not None:
+        raise ConfigError(f"config key {_setting_key(config, 'image_size', run.image_size)}: run {run.run_id} trains "
+                          f"a {task} model, which reads no images; image_size applies to image tasks ({', '.join(IMAGE_TASKS)})")
+    text_data = task not in IMAGE_TASKS and dataset_def["source"]["kind"] != "synthetic"
+    if text_data and model_source["kind"] == "config" and "tokenizer" not in model_source:
         raise ConfigError(
             f"config key models.{run.model}.source.tokenizer: required to tokenise dataset {run.dataset!r} "
             "(without a tokenizer a config model trains on synthetic data only)"
         )
-    if dataset_def["source"]["kind"] != "synthetic":
+    if text_data:
         for key in ("text_column", *TASKS[task].needs):
             if key not in dataset_def:
                 raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task})")
@@ -332,6 +338,21 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 
 
+def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
+    """What an image-classification run needs: image data (a column, or pixel rows) and one process."""
+    where = f"datasets.{run.dataset}"
+    dataset_def = run.dataset_def
+    if dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
+        for key in ("image_column", "label_column"):
+            if key not in dataset_def:
+                raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task}) "
+                                  "(or `pixels` for a headerless CSV of pixel rows)")
+    if run.parallel == "ddp":
+        # DDP merges per-rank step counts (metrics.merge_ranks), which do not yet carry images.
+        raise ConfigError(f"config key {_setting_key(config, 'parallel', run.parallel)}: run {run.run_id} ({task}) "
+                          "with parallel 'ddp' is not implemented by this ftbench version; use none or dp")
+
+
 def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     """The columns a dataset's runs read (text_column, label_column for classification, target_column
     for seq2seq) exist in its file. Only the header is read, and only for local CSV/TSV, JSON Lines
@@ -341,7 +362,8 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     from . import sources
     from .task_types import model_task
 
-    keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column")}
+    keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column"),
+            "image_classification": ("image_column", "label_column")}
     needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
     for run in runs:
         dataset_def = run.dataset_def

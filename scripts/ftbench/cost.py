@@ -41,7 +41,7 @@ J_PER_KWH = 3.6e6
 # The cost block of the Parquet table (documented in columns.py), in the order written there.
 COST_COLUMNS = (
     "gpu_model", "billed_devices", "price_per_device_hour", "price_per_hour", "price_source",
-    "cost_per_1m_tokens", "cost_per_1k_samples", "projected_gpu_hours", "projected_cost",
+    "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images", "projected_gpu_hours", "projected_cost",
     "energy_cost_per_1m_tokens", "projected_energy_cost",
 )
 
@@ -233,6 +233,7 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
         out["price_source"] = f"{model} at ${unit:g}/device-hour ({where})"
         out["cost_per_1m_tokens"] = cost_per_1m_tokens(out["price_per_hour"], row.get("tokens_per_s"))
         out["cost_per_1k_samples"] = cost_per_1k_samples(out["price_per_hour"], row.get("samples_per_s"))
+        out["cost_per_1k_images"] = cost_per_1k_samples(out["price_per_hour"], row.get("images_per_s"))  # same arithmetic
 
     hours = row.get("projected_hours")
     if is_missing(hours):

@@ -195,11 +195,17 @@ def prepare(
     out_dir: str | Path,
     shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
     model_name: str = "model",
+    image_size: int | None = None,
 ) -> dict:
-    """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
+    """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``.
+    Image tasks decode and resize their images instead (images.py; ``image_size``: the runs' setting)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = task_types.model_task(model_def)
+    if task in task_types.IMAGE_TASKS:
+        from . import images
+
+        return images.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
     tokenizer = load_tokenizer(model_def)
     if tokenizer is not None and model_def["source"]["kind"] == "config":
         # Refuse a config model whose vocab_size contradicts its tokenizer now, not in every training job.
@@ -390,7 +396,7 @@ def repair(data_dir: str | Path) -> list[Path]:
                             f"{data_dir} and run snakemake again (runs on this data train again)")
     with tempfile.TemporaryDirectory(prefix=".repair-", dir=data_dir.parent) as scratch:
         fresh = prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], scratch, manifest["shard_size_mb"],
-                        job["model"])
+                        job["model"], job.get("image_size"))
         expected = {shard["file"]: shard["sha256"] for split in manifest["splits"].values() for shard in split["shards"]}
         produced = {shard["file"]: shard["sha256"] for split in fresh["splits"].values() for shard in split["shards"]}
         if produced != expected:
@@ -410,6 +416,10 @@ def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_sourc
     """A split to draw batches from: decoded into memory up front, or read from the shards per batch."""
     data_dir = Path(data_dir)
     shards = [data_dir / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
+    if manifest["task"] in task_types.IMAGE_TASKS:
+        from . import images
+
+        return images.load_split(shards, manifest, data_source)
     if data_source == "disk":
         return DiskSplit(shards)
     return batching.from_table(pa.concat_tables([pq.read_table(path) for path in shards]))

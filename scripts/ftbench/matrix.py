@@ -84,7 +84,7 @@ def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -
         "seed": settings["seed"] + repeat,
         "model_def": model_def,
         "dataset_def": dataset_def,
-        "data_id": data_id(settings["dataset"], dataset_def, model_def, settings["seq_len"], config),
+        "data_id": data_id(settings["dataset"], dataset_def, model_def, settings["seq_len"], config, settings.get("image_size")),
     }
     name = RunSpec(**spec)
     # Repeats of one configuration share a config id (the spec without repeat and seed), so their
@@ -95,8 +95,10 @@ def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -
     return RunSpec(**spec)
 
 
-def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, config: dict) -> str:
-    """One prepared dataset per (dataset, tokenizer, sequence length): shared by every run that needs it."""
+def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, config: dict,
+            image_size: int | None = None) -> str:
+    """One prepared dataset per (dataset, tokenizer or image processor, sequence length, image size): shared
+    by every run that needs it."""
     source = model_def["source"]
     # A config-built model without a tokenizer: its architecture (vocab size) defines the token data.
     tokenizer_source = source.get("tokenizer", source) if source["kind"] == "config" else source
@@ -108,7 +110,9 @@ def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
         "shard_size_mb": shard_size_mb(config),
         "spec_version": SPEC_VERSION,
     }
-    return f"{dataset_name}-s{seq_len}-{short_hash(key)}"
+    if image_size is not None:
+        key["image_size"] = image_size  # only when set: the ids of text data stay as they were
+    return f"{dataset_name}-s{seq_len}{f'-i{image_size}' if image_size else ''}-{short_hash(key)}"
 
 
 def shard_size_mb(config: dict) -> float:
@@ -133,6 +137,7 @@ def data_preparations(runs: list[RunSpec]) -> dict[str, dict]:
                 "model": run.model,  # the first model that reads it: error messages name its config keys
                 "model_def": run.model_def,
                 "seq_len": run.seq_len,
+                "image_size": run.image_size,
             },
         )
     return preparations

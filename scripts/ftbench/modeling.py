@@ -140,7 +140,7 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
     source = model_def["source"]
     task = task_types.TASKS[task_types.model_task(model_def)]
     model_class = task.model_class()
-    kwargs = {"num_labels": num_labels} if task.name == "classification" else {}
+    kwargs = {"num_labels": num_labels} if task.name in ("classification", "image_classification") else {}
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
 
@@ -158,6 +158,8 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
         overrides = dict(source.get("overrides", {}))
+        if task.modality == "image" and spec.image_size:
+            overrides["image_size"] = spec.image_size  # a random-init encoder is built for the run's image size
         if vocab_size is not None:
             overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
         config = config_class(**overrides, **kwargs)
@@ -175,11 +177,15 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
                 model = model_class.from_pretrained(folder, **kwargs, **quantised)
     else:
         location, extra = _pretrained_args(source)
+        if task.modality == "image":
+            # An image checkpoint usually carries its pretraining head (ImageNet's 1,000 classes): a head of
+            # another class count is made new, as for a text encoder without one.
+            extra["ignore_mismatched_sizes"] = True
         try:
             model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
         except OSError as exc:
             raise SourceError(load_failure("model", source, location, exc)) from None
-    if model.config.pad_token_id is None:
+    if task.modality == "text" and model.config.pad_token_id is None:
         if pad_token_id is None:
             tokenizer = load_tokenizer(model_def)
             pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
@@ -262,9 +268,12 @@ def _add_lora(model, spec: RunSpec, task: task_types.Task):
     from peft import LoraConfig, TaskType, get_peft_model
 
     check_lora_targets(model, spec)
+    # The task type makes peft keep a new classification head trainable (modules_to_save); a task peft has
+    # no type for names its head instead.
+    head = {"task_type": getattr(TaskType, task.peft_task_type)} if task.peft_task_type else \
+        {"modules_to_save": list(task.head_modules)}
     config = LoraConfig(
-        # The task type makes peft keep a new classification head trainable (modules_to_save).
-        task_type=getattr(TaskType, task.peft_task_type),
+        **head,
         r=spec.lora_rank,
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.lora_dropout,

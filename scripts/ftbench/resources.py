@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import model_shape, sources
+from .task_types import IMAGE_TASKS, image_tokens_per_image
 from .errors import FtbenchError
 from .gpu_slots import visible_gpu_count
 from .runspec import RunSpec
@@ -163,7 +164,10 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
-    tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * run.seq_len
+    per_example = run.seq_len
+    if run.task in IMAGE_TASKS:  # an image is its patch tokens, whatever seq_len says
+        per_example = image_tokens_per_image(_readable_config(run.model_def["source"]), run.image_size)
+    tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * per_example
     flops = 6 * params * tokens_per_device
     if run.gradient_checkpointing:
         flops *= 4 / 3  # one more forward pass
@@ -172,7 +176,7 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     if run.parallel == "fsdp" and run.fsdp_cpu_offload:
         flops *= TRAIN_OFFLOAD_SLOWDOWN
     eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
-    flops += 2 * params * eval_examples * run.seq_len
+    flops += 2 * params * eval_examples * per_example
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
     rate = ACHIEVED_FLOPS[run.precision] if on_gpu else ACHIEVED_FLOPS["cpu"]
     return flops / rate

@@ -5,6 +5,10 @@
 - causal_lm: a decoder (Llama-like); loss = next-token cross-entropy over the real tokens; quality =
   eval loss, perplexity and next-token accuracy.
 - seq2seq: an encoder-decoder (T5-like); loss = cross-entropy over the target tokens.
+- image_classification: a vision encoder (ViT-like) with a classification head; loss = cross-entropy
+  over classes; quality = accuracy. Data: images (``images.py``), no text.
+- image_text_retrieval (CLIP/SigLIP-style dual encoders) and vision_language (a LLaVA-style decoder):
+  declared so a config naming them is refused with the reason, not yet implemented (``PLANNED``).
 
 Imports nothing heavy: config validation uses it at parse time. How each type is batched and scored is
 in ``batching.py``; how its model is built is in ``modeling.py``.
@@ -21,6 +25,8 @@ class Task:
     auto_model: str  # transformers Auto class
     peft_task_type: str  # peft TaskType member
     needs: tuple[str, ...]  # dataset keys this task requires
+    modality: str = "text"  # "image": the data is images (prepared and batched by images.py)
+    head_modules: tuple[str, ...] = ()  # new output layers LoRA must train in full (when peft has no task type)
 
     def model_class(self):
         import transformers
@@ -32,7 +38,30 @@ TASKS = {
     "classification": Task("classification", "AutoModelForSequenceClassification", "SEQ_CLS", ("label_column",)),
     "causal_lm": Task("causal_lm", "AutoModelForCausalLM", "CAUSAL_LM", ()),
     "seq2seq": Task("seq2seq", "AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", ("target_column",)),
+    # peft has no image task type: the new head is named instead (ViT's and most image models' "classifier").
+    "image_classification": Task("image_classification", "AutoModelForImageClassification", "", (), "image",
+                                 ("classifier",)),
 }
+
+# Task kinds a config may name that this version refuses, with what they would be.
+PLANNED = {
+    "image_text_retrieval": "contrastive fine-tuning of image-text dual encoders (CLIP/SigLIP)",
+    "vision_language": "vision-language decoders trained on image + prompt -> text (LLaVA-style)",
+}
+IMAGE_TASKS = tuple(name for name, task in TASKS.items() if task.modality == "image")
+
+
+# ViT's defaults, for a model config that names no image or patch size.
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_PATCH_SIZE = 16
+
+
+def image_tokens_per_image(model_config: dict | None, image_size: int | None) -> int:
+    """Patch tokens plus the class token a ViT-style encoder makes of one image at ``image_size``
+    (null: the config's own size). Reads a config dict only: the resource estimate uses it at parse time."""
+    model_config = model_config or {}
+    size = int(image_size or model_config.get("image_size", DEFAULT_IMAGE_SIZE))
+    return (size // int(model_config.get("patch_size", DEFAULT_PATCH_SIZE))) ** 2 + 1
 
 
 def model_task(model_def: dict) -> str:

@@ -25,12 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, memory_estimate, modeling
+from . import (batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, images,
+               memory_estimate, modeling)
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, summarise
 from .optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from .runspec import RunSpec
+from .task_types import IMAGE_TASKS
 
 
 @dataclass
@@ -139,7 +141,10 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
                 raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
             run.spec = spec.replace(batch_size=search.found)
             metrics["batch_size"] = search.found
-        metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
+        if run.task in IMAGE_TASKS:
+            metrics.update(images.memory_estimate(run.model, run.spec, manifest))
+        else:
+            metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
         shape = flops.ModelShape.of(run.model)
         if dist.rank == 0 and spec.parallel == "fsdp":
             # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
@@ -284,6 +289,9 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
             record["samples"] += batch.samples
+            if batch.images:
+                record["images"] = record.get("images", 0) + batch.images
+                record["image_tokens"] = record.get("image_tokens", 0) + batch.image_tokens
             record["tokens"] += batch.real_tokens
             record["padded_tokens"] += batch.padded_tokens
         loss_value = loss_sum.item()  # synchronises; needed to stop before a NaN reaches the weights
@@ -313,6 +321,8 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
     figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
+    if run.task in IMAGE_TASKS:
+        figures.update(images.throughput(steps, window_s, devices if dist.world_size == 1 else 1))
     if not dist.active:
         figures["energy_j_per_token"] = energy_per_token(figures)
     if steps:
@@ -334,7 +344,7 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     indices = np.arange(min(spec.batch_size, len(split)))
     batch = batching.collate(run.task, split, indices, run.pad_id).to(run.device)
     # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
-    inputs_len = batch.inputs["input_ids"].shape[1]
+    inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
     targets_len = batch.inputs["labels"].shape[1] if run.task == "seq2seq" else 0
     n = batch.samples
     try:
