@@ -109,9 +109,9 @@ def _umask_022():
     os.umask(0o022)  # a common login umask: results must come out readable by teammates (0644)
 
 
-def run(workdir: Path, configfile: Path, config_home: Path, *extra: str) -> subprocess.CompletedProcess:
+def run(workdir: Path, configfile: Path, config_home: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        snakemake_command(workdir, configfile, *extra), cwd=workdir, env=snakemake_env(config_home),
+        snakemake_command(workdir, configfile, *extra), cwd=workdir, env={**snakemake_env(config_home), **(env or {})},
         capture_output=True, text=True, timeout=SNAKEMAKE_LIMIT_S + 30, preexec_fn=_umask_022,
     )
 
@@ -132,6 +132,10 @@ def run_id_of(cluster, job_id: int) -> str | None:
     return match.group(1) if match else None
 
 
+FAULT_ENV = "FTBENCH_INJECT_FAULT"
+KILLED = "-r2-"  # the run id part of the run killed in first_run
+
+
 def broken_model(tiny_model_dir: Path) -> dict:
     """A model that passes validation but cannot be built inside the job (30 hidden units, 4 heads).
     It tokenises like the tiny model, so it shares the prepared data and only its train job fails."""
@@ -147,19 +151,22 @@ def broken_model(tiny_model_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def first_run(cluster, workdir, base_config, tiny_model_dir, config_home):
-    """The two-run matrix plus one run that fails, trained through SLURM (targets: every run's
-    metrics.json, since the failing run keeps collect and report from running)."""
+    """The two-run matrix, one run whose model cannot be built (its job ends in a `failed` row) and one
+    run whose process is killed (SIGKILL at step 1, as the kernel's OOM killer does: the job fails with no
+    row), trained through SLURM (targets: every run's metrics.json, since the killed run keeps collect and
+    report from running)."""
     config = {
         **base_config,
         "models": {**base_config["models"], "broken": broken_model(tiny_model_dir)},
-        "include": [{"model": "broken", "dataset": "tiny", "num_gpus": 0}],
+        "include": [{"model": "broken", "dataset": "tiny", "num_gpus": 0},
+                    {"model": "tiny", "dataset": "tiny", "lora_rank": 2, "num_gpus": 0}],
     }
     configfile = write_config(workdir, config, name="config-first.yaml")
     run_ids = [spec.run_id for spec in matrix.expand_runs(config)]
     before = set(cluster.submitted_job_ids())
     started = time.monotonic()
     targets = [f"results/runs/{run_id}/metrics.json" for run_id in run_ids]
-    process = run(workdir, configfile, config_home, *targets, *SET_TRAIN_MEMORY)
+    process = run(workdir, configfile, config_home, *targets, *SET_TRAIN_MEMORY, env={FAULT_ENV: f"kill@1:run={KILLED}"})
     print(f"\nfirst run through SLURM: {time.monotonic() - started:.0f} s")
     jobs = submitted(process)
     trains: dict[str, list[int]] = {}  # run id -> its train jobs, in submission order
@@ -171,10 +178,10 @@ def first_run(cluster, workdir, base_config, tiny_model_dir, config_home):
 def test_matrix_jobs_go_through_sbatch_with_their_resources(cluster, workdir, first_run):
     process, jobs, trains, new_ids = first_run
     # Every job went through sbatch: slurmctld accepted exactly the job ids Snakemake reports
-    # (the failing run twice: the profile retries a failed job once).
-    assert sorted(jobs.values()) == ["prepare_data"] + ["train"] * 4, snakemake_failure(process)
+    # (the killed run twice: the profile retries a failed job once).
+    assert sorted(jobs.values()) == ["prepare_data"] + ["train"] * 5, snakemake_failure(process)
     assert set(jobs) == new_ids
-    good = {run_id: job_ids for run_id, job_ids in trains.items() if not run_id.startswith("broken-")}
+    good = {run_id: job_ids for run_id, job_ids in trains.items() if not run_id.startswith("broken-") and KILLED not in run_id}
     assert sorted(map(len, good.values())) == [1, 1], trains
     infos = {}
     for run_id, (job_id,) in good.items():
@@ -210,15 +217,23 @@ def test_failing_job_is_reported_as_failed(cluster, workdir, first_run):
     process, jobs, trains, _ = first_run
     output = process.stdout + process.stderr
     assert process.returncode != 0, snakemake_failure(process)
-    (run_id,) = (run_id for run_id in trains if run_id.startswith("broken-"))
-    first, retry = trains[run_id]  # the profile's one retry, with twice the walltime
+    # A job killed from inside (the OOM killer) fails, and the profile's one retry asks for twice the time.
+    (killed,) = (run_id for run_id in trains if KILLED in run_id)
+    first, retry = trains[killed]
     assert [cluster.job_info(job_id)["JobState"] for job_id in (first, retry)] == ["FAILED", "FAILED"]
     # A retry doubles the estimated walltime; memory given with --set-resources stays as given.
     assert [cluster.job_info(job_id)["TimeLimit"] for job_id in (first, retry)] == ["00:10:00", "00:20:00"]
     assert [cluster.job_info(job_id)["MinMemoryNode"] for job_id in (first, retry)] == ["9000M", "9000M"]
     assert "Error in rule train" in output and f"SLURM-job '{retry}' failed" in output, output[-5000:]
-    assert not (workdir / "results" / "runs" / run_id / "metrics.json").exists()
-    assert "ValueError" in (workdir / "logs" / "train" / f"{run_id}.log").read_text()
+    assert not (workdir / "results" / "runs" / killed / "metrics.json").exists()
+    # A run whose model cannot be built ends in a `failed` row with the error's line, its job completed
+    # once (nothing to retry), and the traceback in its log.
+    (broken,) = (run_id for run_id in trains if run_id.startswith("broken-"))
+    (job_id,) = trains[broken]
+    assert cluster.job_info(job_id)["JobState"] == "COMPLETED"
+    result = json.loads((workdir / "results" / "runs" / broken / "metrics.json").read_text())["metrics"]
+    assert result["status"] == "failed" and "ValueError" in result["status_reason"], result
+    assert "Traceback" in (workdir / "logs" / "train" / f"{broken}.log").read_text()
 
 
 def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, first_run, config_home):

@@ -15,6 +15,8 @@ Steps count optimizer steps from 0, as ``last_step`` does.
     nan@2                the loss of step 2 becomes NaN (status diverged, before the optimizer step)
     error@1              RuntimeError at step 1: an unknown exception (the job fails with its traceback)
     sleep@2=30           sleep 30 s at the start of step 2 (a job to kill, or a slow job)
+    kill@1               the process kills itself with SIGKILL at step 1, as the kernel's OOM killer does
+                         (nothing can be written: the job fails with no row)
     oom@3:rank1          only on DDP rank 1
     nan@2:run=lora-r4    only in runs whose run_id contains "lora-r4"
     oom_above_batch=8    every forward pass with more than 8 samples per device runs out of memory
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 ENV = "FTBENCH_INJECT_FAULT"
-STEP_KINDS = ("oom", "nan", "error", "sleep")
+STEP_KINDS = ("oom", "nan", "error", "sleep", "kill")
 
 _STEP_FAULT = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?:=(?P<value>[0-9.]+))?")
 _BATCH_FAULT = re.compile(r"oom_above_batch=(?P<value>\d+)")
@@ -40,7 +43,7 @@ _BATCH_FAULT = re.compile(r"oom_above_batch=(?P<value>\d+)")
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # oom | nan | error | sleep | oom_above_batch
+    kind: str  # oom | nan | error | sleep | kill | oom_above_batch
     step: int | None = None
     value: float | None = None  # seconds for sleep; the largest batch that fits for oom_above_batch
     rank: int | None = None
@@ -115,6 +118,9 @@ class Injector:
         if self._due("error", step):
             self._announce(f"RuntimeError at step {step}")
             raise RuntimeError(f"injected failure at step {step} ({ENV}, test-only): an unknown exception")
+        if self._due("kill", step):
+            self._announce(f"SIGKILL at step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def check_batch(self, per_device_batch: int) -> None:
         """Called before every forward pass (auto_batch_size trials included) with its samples per device."""
