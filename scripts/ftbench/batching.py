@@ -29,6 +29,10 @@ class TokenisedSplit:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def lengths(self) -> np.ndarray:
+        """Input length of every row (length-grouped batching sorts by it)."""
+        return np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+
     def take(self, indices: np.ndarray) -> "TokenisedSplit":
         """The rows at ``indices``, in that order."""
         return TokenisedSplit(
@@ -47,6 +51,7 @@ class Batch:
     sum_squared_lengths: int  # sum over input sequences of real length squared (attention FLOPs)
     target_tokens: int = 0  # seq2seq: the part of real_tokens that is decoder targets
     target_sum_squared_lengths: int = 0
+    capacity_tokens: int = 0  # packed batches (packing.py): rows x row capacity; 0 when not packed
 
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}

@@ -259,15 +259,27 @@ def experiment_warnings(config: dict) -> list[str]:
 # time with the reason, never run as if they were something else. Each entry goes when its code lands.
 NOT_YET_RUNNABLE = {
     ("parallel", "fsdp"): "FSDP2 sharding",
-    ("batching", "group_by_length"): "length-grouped batches",
-    ("batching", "pack"): "packed batches",
-    ("batching", "padding_free"): "padding-free batches",
-    ("kernels", "liger"): "Liger kernels",
     ("engine", "hf_trainer"): "the Hugging Face Trainer engine",
-    ("attn_implementation", "flex_attention"): "flex attention",
-    ("attn_implementation", "flash_attention_2"): "FlashAttention 2",
     ("warmup_until_stable", True): "warmup until step times settle",
 }
+
+
+def _check_batching(run: RunSpec, config: dict, task: str) -> None:
+    """Packed rows (packing.py) are exact for decoders only, and their row count is not the batch size."""
+    from . import packing
+
+    if run.batching not in packing.PACKED:
+        return
+    key = _setting_key(config, "batching", run.batching)
+    if task not in packing.PACKABLE_TASKS:
+        raise ConfigError(f"config key {key}: batching {run.batching!r} is not supported for model {run.model!r} "
+                          f"({task}): {packing.NOT_PACKABLE[task]}")
+    if run.parallel == "dp":
+        raise ConfigError(f"config key {key}: batching {run.batching!r} with parallel dp: DataParallel splits a batch by "
+                          "rows, and packed rows hold different numbers of sequences; use ddp")
+    if run.auto_batch_size:
+        raise ConfigError(f"config key {key}: batching {run.batching!r} with auto_batch_size: the search measures padded "
+                          "batches, not packed rows; set batch_size yourself")
 
 
 def check_run(run: RunSpec, config: dict | None = None) -> None:
@@ -285,6 +297,7 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
     from .task_types import TASKS, model_task
 
     task = model_task(run.model_def)
+    _check_batching(run, config, task)
     dataset_def = run.dataset_def
     where = f"datasets.{run.dataset}"
     model_source = run.model_def["source"]

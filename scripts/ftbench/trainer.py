@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import batch_size_search, batching, data, environment, faults, flops, gpu_monitor, memory_estimate, modeling
+from . import batch_size_search, batching, data, environment, faults, flops, gpu_monitor, memory_estimate, modeling, packing
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import energy_per_token, summarise
@@ -108,6 +108,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     stop = stop or StopSignal()
     dist = dist or Distributed()
     started = time.perf_counter()
+    loop: dict = {}  # when the training loop's first step started and its last step ended (overhead_s)
     metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None}
     steps: list[dict] = []
     run = None
@@ -128,6 +129,8 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
                                      pad_token_id=manifest["pad_token_id"])
         run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
                   eval_split, built.model)
+        if spec.batching in packing.PACKED:
+            packing.check_isolation(built.model, device)
         metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
                        load_time_s=time.perf_counter() - load_started)
         if spec.auto_batch_size:
@@ -144,7 +147,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         shape = flops.ModelShape.of(run.model)
         if dist.rank == 0:
             metrics.update(_count_flops(run, shape))
-        figures, trained_steps = _train(run, shape)
+        figures, trained_steps = _train(run, shape, loop)
         metrics.update(figures)
         if metrics["status"] == "ok" and dist.rank == 0:
             eval_started = time.perf_counter()
@@ -162,6 +165,10 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     if run is not None and run.last_step is not None:
         metrics["last_step"] = run.last_step
     metrics["wall_time_s"] = time.perf_counter() - started
+    if loop:
+        # Process start to the first step, plus the last step to here less evaluation (a column of its own).
+        metrics["overhead_s"] = (packing.process_age_s() - (time.perf_counter() - loop["first"])
+                                 + time.perf_counter() - loop["last"] - (metrics.get("eval_time_s") or 0.0))
     metrics["peak_rss_mb"] = peak_rss_mb()
     return metrics, steps
 
@@ -190,7 +197,7 @@ def _stop_reason(run: Run, typical_step_s: float) -> str | None:
     return reason or ("another rank stopped" if flag.item() > 0 else None)
 
 
-def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
+def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple[dict, list[dict]]:
     """The training loop: (its figures, step records). A stop (deadline, divergence) is a status in the
     figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
     spec, device, dist, injector = run.spec, run.device, run.dist, run.injector
@@ -208,7 +215,11 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     scaler = make_grad_scaler(spec, device)
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec.batch_size * (devices // dist.world_size)
-    order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    if spec.batching == "group_by_length":
+        order = packing.grouped_order(packing.lengths_of(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    else:
+        order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    loop = {} if loop is None else loop
 
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
@@ -222,7 +233,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     model.train()
     train_started = time.perf_counter()
     synchronize(device)
-    step_start = time.perf_counter()
+    step_start = loop["first"] = time.perf_counter()
     for step in range(total_steps):
         if step == spec.warmup_steps:
             window_start = step_start
@@ -233,12 +244,12 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
             break
         run.last_step = step
         record = {"step": step, "measured": step >= spec.warmup_steps, "samples": 0, "tokens": 0,
-                  "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
+                  "padded_tokens": 0, "capacity_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             fetch_start = time.perf_counter()
             indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
-            batch = batching.collate(run.task, run.train_split, indices, run.pad_id).to(device)
+            batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(device)
             record["loader_s"] += time.perf_counter() - fetch_start
             record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
                                                 batch.target_tokens, batch.target_sum_squared_lengths)
@@ -260,6 +271,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
             record["samples"] += batch.samples
             record["tokens"] += batch.real_tokens
             record["padded_tokens"] += batch.padded_tokens
+            record["capacity_tokens"] += batch.capacity_tokens
         loss_value = loss_sum.item()  # synchronises; needed to stop before a NaN reaches the weights
         if not math.isfinite(loss_value):
             figures.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
@@ -274,7 +286,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
         step_end = time.perf_counter()
         record.update(step_time_s=step_end - step_start, loss=loss_value)
         steps.append(record)
-        window_end = step_end
+        window_end = loop["last"] = step_end
         step_start = step_end
 
     figures.update(sampler.stop())
@@ -287,6 +299,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
     figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
+    figures["packing_efficiency"] = packing.packing_efficiency(steps)
     if not dist.active:
         figures["energy_j_per_token"] = energy_per_token(figures)
     if steps:
@@ -331,8 +344,9 @@ def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, de
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
     scores = batching.EvalAccumulator(task)
+    order = packing.eval_order(split, count)
     for start in range(0, count, spec.eval_batch_size):
-        indices = np.arange(start, min(start + spec.eval_batch_size, count))
+        indices = order[start : start + spec.eval_batch_size]
         batch = batching.collate(task, split, indices, pad_id).to(device)
         with torch.autocast(**autocast_args(device, spec.precision)):
             output = model(**batch.inputs)
