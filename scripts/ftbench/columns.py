@@ -50,6 +50,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("Float64", "real tokens per second, all devices together (global)"),
     "tokens_per_s_per_device": ("Float64", "tokens_per_s divided by world_size"),
     "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
+    "packing_efficiency": ("Float64", "packed runs (batching pack / padding_free): real tokens / row capacity of the packed rows; null otherwise"),
     "step_time_median_s": ("Float64", "median seconds per measured step"),
     "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
     # compute efficiency (conventions: scripts/ftbench/flops.py)
@@ -86,6 +87,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_samples": ("Int64", "eval examples scored"),
     # time
     "load_time_s": ("Float64", "seconds to read data and build the model"),
+    "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),
     "first_step_s": ("Float64", "seconds of the first step (warmup; includes compilation and lazy init)"),
     "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),

@@ -266,7 +266,7 @@ NOT_YET_RUNNABLE = {
 
 def _check_batching(run: RunSpec, config: dict, task: str) -> None:
     """Packed rows (packing.py) are exact for decoders only, and their row count is not the batch size."""
-    from . import packing
+    from . import batching_modes as packing
 
     if run.batching not in packing.PACKED:
         return

@@ -30,18 +30,7 @@ import torch
 
 from . import batching
 
-PACKED = ("pack", "padding_free")
-MEGA_BATCHES = 50  # global batches per length-sorted mega-batch: large enough to find similar lengths,
-# small enough that a batch's examples still come from a random 50-batch slice of the epoch
-
-# Tasks whose packed loss is exact (see the module docstring), and why the others are not packed.
-PACKABLE_TASKS = ("causal_lm",)
-NOT_PACKABLE = {
-    "classification": "classification pools one token per sequence and transformers' encoder masks do not read "
-                      "packed position ids, so packed rows would mix sequences; use group_by_length",
-    "seq2seq": "encoder-decoder rows pair each input with its target through cross-attention, which packing "
-               "would mix; use group_by_length",
-}
+from .batching_modes import MEGA_BATCHES, NOT_PACKABLE, PACKABLE_TASKS, PACKED  # noqa: F401 - one place, torch-free
 
 
 def lengths_of(split) -> np.ndarray:
