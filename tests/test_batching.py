@@ -189,4 +189,5 @@ def test_packed_and_grouped_runs_train_and_report_their_batching(llama_data):
     assert figures["pad"]["packing_efficiency"] is None
     assert 0 < figures["pack"]["packing_efficiency"] <= 1
     assert figures["padding_free"]["padding_fraction"] == 0.0
-    assert all(0 < m["overhead_s"] < m["wall_time_s"] + 60 for m in figures.values())
+    # From this (pytest's) process start: at least the data and model load before the first step.
+    assert all(m["overhead_s"] > m["load_time_s"] > 0 for m in figures.values())
