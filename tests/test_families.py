@@ -655,7 +655,19 @@ def load_example(name: str) -> dict:
 
 def test_every_example_is_checked_here():
     assert sorted(path.name for path in EXAMPLES.glob("*.yaml")) == [
-        "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml", "seq-batch-diagnostic.yaml"]
+        "batching-kernels.yaml", "dp-vs-ddp.yaml", "llama-methods.yaml", "measurement-check.yaml",
+        "seq-batch-diagnostic.yaml"]
+
+
+def test_example_batching_kernels():
+    config = load_example("batching-kernels.yaml")
+    runs = matrix.expand_runs(config)
+    assert sorted((r.batching, r.kernels) for r in runs) == sorted(
+        (b, k) for b in ("pad", "group_by_length", "pack", "padding_free") for k in ("none", "liger"))
+    # One workload: the same model, data, steps and sequences per step in every mode.
+    assert len({(r.model, r.dataset, r.batch_size, r.seq_len, r.max_steps, r.method, r.precision) for r in runs}) == 1
+    assert all(r.model_def["task"] == "causal_lm" and r.dataset_def["source"]["kind"] == "package" for r in runs)
+    assert config["models"]["llama134m"]["source"]["architecture"] == "LlamaConfig"  # a model type Liger patches
 
 
 def test_example_llama_methods():
