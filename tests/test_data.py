@@ -173,6 +173,9 @@ def test_small_shard_size_gives_several_shards_that_add_up(prepared_data, tiny_c
     single = data.load_split(prepared_data[0], "train", one_shard)
     assert [list(ids) for ids in sharded.input_ids] == [list(ids) for ids in single.input_ids]
     assert sharded.labels.tolist() == single.labels.tolist()
+    # length-grouped batching reads every row's length: from the shards' length column, without the tokens
+    on_disk = data.load_split(folder, "train", manifest, "disk")
+    assert on_disk.lengths().tolist() == single.lengths().tolist() == [len(ids) for ids in single.input_ids]
     files = sorted(path.name for path in folder.iterdir())
     listed = sorted(shard["file"] for split in manifest["splits"].values() for shard in split["shards"])
     assert files == sorted(listed + [data.MANIFEST_NAME])  # no temporary files left behind

@@ -27,7 +27,8 @@ ENVS = sorted((ROOT / "envs").glob("*.yaml"))
 
 def requirement_pins() -> dict[str, str]:
     pins = {}
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
+    lines = (ROOT / "requirements.txt").read_text().splitlines() + (ROOT / "requirements-gpu.txt").read_text().splitlines()
+    for line in lines:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==(\S+)", line.split("#")[0].strip())
         if match:
             pins[match.group(1).lower()] = match.group(2)

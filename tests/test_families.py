@@ -669,6 +669,17 @@ def test_example_engines():
     assert trainer_engine and trainer_engine <= loop
 
 
+def test_example_batching_kernels():
+    config = load_example("batching-kernels.yaml")
+    runs = matrix.expand_runs(config)
+    assert sorted((r.batching, r.kernels) for r in runs) == sorted(
+        (b, k) for b in ("pad", "group_by_length", "pack", "padding_free") for k in ("none", "liger"))
+    # One workload: the same model, data, steps and sequences per step in every mode.
+    assert len({(r.model, r.dataset, r.batch_size, r.seq_len, r.max_steps, r.method, r.precision) for r in runs}) == 1
+    assert all(r.model_def["task"] == "causal_lm" and r.dataset_def["source"]["kind"] == "package" for r in runs)
+    assert config["models"]["llama134m"]["source"]["architecture"] == "LlamaConfig"  # a model type Liger patches
+
+
 def test_example_llama_methods():
     runs = matrix.expand_runs(load_example("llama-methods.yaml"))
     assert len(runs) == 3 * 2 * 2 + 6

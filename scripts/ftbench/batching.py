@@ -31,6 +31,10 @@ class TokenisedSplit:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def lengths(self) -> np.ndarray:
+        """Input length of every row (length-grouped batching sorts by it)."""
+        return np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+
     def take(self, indices: np.ndarray) -> "TokenisedSplit":
         """The rows at ``indices``, in that order."""
         return TokenisedSplit(
@@ -51,6 +55,7 @@ class Batch:
     target_sum_squared_lengths: int = 0
     images: int = 0  # image tasks (images.py): images in the batch
     image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
+    capacity_tokens: int = 0  # packed batches (packing.py): rows x row capacity; 0 when not packed
 
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}

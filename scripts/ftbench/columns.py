@@ -65,6 +65,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "images_per_s_per_device": ("Float64", "images_per_s divided by world_size"),
     "image_tokens_per_s": ("Float64", "image (patch + class) tokens per second, all devices; part of tokens_per_s"),
     "text_tokens_per_s": ("Float64", "text tokens per second of an image task (0 for image classification); part of tokens_per_s"),
+    "packing_efficiency": ("Float64", "packed runs (batching pack / padding_free): real tokens / row capacity of the packed rows; null otherwise"),
     "step_time_median_s": ("Float64", "median seconds per measured step"),
     "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
     # compute efficiency (conventions: scripts/ftbench/flops.py)
@@ -105,6 +106,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_samples": ("Int64", "eval examples scored"),
     # time
     "load_time_s": ("Float64", "seconds to read data and build the model"),
+    "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),
     "first_step_s": ("Float64", "seconds of the first step (warmup; includes compilation and lazy init)"),
     "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),

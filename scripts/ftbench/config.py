@@ -255,25 +255,27 @@ def experiment_warnings(config: dict) -> list[str]:
     return messages
 
 
-# Settings whose values are declared in RunSpec but not yet implemented by the trainer: refused at parse
-# time with the reason, never run as if they were something else. Each entry goes when its code lands.
-NOT_YET_RUNNABLE = {
-    ("batching", "group_by_length"): "length-grouped batches",
-    ("batching", "pack"): "packed batches",
-    ("batching", "padding_free"): "padding-free batches",
-    ("kernels", "liger"): "Liger kernels",
-    ("attn_implementation", "flex_attention"): "flex attention",
-    ("attn_implementation", "flash_attention_2"): "FlashAttention 2",
-}
+def _check_batching(run: RunSpec, config: dict, task: str) -> None:
+    """Packed rows (packing.py) are exact for decoders only, and their row count is not the batch size."""
+    from . import batching_modes as packing
+
+    if run.batching not in packing.PACKED:
+        return
+    key = _setting_key(config, "batching", run.batching)
+    if task not in packing.PACKABLE_TASKS:
+        raise ConfigError(f"config key {key}: batching {run.batching!r} is not supported for model {run.model!r} "
+                          f"({task}): {packing.NOT_PACKABLE[task]}")
+    if run.parallel == "dp":
+        raise ConfigError(f"config key {key}: batching {run.batching!r} with parallel dp: DataParallel splits a batch by "
+                          "rows, and packed rows hold different numbers of sequences; use ddp")
+    if run.auto_batch_size:
+        raise ConfigError(f"config key {key}: batching {run.batching!r} with auto_batch_size: the search measures padded "
+                          "batches, not packed rows; set batch_size yourself")
 
 
 def check_run(run: RunSpec, config: dict | None = None) -> None:
     """Combinations that the schema allows key by key but that cannot work together."""
     config = config or {"matrix": {}}
-    for (name, value), what in NOT_YET_RUNNABLE.items():
-        if getattr(run, name) == value:
-            raise ConfigError(f"config key {_setting_key(config, name, value)}: {name}: {value!r} ({what}) is not "
-                              "implemented by this ftbench version")
     if run.num_nodes > 1 and not run.distributed:
         raise ConfigError(f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans "
                           f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
@@ -281,6 +283,7 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
     from .task_types import IMAGE_TASKS, PLANNED, TASKS, model_task
 
     task = model_task(run.model_def)
+    _check_batching(run, config, task)
     dataset_def = run.dataset_def
     where = f"datasets.{run.dataset}"
     model_source = run.model_def["source"]

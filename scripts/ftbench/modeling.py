@@ -90,6 +90,10 @@ def bitsandbytes_available() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
+def package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 @dataclass
 class BuiltModel:
     model: torch.nn.Module
@@ -124,6 +128,17 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
         raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
     if spec.compile and spec.parallel == "dp":
         raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
+    if spec.kernels == "liger" and device.type != "cuda":
+        raise UnsupportedConfiguration("kernels: liger runs Triton kernels, which need a CUDA GPU")
+    if spec.kernels == "liger" and not package_available("liger_kernel"):
+        raise UnsupportedConfiguration("kernels: liger needs the liger-kernel package (requirements-gpu.txt), which is not installed")
+    if spec.attn_implementation == "flash_attention_2" and device.type != "cuda":
+        raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs a CUDA GPU")
+    if spec.attn_implementation == "flash_attention_2" and not package_available("flash_attn"):
+        raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed")
+    if spec.attn_implementation == "flex_attention" and device.type != "cuda":
+        # flex attention compiles its kernel with Inductor; on a CPU that compile costs more than the run measures.
+        raise UnsupportedConfiguration("attn_implementation: flex_attention is measured on CUDA GPUs only")
 
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
@@ -167,7 +182,11 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
             # T5's convention: the decoder starts from the pad token. A bare config has no start token and
             # the first forward pass would fail while shifting the labels right.
             config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
-        model = model_class.from_config(config)
+        # Random weights are made where they will live: initialising a large model on the CPU and copying
+        # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
+        # autocast.) QLoRA quantises on load, from a CPU copy.
+        with torch.device("cpu" if quantised else device):
+            model = model_class.from_config(config)
         if quantised:
             # Quantisation happens on load: save the random weights and load them back quantised, so a
             # Llama-shaped model with no checkpoint can still be measured under QLoRA.
@@ -203,6 +222,8 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         model.gradient_checkpointing_enable(**checkpointing)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # the KV cache only serves generation and costs memory in training
+    if spec.kernels == "liger":
+        apply_liger(model)  # before LoRA wraps the layers it patches
 
     if spec.method in ("lora", "qlora"):
         model = _add_lora(model, spec, task)
@@ -210,6 +231,18 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         model = model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Patch Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) into ``model`` through
+    liger_kernel's per-architecture transformers patching functions."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise UnsupportedConfiguration(f"kernels: liger has no kernels for model type {model_type!r} (Llama-family "
+                                       "models such as llama, mistral, qwen2 are covered)")
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model)
 
 
 def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:

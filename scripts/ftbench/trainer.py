@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import (batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, images,
-               memory_estimate, modeling)
+               memory_estimate, modeling, packing)
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, summarise
@@ -108,6 +108,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     stop = stop or StopSignal()
     dist = dist or Distributed()
     started = time.perf_counter()
+    loop: dict = {}  # when the training loop's first step started and its last step ended (overhead_s)
     metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None}
     steps: list[dict] = []
     run = None
@@ -129,6 +130,8 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
                                      pad_token_id=manifest["pad_token_id"])
         run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
                   eval_split, built.model)
+        if spec.batching in packing.PACKED:
+            packing.check_isolation(built.model, device)
         metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
                        load_time_s=time.perf_counter() - load_started)
         if spec.auto_batch_size:
@@ -151,7 +154,9 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
             metrics["flops_counted_error"] = "not counted under fsdp (the model is sharded over the ranks)"
         elif dist.rank == 0:
             metrics.update(_count_flops(run, shape))
-        figures, trained_steps = _engine(run.spec)(run, shape)
+        engine = _engine(run.spec)
+        # ftbench's loop also notes its first and last step times, for overhead_s.
+        figures, trained_steps = engine(run, shape, loop) if engine is _train else engine(run, shape)
         metrics.update(figures)
         metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
         # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
@@ -170,6 +175,10 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     if run is not None and run.last_step is not None:
         metrics["last_step"] = run.last_step
     metrics["wall_time_s"] = time.perf_counter() - started
+    if loop:
+        # Process start to the first step, plus the last step to here less evaluation (a column of its own).
+        metrics["overhead_s"] = (packing.process_age_s() - (time.perf_counter() - loop["first"])
+                                 + time.perf_counter() - loop.get("last", loop["first"]) - (metrics.get("eval_time_s") or 0.0))
     metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
 
@@ -218,7 +227,7 @@ def _any_rank(run: Run, flag: bool) -> bool:
     return value.item() > 0
 
 
-def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
+def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple[dict, list[dict]]:
     """The training loop: (its figures, step records). A stop (deadline, divergence) is a status in the
     figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
     spec, device, dist, injector = run.spec, run.device, run.dist, run.injector
@@ -236,8 +245,12 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     scaler = make_grad_scaler(spec, device)
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec.batch_size * (devices // dist.world_size)
-    order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    if spec.batching == "group_by_length":
+        order = packing.grouped_order(packing.lengths_of(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    else:
+        order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
     warmup = Warmup.of(spec, total_steps)
+    loop = {} if loop is None else loop
 
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
@@ -251,7 +264,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     model.train()
     train_started = time.perf_counter()
     synchronize(device)
-    step_start = time.perf_counter()
+    step_start = loop["first"] = time.perf_counter()
     for step in range(total_steps):
         if warmup.window_begins(step, [s["step_time_s"] for s in steps], agree=lambda flag: _any_rank(run, flag)):
             window_start = step_start
@@ -262,12 +275,12 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
             break
         run.last_step = step
         record = {"step": step, "measured": window_start is not None, "samples": 0, "tokens": 0,
-                  "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
+                  "padded_tokens": 0, "capacity_tokens": 0, "flops": 0, "loader_s": 0.0}
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             fetch_start = time.perf_counter()
             indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
-            batch = batching.collate(run.task, run.train_split, indices, run.pad_id).to(device)
+            batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(device)
             record["loader_s"] += time.perf_counter() - fetch_start
             record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
                                                 batch.target_tokens, batch.target_sum_squared_lengths)
@@ -294,6 +307,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
                 record["image_tokens"] = record.get("image_tokens", 0) + batch.image_tokens
             record["tokens"] += batch.real_tokens
             record["padded_tokens"] += batch.padded_tokens
+            record["capacity_tokens"] += batch.capacity_tokens
         loss_value = loss_sum.item()  # synchronises; needed to stop before a NaN reaches the weights
         if not math.isfinite(loss_value):
             figures.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
@@ -308,7 +322,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
         step_end = time.perf_counter()
         record.update(step_time_s=step_end - step_start, loss=loss_value)
         steps.append(record)
-        window_end = step_end
+        window_end = loop["last"] = step_end
         step_start = step_end
 
     figures.update(sampler.stop())
@@ -323,6 +337,7 @@ def _train(run: Run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
     if run.task in IMAGE_TASKS:
         figures.update(images.throughput(steps, window_s, devices if dist.world_size == 1 else 1))
+    figures["packing_efficiency"] = packing.packing_efficiency(steps)
     if not dist.active:
         figures["energy_j_per_token"] = energy_per_token(figures)
     if steps:
@@ -370,11 +385,12 @@ def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, de
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
     scores = batching.EvalAccumulator(task)
+    order = packing.eval_order(split, count)
     scored = 0
     for start in range(0, count, spec.eval_batch_size):
         if not another_batch_fits():
             break
-        indices = np.arange(start, min(start + spec.eval_batch_size, count))
+        indices = order[start : start + spec.eval_batch_size]
         scored += len(indices)
         batch = batching.collate(task, split, indices, pad_id).to(device)
         with torch.autocast(**autocast_args(device, spec.precision)):
