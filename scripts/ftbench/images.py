@@ -296,6 +296,12 @@ class ImageFacts:
                    manifest["image_tokens_per_image"], manifest["interpolate_pos_encoding"])
 
 
+def image_lengths(rows: int, facts: ImageFacts) -> np.ndarray:
+    """Tokens of every row, as text splits give them (length-ordered batching and evaluation ask): every
+    image of a split has the same number of patch tokens."""
+    return np.full(rows, facts.tokens_per_image, dtype=np.int64)
+
+
 @dataclass
 class ImageSplit:
     """A split of decoded images: uint8 N x H x W x 3 and class ids."""
@@ -309,6 +315,9 @@ class ImageSplit:
 
     def take(self, indices: np.ndarray) -> "ImageSplit":
         return ImageSplit(self.pixels[indices], self.labels[indices], self.facts)
+
+    def lengths(self) -> np.ndarray:
+        return image_lengths(len(self), self.facts)
 
 
 def from_table(table: pa.Table, facts: ImageFacts) -> ImageSplit:
@@ -339,6 +348,9 @@ class DiskImageSplit:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def lengths(self) -> np.ndarray:
+        return image_lengths(len(self), self.facts)
 
     def take(self, indices: np.ndarray) -> ImageSplit:
         indices = np.asarray(indices)
