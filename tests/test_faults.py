@@ -516,14 +516,9 @@ def ddp_spec(cpu_spec) -> RunSpec:
     return cpu_spec(method="full", learning_rate=0.0001, parallel="ddp", num_gpus=2, device="cpu")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault, peer", [
-    ("oom@3:rank1", "sees rank 1 leave"),
-    # The NCCL case: the peer is stuck (here asleep) instead of failing fast. The launcher ends it
-    # RANK_GRACE_S after rank 1's result appears.
-    ("oom@3:rank1,sleep@3=600:rank0", "is stuck"),
-], ids=["peer-fails-fast", "peer-stuck"])
-def test_oom_on_one_ddp_rank_gives_an_oom_row_in_bounded_time(cpu_spec, prepared_data, tmp_path, fault, peer):
+def ddp_run_with_fault(cpu_spec, prepared_data, tmp_path, fault: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """A 2-rank gloo DDP run with a fault on one rank, through the train command: it must end in bounded time
+    with a row, and no rank may outlive it. (metrics, process)"""
     out = tmp_path / "run" / "metrics.json"
     process, seconds = train_command(ddp_spec(cpu_spec), prepared_data[0], out, fault=fault, timeout=240)
     leftover = processes_mentioning(str(out.parent / "ranks"))
@@ -532,7 +527,18 @@ def test_oom_on_one_ddp_rank_gives_an_oom_row_in_bounded_time(cpu_spec, prepared
     assert process.returncode == 0, output_of(process)
     assert seconds < 90, f"took {seconds:.0f} s"
     assert leftover == [], "a rank outlived its run"
-    metrics = json.loads(out.read_text())["metrics"]
+    return json.loads(out.read_text())["metrics"], process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, peer", [
+    ("oom@3:rank1", "sees rank 1 leave"),
+    # The NCCL case: the peer is stuck (here asleep) instead of failing fast. The launcher ends it
+    # RANK_GRACE_S after rank 1's result appears.
+    ("oom@3:rank1,sleep@3=600:rank0", "is stuck"),
+], ids=["peer-fails-fast", "peer-stuck"])
+def test_oom_on_one_ddp_rank_gives_an_oom_row_in_bounded_time(cpu_spec, prepared_data, tmp_path, fault, peer):
+    metrics, process = ddp_run_with_fault(cpu_spec, prepared_data, tmp_path, fault)
     assert metrics["status"] == "oom"
     assert metrics["status_reason"].startswith("rank 1: CUDA out of memory at step 3")
     assert metrics["last_step"] == 3 and metrics["world_size"] == 2
@@ -544,15 +550,7 @@ def test_oom_on_one_ddp_rank_gives_an_oom_row_in_bounded_time(cpu_spec, prepared
 def test_a_crashing_ddp_rank_gives_a_failed_row_in_bounded_time(cpu_spec, prepared_data, tmp_path):
     """An unknown exception on rank 1: its traceback in the log, a failed row naming the rank; rank 0,
     left waiting in a collective, is ended by the launcher."""
-    out = tmp_path / "run" / "metrics.json"
-    process, seconds = train_command(ddp_spec(cpu_spec), prepared_data[0], out, fault="error@3:rank1", timeout=240)
-    leftover = processes_mentioning(str(out.parent / "ranks"))
-    for pid in leftover:
-        os.kill(pid, signal.SIGKILL)
-    assert process.returncode == 0, output_of(process)
-    assert seconds < 90, f"took {seconds:.0f} s"
-    assert leftover == [], "a rank outlived its run"
-    metrics = json.loads(out.read_text())["metrics"]
+    metrics, process = ddp_run_with_fault(cpu_spec, prepared_data, tmp_path, "error@3:rank1")
     assert metrics["status"] == "failed"
     assert metrics["status_reason"].startswith("rank 1: RuntimeError: injected failure at step 3")
     assert "Traceback (most recent call last)" in process.stderr
