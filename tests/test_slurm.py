@@ -280,6 +280,8 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     result = json.loads((workdir / "results" / "runs" / run_id / "metrics.json").read_text())["metrics"]
     assert result["status"] == "timeout", result
     assert result.get("tokens_per_s"), result
+    # It stopped before its walltime and was evaluated in the job's reserved margin.
+    assert result.get("eval_accuracy") is not None and result.get("eval_samples"), result
 
     metrics = pd.read_parquet(workdir / "results" / "metrics.parquet")
     assert sorted(metrics["status"]) == ["ok", "ok", "timeout"], metrics[["run_id", "status"]]
