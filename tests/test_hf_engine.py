@@ -71,6 +71,27 @@ def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_fac
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batching", ["group_by_length", "pack"])
+def test_both_engines_batch_as_the_run_asks(batching, tiny_config_factory, prepared_data, llama_data):  # noqa: F811
+    """The Trainer takes the run's batching too: the same grouped order, the same packed rows (and their
+    capacity), not padded batches under a packed run's name."""
+    if batching == "pack":
+        spec, data_dir = llama_spec(batching="pack", max_steps=4), llama_data
+    else:
+        config = tiny_config_factory(defaults={"method": "full", "batch_size": 4, "seq_len": 32, "max_steps": 4,
+                                               "warmup_steps": 1, "batching": batching},
+                                     matrix={"model": ["tiny"], "dataset": ["tiny"]})
+        (spec,) = matrix.expand_runs(config)
+        data_dir = prepared_data[0]
+    results = both_engines(spec, data_dir)
+    assert_same_run(results)
+    hf_steps = results["hf_trainer"][1]
+    assert [s["capacity_tokens"] for s in hf_steps] == [s["capacity_tokens"] for s in results["loop"][1]]
+    if batching == "pack":
+        assert all(s["capacity_tokens"] > 0 for s in hf_steps)
+
+
+@pytest.mark.slow
 def test_timeout_through_the_callback(llama_data):  # noqa: F811
     """A deadline already past: the callback stops the Trainer after its first step, status timeout."""
     stop = trainer.StopSignal(deadline=0.0)

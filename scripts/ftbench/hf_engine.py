@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from . import batching, flops, gpu_monitor
+from . import flops, gpu_monitor, packing
 from .devices import synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, summarise
@@ -66,12 +66,16 @@ class Meter:
         self.skip_flag = lambda: False  # fp16: whether the last optimizer step was skipped (set once the Trainer exists)
 
     def _new_record(self, step: int, measured: bool) -> dict:
-        return {"step": step, "measured": measured, "samples": 0, "tokens": 0, "padded_tokens": 0, "flops": 0, "loader_s": 0.0}
+        return {"step": step, "measured": measured, "samples": 0, "tokens": 0, "padded_tokens": 0, "capacity_tokens": 0,
+                "flops": 0, "loader_s": 0.0}
 
     def collate(self, indices: list[int]) -> dict:
         started = time.perf_counter()
-        batch = batching.collate(self.run.task, self.run.train_split, np.asarray(indices), self.run.pad_id)
+        spec = self.run.spec
+        batch = packing.collate(self.run.task, self.run.train_split, np.asarray(indices), self.run.pad_id, spec.batching,
+                                spec.seq_len)
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
+                  "capacity_tokens": batch.capacity_tokens,
                   "flops": flops.step_flops(self.shape, self.run.spec.method == "full", batch.real_tokens,
                                             batch.sum_squared_lengths, batch.target_tokens, batch.target_sum_squared_lengths)}
         self.loader_s += time.perf_counter() - started
@@ -143,16 +147,16 @@ def train(run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
     spec, device = run.spec, run.device
     if spec.parallel != "single" or run.dist.active:
         raise UnsupportedConfiguration(f"engine hf_trainer runs parallel 'single' only in this version (not {spec.parallel!r})")
-    from .trainer import batch_order
+    from .trainer import training_order
 
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     local_gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     meter = Meter(run, shape, total_steps, local_gpus)
-    # The loop's order, one index at a time: the Trainer's DataLoader batches it back into the same batches.
-    order = [int(i) for batch in batch_order(len(run.train_split), spec.batch_size, total_steps * spec.grad_accum_steps, spec.seed)
-             for i in batch]
+    # The loop's order (its batching's), one index at a time: the Trainer's DataLoader batches it back into
+    # the same batches.
+    order = [int(i) for batch in training_order(run, total_steps) for i in batch]
 
     class MeasuredTrainer(Trainer):
         def _get_train_sampler(self, train_dataset=None):
@@ -207,12 +211,7 @@ def _figures(meter: Meter, spec, args, total_steps: int) -> dict:
     figures.update(summarise(steps, window_s, 1))
     figures["energy_j_per_token"] = energy_per_token(figures)
     figures.update(trainer_settings(args))
-    if steps:
-        figures["final_train_loss"] = steps[-1]["loss"]
-        figures["first_step_s"] = steps[0]["step_time_s"]
-        if spec.compile and figures.get("step_time_median_s"):
-            figures["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - figures["step_time_median_s"])
-    if meter.local_gpus:
-        figures["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in meter.local_gpus) / 2**20
-        figures["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in meter.local_gpus) / 2**20
+    from .trainer import steps_and_peaks
+
+    figures.update(steps_and_peaks(steps, figures, spec, meter.local_gpus))
     return figures

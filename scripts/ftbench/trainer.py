@@ -245,10 +245,7 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
     scaler = make_grad_scaler(spec, device)
     # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
     share = spec.batch_size * (devices // dist.world_size)
-    if spec.batching == "group_by_length":
-        order = packing.grouped_order(packing.lengths_of(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
-    else:
-        order = batch_order(len(run.train_split), spec.batch_size * devices, total_steps * accum, spec.seed)
+    order = training_order(run, total_steps)
     warmup = Warmup.of(spec, total_steps)
     loop = {} if loop is None else loop
 
@@ -266,7 +263,9 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
     synchronize(device)
     step_start = loop["first"] = time.perf_counter()
     for step in range(total_steps):
-        if warmup.window_begins(step, [s["step_time_s"] for s in steps], agree=lambda flag: _any_rank(run, flag)):
+        # Step times are gathered only while the window has not begun: nothing more on the measured steps.
+        if window_start is None and warmup.window_begins(step, [s["step_time_s"] for s in steps],
+                                                         agree=lambda flag: _any_rank(run, flag)):
             window_start = step_start
             sampler.start()
         stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
@@ -337,19 +336,35 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
     figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
     if run.task in IMAGE_TASKS:
         figures.update(images.throughput(steps, window_s, devices if dist.world_size == 1 else 1))
-    figures["packing_efficiency"] = packing.packing_efficiency(steps)
     if not dist.active:
         figures["energy_j_per_token"] = energy_per_token(figures)
+    figures.update(steps_and_peaks(steps, figures, spec, local_gpus))
+    return figures, steps
+
+
+def training_order(run: Run, total_steps: int):
+    """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it)."""
+    spec = run.spec
+    global_batch, count = spec.batch_size * spec.devices, total_steps * spec.grad_accum_steps
+    if spec.batching == "group_by_length":
+        return packing.grouped_order(packing.lengths_of(run.train_split), global_batch, count, spec.seed)
+    return batch_order(len(run.train_split), global_batch, count, spec.seed)
+
+
+def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:
+    """What either engine reports from its step records and its GPUs once training ends: final loss, the
+    first step, the compilation estimate, packing efficiency and the CUDA peaks."""
+    result = {"packing_efficiency": packing.packing_efficiency(steps)}
     if steps:
-        figures["final_train_loss"] = steps[-1]["loss"]
-        figures["first_step_s"] = steps[0]["step_time_s"]
+        result["final_train_loss"] = steps[-1]["loss"]
+        result["first_step_s"] = steps[0]["step_time_s"]
         if spec.compile and figures.get("step_time_median_s"):
             # Compilation happens inside the first step; its excess over a normal step estimates it.
-            figures["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - figures["step_time_median_s"])
+            result["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - figures["step_time_median_s"])
     if local_gpus:
-        figures["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
-        figures["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in local_gpus) / 2**20
-    return figures, steps
+        result["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
+        result["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in local_gpus) / 2**20
+    return result
 
 
 def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
