@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from . import gpu_monitor
@@ -66,3 +67,10 @@ def capture() -> dict:
         "git_commit": git_commit(),
         "libraries": library_versions(),
     }
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the operating system's start time, so imports count too)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()

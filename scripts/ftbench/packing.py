@@ -23,8 +23,6 @@ packing never inflates the FLOP count.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -132,13 +130,6 @@ def packing_efficiency(steps: list[dict]) -> float | None:
     measured = [s for s in steps if s["measured"] and s.get("capacity_tokens")]
     capacity = sum(s["capacity_tokens"] for s in measured)
     return sum(s["tokens"] for s in measured) / capacity if capacity else None
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (the operating system's start time, so imports count too)."""
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
 
 
 @torch.no_grad()

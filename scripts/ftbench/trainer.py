@@ -177,7 +177,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     metrics["wall_time_s"] = time.perf_counter() - started
     if loop:
         # Process start to the first step, plus the last step to here less evaluation (a column of its own).
-        metrics["overhead_s"] = (packing.process_age_s() - (time.perf_counter() - loop["first"])
+        metrics["overhead_s"] = (environment.process_age_s() - (time.perf_counter() - loop["first"])
                                  + time.perf_counter() - loop.get("last", loop["first"]) - (metrics.get("eval_time_s") or 0.0))
     metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
