@@ -95,12 +95,13 @@ def get_train_nodes(wildcards):
     executes with Snakemake's dry-run executor whatever --executor says; the intended one shows in
     use_threads, which Snakemake turns on for every non-local executor (and for --use-threads)."""
     cluster = workflow.non_local_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
+    run = RUNS[wildcards.run_id]
     try:
-        ftbench_config.check_nodes(config, cluster)
+        ftbench_config.check_nodes(run, config, cluster)
     except FtbenchError as error:
         sys.stderr.write(f"ftbench: {error}\n")
         sys.exit(1)
-    return ftbench_resources.train_nodes(RUNS[wildcards.run_id])
+    return ftbench_resources.train_nodes(run)
 
 
 def get_train_threads(wildcards):

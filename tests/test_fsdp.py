@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ftbench import config as ftconfig
-from ftbench import ddp, fsdp, memory_estimate, modeling
+from ftbench import ddp, fsdp, matrix, memory_estimate, modeling
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 
@@ -186,9 +186,10 @@ def test_multi_node_runs_need_ddp_or_fsdp():
 def test_multi_node_runs_are_refused_without_a_cluster():
     config = lm_config(llama_def(), parallel="fsdp", num_gpus=1, num_nodes=2)
     ftconfig.validate_config(config)  # valid as such: where it can run is the executor's question
+    (run,) = matrix.expand_runs(config)
     with pytest.raises(ConfigError, match=r"num_nodes: run .* spans 2 nodes, which needs a SLURM cluster"):
-        ftconfig.check_nodes(config, cluster=False)
-    ftconfig.check_nodes(config, cluster=True)
+        ftconfig.check_nodes(run, config, cluster=False)
+    ftconfig.check_nodes(run, config, cluster=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -421,20 +421,15 @@ def check_gpu_limit(config: dict, limit: int | None) -> None:
             )
 
 
-def check_nodes(config: dict, cluster: bool) -> None:
+def check_nodes(run: RunSpec, config: dict, cluster: bool) -> None:
     """Multi-node runs only where jobs go to a cluster (the SLURM executor): locally a job is one process
     tree on this machine, and its torchrun cannot reach another."""
-    if cluster:
-        return
-    from . import matrix
-
-    for run in matrix.expand_runs(config):
-        if run.num_nodes > 1:
-            raise ConfigError(
-                f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans {run.num_nodes} "
-                "nodes, which needs a SLURM cluster (snakemake --profile profiles/slurm); this invocation runs jobs "
-                "on this machine: expected num_nodes 1"
-            )
+    if not cluster and run.num_nodes > 1:
+        raise ConfigError(
+            f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans {run.num_nodes} "
+            "nodes, which needs a SLURM cluster (snakemake --profile profiles/slurm); this invocation runs jobs "
+            "on this machine: expected num_nodes 1"
+        )
 
 
 def _settings_blocks(config: dict):
