@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ftbench import batching, config as config_module, cost, data, images, matrix
+from ftbench import batching, config as config_module, cost, data, images, matrix, metrics
 from ftbench.errors import ConfigError
 
 TINY_VIT = {"kind": "config", "architecture": "ViTConfig",
@@ -221,10 +221,26 @@ def test_throughput_separates_images_image_tokens_and_text_tokens():
     steps = [{"measured": False, "images": 8, "image_tokens": 136, "tokens": 136},
              {"measured": True, "images": 8, "image_tokens": 136, "tokens": 136},
              {"measured": True, "images": 8, "image_tokens": 136, "tokens": 136}]
-    figures = images.throughput(steps, 2.0, devices=2)
+    figures = metrics.image_throughput(steps, 2.0, devices=2)
     assert figures == {"measured_images": 16, "images_per_s": 8.0, "images_per_s_per_device": 4.0,
                        "image_tokens_per_s": 136.0, "text_tokens_per_s": 0.0}
-    assert images.throughput(steps, None, 1) == {}
+    assert metrics.image_throughput(steps, None, 1) == {}
+    text_steps = [{"measured": True, "tokens": 136}]
+    assert metrics.image_throughput(text_steps, 2.0, 1) == {}  # a text run has no image columns
+
+
+def test_ranks_images_add_up_like_their_tokens():
+    def rank(index: int, images: int) -> dict:
+        steps = [{"step": step, "measured": step > 0, "step_time_s": 1.0 + index, "loader_s": 0.0, "samples": images,
+                  "tokens": images * 17, "padded_tokens": images * 17, "flops": 1, "loss": 1.0, "lr": 0.1,
+                  "images": images, "image_tokens": images * 17} for step in range(3)]
+        return {"rank": index, "steps": steps, "metrics": {"status": "ok", "window_s": 2.0 + index}}
+
+    merged, steps = metrics.merge_ranks([rank(0, 4), rank(1, 4)], devices=2)
+    assert merged["measured_images"] == 2 * 2 * 4  # two measured steps, two ranks
+    assert merged["images_per_s"] == pytest.approx(16 / 3.0)  # over the slowest rank's window
+    assert merged["images_per_s_per_device"] == pytest.approx(16 / 3.0 / 2)
+    assert merged["image_tokens_per_s"] == pytest.approx(merged["tokens_per_s"]) and merged["text_tokens_per_s"] == 0
 
 
 def test_cost_per_1k_images_next_to_samples_and_tokens():
@@ -273,14 +289,11 @@ def test_text_runs_refuse_image_size():
         config_module.check_run(run, config)
 
 
-def test_image_runs_need_an_image_column_and_one_process(image_folder):
+def test_image_runs_need_an_image_column(image_folder):
     dataset_def = image_dataset(image_folder)
     del dataset_def["image_column"]
     config = experiment(dataset_def)
     with pytest.raises(ConfigError, match=r"datasets\.imgs\.image_column"):
-        config_module.check_run(matrix.expand_runs(config)[0], config)
-    config = experiment(image_dataset(image_folder), parallel="ddp", num_gpus=2, device="auto")
-    with pytest.raises(ConfigError, match="ddp.*not implemented"):
         config_module.check_run(matrix.expand_runs(config)[0], config)
 
 
@@ -395,3 +408,31 @@ def test_image_experiment_through_snakemake(tmp_path, snakemake_runner, config_w
     for column in ("images_per_s", "image_tokens_per_s", "memory_estimate_mb", "eval_accuracy"):
         assert table[column].notna().all() and (table[column] >= 0).all(), column
     assert (tmp_path / "results" / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_image_run_sums_the_ranks_images(tmp_path, image_folder):
+    """Two gloo ranks on the CPU, through the train command as the rule runs it: each rank's images count once."""
+    import json
+    import subprocess
+    import sys
+
+    config = experiment(image_dataset(image_folder), parallel="ddp", num_gpus=2, device="cpu", batch_size=4)
+    spec = matrix.expand_runs(config)[0]
+    config_module.check_run(spec, config)
+    data_dir = tmp_path / "data"
+    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir, 128, spec.model, spec.image_size)
+    out = tmp_path / "run" / "metrics.json"
+    out.parent.mkdir()
+    process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data_dir),
+                              "--out", str(out), "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    row = json.loads(out.read_text())["metrics"]
+    assert row["status"] == "ok", row["status_reason"]
+    assert row["world_size"] == 2
+    # 3 measured steps (4 steps, 1 warmup) x 2 ranks x 4 images, 17 image tokens each (16 patches + class token)
+    assert row["measured_images"] == 3 * 2 * 4
+    assert row["images_per_s"] == pytest.approx(row["samples_per_s"])
+    assert row["image_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
+    assert row["images_per_s_per_device"] == pytest.approx(row["images_per_s"] / 2)
+    assert 0 <= row["eval_accuracy"] <= 1

@@ -342,7 +342,7 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
 
 
 def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
-    """What an image-classification run needs: image data (a column, or pixel rows) and one process."""
+    """What an image-classification run needs: image data (a column, or pixel rows)."""
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
     if dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
@@ -350,10 +350,6 @@ def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
             if key not in dataset_def:
                 raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task}) "
                                   "(or `pixels` for a headerless CSV of pixel rows)")
-    if run.parallel == "ddp":
-        # DDP merges per-rank step counts (metrics.merge_ranks), which do not yet carry images.
-        raise ConfigError(f"config key {_setting_key(config, 'parallel', run.parallel)}: run {run.run_id} ({task}) "
-                          "with parallel 'ddp' is not implemented by this ftbench version; use none or dp")
 
 
 def check_dataset_columns(config: dict, runs: list[dict]) -> None:

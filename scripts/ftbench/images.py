@@ -1,5 +1,6 @@
 """Image data for the vision tasks (``task_types.IMAGE_TASKS``): decoding and resizing once at
-preparation, batching and throughput counts at training time.
+preparation, and batching at training time (the images and image tokens each batch holds; their rates
+are metrics.image_throughput).
 
 Preparation decodes every image once, converts it to RGB and resizes it to the run's square
 ``image_size``, and stores the pixels as uint8 (height x width x 3, row-major bytes) in the Parquet
@@ -420,20 +421,3 @@ def memory_estimate(model, spec, manifest: dict) -> dict:
     from . import memory_estimate as estimate_module
 
     return estimate_module.estimate(model, spec.replace(seq_len=manifest["image_tokens_per_image"]), "classification", None)
-
-
-def throughput(steps: list[dict], window_s: float | None, devices: int) -> dict:
-    """Images, image tokens and text tokens per second over the measured steps (all devices together)."""
-    measured = [step for step in steps if step["measured"]]
-    if not measured or not window_s:
-        return {}
-    images = sum(step.get("images", 0) for step in measured)
-    image_tokens = sum(step.get("image_tokens", 0) for step in measured)
-    tokens = sum(step["tokens"] for step in measured)
-    return {
-        "measured_images": images,
-        "images_per_s": images / window_s,
-        "images_per_s_per_device": images / window_s / devices,
-        "image_tokens_per_s": image_tokens / window_s,
-        "text_tokens_per_s": (tokens - image_tokens) / window_s,
-    }

@@ -22,6 +22,8 @@ STATUSES = {
 }
 
 STEP_FIELDS = ["step", "measured", "step_time_s", "loader_s", "samples", "tokens", "padded_tokens", "flops", "loss", "lr"]
+# Counts a step record of an image run also has: its images, and the part of its tokens that are image tokens.
+IMAGE_COUNTS = ("images", "image_tokens")
 
 MFU_FIELDS = ("mfu", "mfu_peak_tflops", "mfu_peak_source")
 
@@ -113,6 +115,24 @@ class Warmup:
                 "warmup_settled": self.settled if self.until_stable else None}
 
 
+def image_throughput(steps: list[dict], window_s: float | None, devices: int) -> dict:
+    """Images, image tokens and text tokens per second over the measured steps (all devices together);
+    nothing for a run whose steps carry no images."""
+    measured = [step for step in steps if step["measured"]]
+    if not measured or not window_s or not any("images" in step for step in measured):
+        return {}
+    images = sum(step.get("images", 0) for step in measured)
+    image_tokens = sum(step.get("image_tokens", 0) for step in measured)
+    tokens = sum(step["tokens"] for step in measured)
+    return {
+        "measured_images": images,
+        "images_per_s": images / window_s,
+        "images_per_s_per_device": images / window_s / devices,
+        "image_tokens_per_s": image_tokens / window_s,
+        "text_tokens_per_s": (tokens - image_tokens) / window_s,
+    }
+
+
 def energy_per_token(metrics: dict) -> float | None:
     """GPU energy of the measured window per real token (None without NVML energy or tokens)."""
     energy, tokens = metrics.get("energy_j"), metrics.get("measured_tokens")
@@ -160,10 +180,14 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     by_step: dict[int, dict] = {}
     for result in rank_results:
         for record in result["steps"]:
-            merged = by_step.setdefault(record["step"], {**record, "samples": 0, "tokens": 0, "padded_tokens": 0,
+            merged = by_step.setdefault(record["step"], {**{k: v for k, v in record.items() if k not in IMAGE_COUNTS},
+                                                          "samples": 0, "tokens": 0, "padded_tokens": 0,
                                                           "flops": 0, "step_time_s": 0.0, "loader_s": 0.0})
             for count in ("samples", "tokens", "padded_tokens", "flops"):
                 merged[count] += record[count]
+            for count in IMAGE_COUNTS:  # image runs: each rank's images, summed like its tokens
+                if count in record:
+                    merged[count] = merged.get(count, 0) + record[count]
             for slowest in ("step_time_s", "loader_s"):
                 merged[slowest] = max(merged[slowest], record[slowest])
     steps = [by_step[key] for key in sorted(by_step)]
@@ -171,5 +195,6 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     window_s = max(windows) if all(windows) else None
     metrics["window_s"] = window_s
     metrics.update(summarise(steps, window_s, devices))
+    metrics.update(image_throughput(steps, window_s, devices))
     metrics["energy_j_per_token"] = energy_per_token(metrics)
     return metrics, [{field: step.get(field) for field in STEP_FIELDS} for step in steps]

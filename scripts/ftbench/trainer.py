@@ -29,7 +29,7 @@ from . import (batch_size_search, batching, data, environment, evaluation, fault
                memory_estimate, modeling, packing)
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
-from .metrics import Warmup, energy_per_token, summarise
+from .metrics import Warmup, energy_per_token, image_throughput, summarise
 from .optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from .runspec import RunSpec
 from .task_types import IMAGE_TASKS
@@ -334,8 +334,7 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
     figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
-    if run.task in IMAGE_TASKS:
-        figures.update(images.throughput(steps, window_s, devices if dist.world_size == 1 else 1))
+    figures.update(image_throughput(steps, window_s, devices if dist.world_size == 1 else 1))
     if not dist.active:
         figures["energy_j_per_token"] = energy_per_token(figures)
     figures.update(steps_and_peaks(steps, figures, spec, local_gpus))
