@@ -187,6 +187,7 @@ QUALITY: dict[str, Quality] = {
     "classification": Quality("eval_accuracy", "accuracy"),
     "causal_lm": _TOKEN_ACCURACY,
     "seq2seq": _TOKEN_ACCURACY,
+    "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
 }
 # The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model).
 QUALITY_COLUMNS = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity")
