@@ -96,13 +96,14 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
     benchmarked; flops_counted_ratio shows the gap)."""
     vision = 0
     if shape.vision_linear_params:
-        # A frozen tower (LoRA on the language model) gets no backward pass at all.
-        forward_only = shape.vision_trainable_linear_params == 0
-        vision = ((2 * shape.vision_linear_params if forward_only else
-                   _linear_flops_per_token(shape.vision_linear_params, shape.vision_trainable_linear_params, full_finetune))
-                  * vision_tokens + (4 if forward_only else 12) * shape.vision_layers * shape.vision_width * vision_sum_squared_lengths
-                  + _linear_flops_per_token(shape.projector_linear_params, shape.projector_trainable_linear_params,
-                                            full_finetune) * image_tokens)
+        if shape.vision_trainable_linear_params == 0:  # a frozen tower (LoRA) gets no backward pass at all
+            per_token, attention_factor = 2 * shape.vision_linear_params, 4
+        else:
+            per_token = _linear_flops_per_token(shape.vision_linear_params, shape.vision_trainable_linear_params, full_finetune)
+            attention_factor = 12
+        projector = _linear_flops_per_token(shape.projector_linear_params, shape.projector_trainable_linear_params, full_finetune)
+        vision = (per_token * vision_tokens + projector * image_tokens
+                  + attention_factor * shape.vision_layers * shape.vision_width * vision_sum_squared_lengths)
     decoder_params = shape.linear_params - shape.encoder_linear_params - shape.vision_linear_params - shape.projector_linear_params
     decoder_trainable = (shape.trainable_linear_params - shape.encoder_trainable_linear_params
                          - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params)
