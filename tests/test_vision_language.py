@@ -204,6 +204,56 @@ def test_flops_count_the_vision_tower_on_its_own_tokens(tmp_path):
                                      + 4 * frozen.projector_linear_params * 16)
 
 
+@pytest.fixture(scope="module")
+def llava_checkpoint(tmp_path_factory):
+    """The tiny LLaVA saved as a checkpoint folder: weights, the MiniLM tokenizer with <image> added (the id its
+    config names) and an image processor of its own statistics."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("llava-checkpoint")
+    words = tokenizer()
+    words.add_tokens(["<image>"], special_tokens=True)
+    config = LlavaConfig(vision_config=VISION, text_config={**TEXT, "vocab_size": len(words), "pad_token_id": 0},
+                         image_token_index=words.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    words.save_pretrained(folder)
+    CLIPImageProcessor(image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_folder, llava_checkpoint):
+    config = experiment(qa_dataset(qa_folder), method="lora", image_size=None)
+    config["models"]["llava"] = {"task": "vision_language", "source": {"kind": "path", "path": str(llava_checkpoint)}}
+    spec = first_run(config)
+    manifest = prepare_run(spec, tmp_path / "ok")
+    assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["processor_class"] == "CLIPImageProcessor"
+    assert (manifest["image_size"], manifest["image_tokens_per_image"], manifest["image_token_id"]) == (16, 16, 30522)
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
+    batch = batching.collate("vision_language", data.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
+                             manifest["pad_token_id"]).to("cpu")
+    assert torch.isfinite(model(**batch.inputs).loss)
+    # its vision tower has position embeddings for 16 x 16 only
+    with pytest.raises(ConfigError, match=r"image_size: 24, but model 'llava'.*built for 16"):
+        prepare_run(spec.replace(image_size=24), tmp_path / "larger")
+
+
+def test_a_checkpoint_whose_image_token_is_not_its_tokenizers_is_refused(tmp_path, qa_folder, llava_checkpoint):
+    import json
+    import shutil
+
+    from ftbench.errors import SourceError
+
+    folder = shutil.copytree(llava_checkpoint, tmp_path / "other")
+    settings = json.loads((folder / "config.json").read_text())
+    settings["image_token_index"] = 100
+    (folder / "config.json").write_text(json.dumps(settings))
+    config = experiment(qa_dataset(qa_folder), image_size=None)
+    config["models"]["llava"] = {"task": "vision_language", "source": {"kind": "path", "path": str(folder)}}
+    with pytest.raises(SourceError, match="image_token_index 100 is not its tokenizer's <image> id 30522"):
+        prepare_run(first_run(config), tmp_path / "out")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loss and evaluation
 
@@ -343,3 +393,24 @@ def test_vision_language_experiment_through_snakemake(tmp_path, snakemake_runner
     assert table["eval_accuracy"].isna().all() and table["memory_estimate_mb"].isna().all()
     report = (tmp_path / "results" / "report.html").read_text(encoding="utf-8")
     assert "answer token accuracy" in report
+
+
+def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
+    """A language model's and a vision-language model's runs side by side: each quality figure under its own name."""
+    import re
+
+    from ftbench import analysis, report
+    from test_report import fixture_runs, write_fixture
+
+    vlm = fixture_runs("single")[0].assign(task="vision_language", eval_accuracy=pd.NA, eval_token_accuracy=0.7,
+                                           model="vlm", config_id=lambda t: t["config_id"].str.replace("m-d", "vlm-d"),
+                                           run_id=lambda t: t["run_id"].str.replace("m-d", "vlm-d"))
+    runs = pd.concat([fixture_runs("lm")[0], vlm], ignore_index=True)
+    assert analysis.quality_column(analysis.prepare(runs))[1] == \
+        "eval token accuracy (causal_lm) / answer token accuracy (vision_language)"
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
+    assert ">answer_token_accuracy</th>" in configurations and ">token_accuracy</th>" in configurations
+    assert "Most accurate (answer token accuracy): <b>" in page

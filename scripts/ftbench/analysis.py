@@ -185,6 +185,7 @@ _TOKEN_ACCURACY = Quality("eval_token_accuracy", "token accuracy", n_note="eval 
 # One entry per task kind: a new task (image-text retrieval with recall@1, say) adds its line here.
 QUALITY: dict[str, Quality] = {
     "classification": Quality("eval_accuracy", "accuracy"),
+    "image_classification": Quality("eval_accuracy", "accuracy"),
     "causal_lm": _TOKEN_ACCURACY,
     "seq2seq": _TOKEN_ACCURACY,
     "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
