@@ -119,6 +119,26 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     assert (labels[mask == 0] == batching.IGNORE_INDEX).all()
 
 
+@pytest.mark.parametrize("form", ["parquet_bytes", "save_to_disk"])
+def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_path, qa_folder, form):
+    import datasets
+
+    rows = pd.read_csv(qa_folder / "qa.csv")
+    if form == "parquet_bytes":
+        rows["file"] = [(qa_folder / name).read_bytes() for name in rows["file"]]
+        rows.to_parquet(tmp_path / "qa.parquet")
+        location = tmp_path / "qa.parquet"
+    else:
+        rows["file"] = [str(qa_folder / name) for name in rows["file"]]
+        datasets.Dataset.from_pandas(rows).cast_column("file", datasets.Image()).save_to_disk(str(tmp_path / "saved"))
+        location = tmp_path / "saved"
+    other = prepare_run(first_run(experiment({**qa_dataset(qa_folder), "source": {"kind": "path", "path": str(location)}})),
+                        tmp_path / "other")
+    files = prepare_run(first_run(experiment(qa_dataset(qa_folder))), tmp_path / "files")
+    a, b = (data.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
+    assert (a.pixels == b.pixels).all() and all((x == y).all() for x, y in zip(a.input_ids, b.input_ids))
+
+
 @has_digits
 def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
     spec = first_run(experiment(DIGITS_QA))
@@ -128,6 +148,8 @@ def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
     answers = {words.decode(labels[labels != batching.IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
     assert answers == set(DIGIT_WORDS)
     assert words.decode(split.input_ids[0][IMAGE_TOKENS:IMAGE_TOKENS + 5]) == "what digit is this?"
+    with pytest.raises(ConfigError, match=r"datasets\.vqa\.answers: 9 answers.*class 9 occurs"):
+        prepare_run(first_run(experiment({**DIGITS_QA, "answers": DIGIT_WORDS[:9]})), tmp_path / "short")
 
 
 def test_synthetic_rows_have_a_prompt_then_a_scored_answer(tmp_path):

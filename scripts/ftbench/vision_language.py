@@ -64,9 +64,9 @@ def load_config(model_def: dict, model_name: str, image_size: int | None = None,
     else:
         from .modeling import _pretrained_args
 
-        location, extra = _pretrained_args(source)
-        extra.pop("gguf_file", None)
-        config = transformers.AutoConfig.from_pretrained(location, **extra)
+        location, kwargs = _pretrained_args(source)
+        kwargs.pop("gguf_file", None)
+        config = transformers.AutoConfig.from_pretrained(location, **kwargs)
     if config.model_type not in SUPPORTED_MODEL_TYPES or config.vision_config.model_type not in task_types.VISION_CLASS_TOKENS:
         raise ConfigError(f"config key models.{model_name}.source: task vision_language takes LLaVA models (model_type "
                           f"llava with a vision tower of type {', '.join(task_types.VISION_CLASS_TOKENS)}); this one is "
@@ -130,9 +130,14 @@ def config_for_run(spec, extra: dict):
 # Preparation (what data.prepare does for this task)
 
 
-def _answer_text(value, answers: list | None) -> str:
+def _answer_text(value, answers: list | None, where: str) -> str:
     """A pixel-row dataset's class as its answer: ``answers[class]``, else the class itself."""
-    return str(answers[int(value)]) if answers is not None else str(value)
+    if answers is None:
+        return str(value)
+    if not 0 <= int(value) < len(answers):
+        raise ConfigError(f"config key {where}.answers: {len(answers)} answers (classes 0 to {len(answers) - 1}), but "
+                          f"class {value} occurs; give one answer per class")
+    return str(answers[int(value)])
 
 
 def load_rows(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.DataFrame, pd.DataFrame, Path | None]:
@@ -144,7 +149,8 @@ def load_rows(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.D
     frames = []
     for frame in (train, evaluation):
         if "label" in frame.columns:  # pixel rows: the class is the answer
-            frame = frame.assign(answer=[_answer_text(value, dataset_def.get("answers")) for value in frame["label"]])
+            answers = dataset_def.get("answers")
+            frame = frame.assign(answer=[_answer_text(value, answers, f"datasets.{dataset_name}") for value in frame["label"]])
         if "prompt" in dataset_def:
             frame = frame.assign(prompt=dataset_def["prompt"])
         frames.append(frame[["image", "prompt", "answer"]].astype({"prompt": str, "answer": str}))
