@@ -350,6 +350,7 @@ def test_one_prompt_for_every_row_replaces_the_prompt_column(qa_folder):
     ({"batching": "padding_free"}, r"batching 'padding_free' is not supported"),
     ({"engine": "hf_trainer"}, r"engine.*hf_trainer.*not implemented"),
     ({"parallel": "ddp", "num_gpus": 2, "device": "auto"}, r"ddp.*not implemented"),
+    ({"parallel": "fsdp", "num_gpus": 2, "device": "auto"}, r"fsdp.*not implemented"),
 ])
 def test_settings_this_task_does_not_support_are_refused(qa_folder, settings, match):
     with pytest.raises(ConfigError, match=match):

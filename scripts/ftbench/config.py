@@ -366,6 +366,9 @@ def _check_vision_language_run(run: RunSpec, config: dict) -> None:
     if run.engine == "hf_trainer":
         raise ConfigError(f"config key {_setting_key(config, 'engine', run.engine)}: run {run.run_id} (vision_language) "
                           "with engine 'hf_trainer' is not implemented (it counts no images or image tokens); use engine 'loop'")
+    if run.parallel == "fsdp":  # torchrun ranks, merged as ddp's are: without their images (_check_image_run)
+        raise ConfigError(f"config key {_setting_key(config, 'parallel', run.parallel)}: run {run.run_id} (vision_language) "
+                          "with parallel 'fsdp' is not implemented by this ftbench version; use none or dp")
     if source["kind"] == "config" and source["architecture"] != "LlavaConfig":
         raise ConfigError(f"config key models.{run.model}.source.architecture: {source['architecture']!r}; task "
                           "vision_language builds LLaVA models: expected 'LlavaConfig'")
