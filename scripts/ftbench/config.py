@@ -342,7 +342,7 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
 
 
 def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
-    """What an image-classification run needs: image data (a column, or pixel rows) and one process."""
+    """What an image run needs: image data (a column, or pixel rows; vision_language: its own checks) and one process."""
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
     if task == "vision_language":
