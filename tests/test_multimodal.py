@@ -284,6 +284,11 @@ def test_image_runs_need_an_image_column_and_one_process(image_folder):
         config_module.check_run(matrix.expand_runs(config)[0], config)
 
 
+def test_image_runs_refuse_packing_with_the_reason(image_folder):
+    with pytest.raises(ConfigError, match=r"batching 'pack' is not supported .*no padding to remove"):
+        config_module.validate_config(experiment(image_dataset(image_folder), batching="pack"))
+
+
 @pytest.mark.parametrize("task", ["image_text_retrieval"])
 def test_planned_tasks_are_refused_with_the_reason(image_folder, task):
     config = experiment(image_dataset(image_folder))
