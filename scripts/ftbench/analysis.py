@@ -185,8 +185,10 @@ _TOKEN_ACCURACY = Quality("eval_token_accuracy", "token accuracy", n_note="eval 
 # One entry per task kind: a new task (image-text retrieval with recall@1, say) adds its line here.
 QUALITY: dict[str, Quality] = {
     "classification": Quality("eval_accuracy", "accuracy"),
+    "image_classification": Quality("eval_accuracy", "accuracy"),
     "causal_lm": _TOKEN_ACCURACY,
     "seq2seq": _TOKEN_ACCURACY,
+    "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
 }
 # The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model).
 QUALITY_COLUMNS = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity")

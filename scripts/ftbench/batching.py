@@ -56,6 +56,10 @@ class Batch:
     images: int = 0  # image tasks (images.py): images in the batch
     image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
     capacity_tokens: int = 0  # packed batches (packing.py): rows x row capacity; 0 when not packed
+    # vision-language (vision_language.py): tokens the vision tower processes (its class token included) and
+    # their sum of squared lengths per image, for the FLOPs; not part of real_tokens (the decoder's)
+    vision_tokens: int = 0
+    vision_sum_squared_lengths: int = 0
 
     def to(self, device: torch.device) -> "Batch":
         moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
@@ -121,7 +125,11 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
     """Pad a batch to its longest sequence; count real tokens before padding is added.
 
     ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk.
-    Image tasks are batched by images.py."""
+    Image tasks are batched by images.py, vision-language by vision_language.py."""
+    if task == "vision_language":
+        from . import vision_language
+
+        return vision_language.collate(split, indices, pad_token_id)
     if task in IMAGE_TASKS:
         from . import images  # imports this module (its batches are Batches)
 
@@ -170,7 +178,7 @@ class EvalAccumulator:
             self.count += batch.samples
             self.correct += int((logits.argmax(dim=-1) == labels).sum())
             return
-        if self.task == "causal_lm":
+        if self.task in ("causal_lm", "vision_language"):
             logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t+1
         scored = labels != IGNORE_INDEX
         tokens = int(scored.sum())

@@ -12,4 +12,7 @@ NOT_PACKABLE = {
                       "packed position ids, so packed rows would mix sequences; use group_by_length",
     "seq2seq": "encoder-decoder rows pair each input with its target through cross-attention, which packing "
                "would mix; use group_by_length",
+    "image_classification": "every image is the same number of patch tokens: there is no padding to remove; use pad",
+    "vision_language": "a packed row would hold several images whose features LLaVA places by counting image "
+                       "tokens, which packing does not keep apart; use group_by_length",
 }

@@ -342,14 +342,45 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
 
 
 def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
-    """What an image-classification run needs: image data (a column, or pixel rows)."""
+    """What an image run needs: image data (a column, or pixel rows; vision_language: its own checks)."""
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
-    if dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
+    if task == "vision_language":
+        _check_vision_language_run(run, config)
+    elif dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
         for key in ("image_column", "label_column"):
             if key not in dataset_def:
                 raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task}) "
                                   "(or `pixels` for a headerless CSV of pixel rows)")
+
+
+def _check_vision_language_run(run: RunSpec, config: dict) -> None:
+    """A vision-language run (vision_language.py) needs images, a prompt and an answer per row, a LLaVA
+    model, and a tokenizer for real text; the hf_trainer engine does not count its images."""
+    where = f"datasets.{run.dataset}"
+    dataset_def, source = run.dataset_def, run.model_def["source"]
+    if run.engine == "hf_trainer":
+        raise ConfigError(f"config key {_setting_key(config, 'engine', run.engine)}: run {run.run_id} (vision_language) "
+                          "with engine 'hf_trainer' is not implemented (it counts no images or image tokens); use engine 'loop'")
+    if run.parallel == "fsdp":  # fsdp.py shards decoder layers of text models; a LLaVA's towers are not planned for
+        raise ConfigError(f"config key {_setting_key(config, 'parallel', run.parallel)}: run {run.run_id} (vision_language) "
+                          "with parallel 'fsdp' is not implemented by this ftbench version; use none or dp")
+    if source["kind"] == "config" and source["architecture"] != "LlavaConfig":
+        raise ConfigError(f"config key models.{run.model}.source.architecture: {source['architecture']!r}; task "
+                          "vision_language builds LLaVA models: expected 'LlavaConfig'")
+    if dataset_def["source"]["kind"] == "synthetic":
+        return
+    needed = [] if "pixels" in dataset_def else ["image_column", "answer_column"]
+    if "prompt" not in dataset_def:
+        needed.append("prompt_column")
+    for key in needed:
+        if key not in dataset_def:
+            alternative = " (or `prompt`: one prompt for every row)" if key == "prompt_column" else \
+                " (or `pixels` for a headerless CSV of pixel rows, whose class is the answer)"
+            raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} (vision_language){alternative}")
+    if source["kind"] == "config" and "tokenizer" not in source:
+        raise ConfigError(f"config key models.{run.model}.source.tokenizer: required to tokenise the prompts and answers of "
+                          f"dataset {run.dataset!r} (without a tokenizer a config model trains on synthetic data only)")
 
 
 def check_dataset_columns(config: dict, runs: list[dict]) -> None:
@@ -362,7 +393,8 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     from .task_types import model_task
 
     keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column"),
-            "image_classification": ("image_column", "label_column")}
+            "image_classification": ("image_column", "label_column"),
+            "vision_language": ("image_column", "prompt_column", "answer_column")}
     needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
     for run in runs:
         dataset_def = run.dataset_def

@@ -9,6 +9,11 @@
 - Attention scores and values add 12 * layers * width * S per token of a sequence of S tokens
   (forward 4 * layers * width * S, backward twice that), summed over each sequence's real length; the
   causal mask is not halved (as in the PaLM paper's MFU).
+- Vision-language (LLaVA): the vision tower's Linear layers and attention over its own tokens per image
+  (patches and class token), the projector's over the image tokens the decoder receives, the decoder's
+  over all its tokens (text and image). A vision tower with no trainable weight runs forward only (2N,
+  4 x layers x width x S): nothing before it needs a gradient. The patch-embedding convolution is not
+  counted (as for image classification).
 - MFU = achieved FLOP/s / (dense peak per device x devices), the peak for the run's dtype from a peak
   table the caller loads (``load_peaks``; the shipped one is config/gpus.yaml). Unknown device: MFU is
   None and a warning says so, never a guessed peak.
@@ -35,42 +40,73 @@ class ModelShape:
     encoder_linear_params: int = 0  # seq2seq only: the encoder's share of linear_params
     encoder_trainable_linear_params: int = 0
     encoder_layers: int = 0
+    vision_linear_params: int = 0  # vision-language only: the vision tower's share of linear_params
+    vision_trainable_linear_params: int = 0
+    projector_linear_params: int = 0  # and the projector's
+    projector_trainable_linear_params: int = 0
+    vision_layers: int = 0
+    vision_width: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         config = getattr(model, "config", None)
         split_encoder = bool(getattr(config, "is_encoder_decoder", False))
-        counts = {"linear": 0, "trainable": 0, "encoder": 0, "encoder_trainable": 0}
+        counts = {part: 0 for part in ("linear", "encoder", "vision", "projector")}
+        trainable = dict(counts)
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
                 continue
             quant_state = getattr(weight, "quant_state", None)
             count = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel()
-            in_encoder = split_encoder and ".encoder." in f".{name}."
-            counts["linear"] += count
-            counts["encoder"] += count if in_encoder else 0
-            if weight.requires_grad:
-                counts["trainable"] += count
-                counts["encoder_trainable"] += count if in_encoder else 0
+            dotted = f".{name}."
+            parts = ["linear"] + (["encoder"] if split_encoder and ".encoder." in dotted else []) + \
+                (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else [])
+            for part in parts:
+                counts[part] += count
+                trainable[part] += count if weight.requires_grad else 0
         shape = model_shape.from_transformers_config(config)
-        return cls(counts["linear"], counts["trainable"], shape.attention_layers - shape.encoder_layers, shape.width,
-                   counts["encoder"], counts["encoder_trainable"], shape.encoder_layers)
+        vision = model_shape.from_config(getattr(config, "vision_config", None) and config.vision_config.to_dict())
+        return cls(counts["linear"], trainable["linear"], shape.attention_layers - shape.encoder_layers, shape.width,
+                   counts["encoder"], trainable["encoder"], shape.encoder_layers, counts["vision"], trainable["vision"],
+                   counts["projector"], trainable["projector"], vision.layers if counts["vision"] else 0,
+                   vision.width if counts["vision"] else 0)
 
 
 def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
     return 6 * params if full_finetune else 4 * params + 2 * trainable
 
 
+def batch_flops(shape: ModelShape, full_finetune: bool, batch) -> int:
+    """step_flops of a batching.Batch's real tokens."""
+    return step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths, batch.target_tokens,
+                      batch.target_sum_squared_lengths, batch.image_tokens, batch.vision_tokens,
+                      batch.vision_sum_squared_lengths)
+
+
 def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_lengths: int,
-               target_tokens: int = 0, target_sum_squared_lengths: int = 0) -> int:
+               target_tokens: int = 0, target_sum_squared_lengths: int = 0, image_tokens: int = 0,
+               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0) -> int:
     """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets included) and the
-    given sums of squared lengths (attention grows with the square of each sequence's length).
+    given sums of squared lengths (attention grows with the square of each sequence's length). A
+    vision-language model adds its vision tower over ``vision_tokens`` and its projector over the
+    ``image_tokens`` (the part of ``tokens`` that are image features).
 
     Cross-attention of encoder-decoders is not counted (small next to the linear layers at the lengths
     benchmarked; flops_counted_ratio shows the gap)."""
-    decoder_params = shape.linear_params - shape.encoder_linear_params
-    decoder_trainable = shape.trainable_linear_params - shape.encoder_trainable_linear_params
+    vision = 0
+    if shape.vision_linear_params:
+        if shape.vision_trainable_linear_params == 0:  # a frozen tower (LoRA) gets no backward pass at all
+            per_token, attention_factor = 2 * shape.vision_linear_params, 4
+        else:
+            per_token = _linear_flops_per_token(shape.vision_linear_params, shape.vision_trainable_linear_params, full_finetune)
+            attention_factor = 12
+        projector = _linear_flops_per_token(shape.projector_linear_params, shape.projector_trainable_linear_params, full_finetune)
+        vision = (per_token * vision_tokens + projector * image_tokens
+                  + attention_factor * shape.vision_layers * shape.vision_width * vision_sum_squared_lengths)
+    decoder_params = shape.linear_params - shape.encoder_linear_params - shape.vision_linear_params - shape.projector_linear_params
+    decoder_trainable = (shape.trainable_linear_params - shape.encoder_trainable_linear_params
+                         - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params)
     if shape.encoder_linear_params:
         input_tokens = tokens - target_tokens
         linear = (_linear_flops_per_token(shape.encoder_linear_params, shape.encoder_trainable_linear_params, full_finetune) * input_tokens
@@ -78,7 +114,7 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
         attention = 12 * shape.width * (shape.encoder_layers * sum_squared_lengths + shape.layers * target_sum_squared_lengths)
         return linear + attention
     attention = 12 * shape.layers * shape.width * sum_squared_lengths
-    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention
+    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention + vision
 
 
 def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:

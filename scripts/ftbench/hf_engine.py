@@ -76,8 +76,7 @@ class Meter:
                                 spec.seq_len)
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
                   "capacity_tokens": batch.capacity_tokens,
-                  "flops": flops.step_flops(self.shape, self.run.spec.method == "full", batch.real_tokens,
-                                            batch.sum_squared_lengths, batch.target_tokens, batch.target_sum_squared_lengths)}
+                  "flops": flops.batch_flops(self.shape, self.run.spec.method == "full", batch)}
         self.loader_s += time.perf_counter() - started
         return {**batch.inputs, COUNTS_KEY: counts}
 

@@ -144,8 +144,13 @@ def _pixel_rows(dataset_def: dict, where: str) -> pd.DataFrame:
     return pd.DataFrame({"image": list(grey), "label": values[:, -1]})
 
 
-def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.DataFrame, pd.DataFrame, Path | None]:
-    """(train, eval, folder that relative image paths start from): frames with columns image and label."""
+IMAGE_LABEL_ROLES = {"image": "image_column", "label": "label_column"}
+
+
+def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict,
+                      roles: dict[str, str] = IMAGE_LABEL_ROLES) -> tuple[pd.DataFrame, pd.DataFrame, Path | None]:
+    """(train, eval, folder that relative image paths start from): frames with one column per role (the
+    config key naming its source column): image and label for classification; pixel rows give image and label."""
     from . import data
 
     where = f"datasets.{dataset_name}"
@@ -153,22 +158,23 @@ def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict) -> tu
     if "pixels" in dataset_def:
         tables = {"train": _pixel_rows(dataset_def, where)}
     else:
-        for key in ("image_column", "label_column"):
+        for key in roles.values():
             if key not in dataset_def:
-                raise ConfigError(f"config key {where}.{key}: required for an image classification dataset")
+                raise ConfigError(f"config key {where}.{key}: required for an image dataset of this task")
         tables = data._load_source_tables(dataset_def, where)
         for split_name, frame in tables.items():
-            for key in ("image_column", "label_column"):
+            for key in roles.values():
                 if dataset_def[key] not in frame.columns:
                     raise ConfigError(f"config key {where}.{key}: column {dataset_def[key]!r} not in split {split_name!r}; "
                                       f"columns are {', '.join(map(str, frame.columns))}")
-        tables = {name: frame[[dataset_def["image_column"], dataset_def["label_column"]]].set_axis(["image", "label"], axis=1)
+        tables = {name: frame[[dataset_def[key] for key in roles.values()]].set_axis(list(roles), axis=1)
                   for name, frame in tables.items()}
         if folder is None and dataset_def["source"]["kind"] != "hub":
             location = Path(sources.resolve_location(dataset_def["source"]))
             folder = location.parent if location.is_file() else location
     labels = dataset_def.get("labels")
-    data.check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def.get("label_column", "pixels label"))
+    if "label" in next(iter(tables.values())).columns:
+        data.check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def.get("label_column", "pixels label"))
     for name, frame in tables.items():
         before = len(frame)
         frame = frame.dropna()
@@ -321,12 +327,16 @@ class ImageSplit:
         return image_lengths(len(self), self.facts)
 
 
-def from_table(table: pa.Table, facts: ImageFacts) -> ImageSplit:
-    side = facts.image_size
+def pixels_of(table: pa.Table, side: int) -> np.ndarray:
+    """A table's ``pixels`` column (to_table's layout) as uint8 N x side x side x 3, without a copy."""
     column = table["pixels"].combine_chunks()
     raw = np.frombuffer(column.buffers()[1], dtype=np.uint8, count=len(column) * side * side * CHANNELS,
                         offset=column.offset * side * side * CHANNELS)
-    return ImageSplit(raw.reshape(len(column), side, side, CHANNELS), table["label"].to_numpy().astype(np.int64), facts)
+    return raw.reshape(len(column), side, side, CHANNELS)
+
+
+def from_table(table: pa.Table, facts: ImageFacts) -> ImageSplit:
+    return ImageSplit(pixels_of(table, facts.image_size), table["label"].to_numpy().astype(np.int64), facts)
 
 
 class DiskImageSplit:

@@ -177,7 +177,12 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
             overrides["image_size"] = spec.image_size  # a random-init encoder is built for the run's image size
         if vocab_size is not None:
             overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
-        config = config_class(**overrides, **kwargs)
+        if task.name == "vision_language":  # nested vision and text configs, and the tokenizer's image token
+            from . import vision_language
+
+            config = vision_language.config_for_run(spec, kwargs)
+        else:
+            config = config_class(**overrides, **kwargs)
         if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
             # T5's convention: the decoder starts from the pad token. A bare config has no start token and
             # the first forward pass would fail while shifting the labels right.
@@ -196,7 +201,7 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
                 model = model_class.from_pretrained(folder, **kwargs, **quantised)
     else:
         location, extra = _pretrained_args(source)
-        if task.modality == "image":
+        if task.name == "image_classification":
             # An image checkpoint usually carries its pretraining head (ImageNet's 1,000 classes): a head of
             # another class count is made new, as for a text encoder without one.
             extra["ignore_mismatched_sizes"] = True
@@ -301,6 +306,11 @@ def _add_lora(model, spec: RunSpec, task: task_types.Task):
     from peft import LoraConfig, TaskType, get_peft_model
 
     check_lora_targets(model, spec)
+    targets = spec.lora_targets
+    if task.name == "vision_language":  # the language model's layers (the projector's when named), not the vision tower's
+        from . import vision_language
+
+        targets = vision_language.lora_target_modules(model, spec)
     # The task type makes peft keep a new classification head trainable (modules_to_save); a task peft has
     # no type for names its head instead.
     head = {"task_type": getattr(TaskType, task.peft_task_type)} if task.peft_task_type else \
@@ -310,6 +320,6 @@ def _add_lora(model, spec: RunSpec, task: task_types.Task):
         r=spec.lora_rank,
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.lora_dropout,
-        target_modules=spec.lora_targets,
+        target_modules=targets,
     )
     return get_peft_model(model, config)

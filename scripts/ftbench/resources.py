@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import model_shape, sources
-from .task_types import IMAGE_TASKS, image_tokens_per_image
+from .task_types import IMAGE_TASKS, image_tokens_per_image, vision_language_image_tokens
 from .errors import FtbenchError
 from .gpu_slots import visible_gpu_count
 from .runspec import RunSpec
@@ -165,7 +165,9 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
     per_example = run.seq_len
-    if run.task in IMAGE_TASKS:  # an image is its patch tokens, whatever seq_len says
+    if run.task == "vision_language":  # the text, then the image's tokens in the decoder
+        per_example = run.seq_len + vision_language_image_tokens(_readable_config(run.model_def["source"]), run.image_size)
+    elif run.task in IMAGE_TASKS:  # an image is its patch tokens, whatever seq_len says
         per_example = image_tokens_per_image(_readable_config(run.model_def["source"]), run.image_size)
     tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * per_example
     flops = 6 * params * tokens_per_device

@@ -7,8 +7,11 @@
 - seq2seq: an encoder-decoder (T5-like); loss = cross-entropy over the target tokens.
 - image_classification: a vision encoder (ViT-like) with a classification head; loss = cross-entropy
   over classes; quality = accuracy. Data: images (``images.py``), no text.
-- image_text_retrieval (CLIP/SigLIP-style dual encoders) and vision_language (a LLaVA-style decoder):
-  declared so a config naming them is refused with the reason, not yet implemented (``PLANNED``).
+- vision_language: a LLaVA-style decoder (a vision tower, a projector and a language model) trained on
+  image + prompt -> answer; loss = next-token cross-entropy over the answer tokens; quality = eval loss,
+  perplexity and token accuracy over the answer tokens. Data: images and text (``vision_language.py``).
+- image_text_retrieval (CLIP/SigLIP-style dual encoders): declared so a config naming it is refused with
+  the reason, not yet implemented (``PLANNED``).
 
 Imports nothing heavy: config validation uses it at parse time. How each type is batched and scored is
 in ``batching.py``; how its model is built is in ``modeling.py``.
@@ -41,12 +44,13 @@ TASKS = {
     # peft has no image task type: the new head is named instead (ViT's and most image models' "classifier").
     "image_classification": Task("image_classification", "AutoModelForImageClassification", "", (), "image",
                                  ("classifier",)),
+    # LoRA targets only the language model (and the projector when named): vision_language.lora_target_modules.
+    "vision_language": Task("vision_language", "AutoModelForImageTextToText", "", (), "image"),
 }
 
 # Task kinds a config may name that this version refuses, with what they would be.
 PLANNED = {
     "image_text_retrieval": "contrastive fine-tuning of image-text dual encoders (CLIP/SigLIP)",
-    "vision_language": "vision-language decoders trained on image + prompt -> text (LLaVA-style)",
 }
 IMAGE_TASKS = tuple(name for name, task in TASKS.items() if task.modality == "image")
 
@@ -62,6 +66,25 @@ def image_tokens_per_image(model_config: dict | None, image_size: int | None) ->
     model_config = model_config or {}
     size = int(image_size or model_config.get("image_size", DEFAULT_IMAGE_SIZE))
     return (size // int(model_config.get("patch_size", DEFAULT_PATCH_SIZE))) ** 2 + 1
+
+
+# A LLaVA model's vision towers and the class tokens each puts before its patch tokens.
+VISION_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+# LlavaConfig's vision tower when a config names none (CLIP ViT-L/14 at 336), and CLIPVisionConfig's defaults.
+LLAVA_DEFAULT_VISION = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
+CLIP_VISION_DEFAULTS = {"image_size": 224, "patch_size": 32}
+
+
+def vision_language_image_tokens(model_config: dict | None, image_size: int | None) -> int:
+    """Image tokens a LLaVA-style model puts in its text per image at ``image_size`` (null: the vision
+    tower's own): the vision tower's patches plus its class token, less the first token when
+    vision_feature_select_strategy is 'default' (LLaVA's get_image_features drops it). Reads a config dict
+    only (parse time; preparation passes ``config.to_dict()``, where every default is filled in)."""
+    model_config = model_config or {}
+    vision = {**CLIP_VISION_DEFAULTS, **(model_config.get("vision_config") or LLAVA_DEFAULT_VISION)}
+    size = int(image_size or vision["image_size"])
+    tokens = (size // int(vision["patch_size"])) ** 2 + VISION_CLASS_TOKENS.get(vision.get("model_type"), 1)
+    return tokens - 1 if model_config.get("vision_feature_select_strategy", "default") == "default" else tokens
 
 
 def model_task(model_def: dict) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import (batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, images,
-               memory_estimate, modeling, packing)
+               memory_estimate, modeling, packing, vision_language)
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, image_throughput, summarise
@@ -144,7 +144,9 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
                 raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
             run.spec = spec.replace(batch_size=search.found)
             metrics["batch_size"] = search.found
-        if run.task in IMAGE_TASKS:
+        if run.task == "vision_language":
+            metrics.update(vision_language.memory_estimate())
+        elif run.task in IMAGE_TASKS:
             metrics.update(images.memory_estimate(run.model, run.spec, manifest))
         else:
             metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
@@ -281,8 +283,7 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
             indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
             batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(device)
             record["loader_s"] += time.perf_counter() - fetch_start
-            record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
-                                                batch.target_tokens, batch.target_sum_squared_lengths)
+            record["flops"] += flops.batch_flops(shape, full_finetune, batch)
             if injector:
                 if micro == 0:
                     injector.before_step(step)
@@ -383,7 +384,8 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
         run.model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
     analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len), n * inputs_len**2,
-                                n * targets_len, n * targets_len**2)
+                                n * targets_len, n * targets_len**2, batch.image_tokens, batch.vision_tokens,
+                                batch.vision_sum_squared_lengths)
     return {
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,

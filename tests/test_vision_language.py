@@ -1,0 +1,462 @@
+"""Task vision_language (vision_language.py): a LLaVA model built from a config (CLIP vision tower + Llama
+language model, random weights) with the MiniLM tokenizer (a pip package ships it; the image placeholder is
+added to it). Real images: scikit-learn's 8x8 digits, asked "What digit is this?" and answered with the
+digit's word (no pip package ships a real image + caption or question set).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import MINILM_SOURCE
+from ftbench import batching, config as config_module, data, flops, matrix, modeling, task_types
+from ftbench.errors import ConfigError
+
+VISION = {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "image_size": 16, "patch_size": 4}
+TEXT = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY_LLAVA = {"kind": "config", "architecture": "LlavaConfig", "tokenizer": MINILM_SOURCE,
+              "overrides": {"vision_config": VISION, "text_config": TEXT}}
+LLAVA_DEF = {"task": "vision_language", "source": TINY_LLAVA}
+DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
+DIGITS_QA = {"source": {"kind": "package", "package": "sklearn", "path": "datasets/data/digits.csv.gz"},
+             "pixels": {"height": 8, "width": 8, "max_value": 16}, "prompt": "What digit is this?",
+             "answers": DIGIT_WORDS, "train_size": 200, "eval_size": 50}
+has_digits = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                                reason="scikit-learn (requirements-assets.txt) ships the digits")
+VLM_DEFAULTS = {"method": "full", "precision": "fp32", "batch_size": 8, "seq_len": 16, "max_steps": 4,
+                "warmup_steps": 1, "learning_rate": 0.002, "device": "cpu", "num_gpus": 0, "eval_batch_size": 32,
+                "image_size": 16, "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}
+# 16 px / patch 4 = 16 patches; the CLIP class token is dropped by vision_feature_select_strategy 'default'
+IMAGE_TOKENS = 16
+
+
+def png_bytes(seed: int, size: int = 12) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def qa_folder(tmp_path_factory):
+    """PNG files and a qa.csv naming file, question and answer (paths relative to the folder)."""
+    folder = tmp_path_factory.mktemp("vqa")
+    rows = []
+    for index in range(24):
+        (folder / f"img{index}.png").write_bytes(png_bytes(index))
+        rows.append({"file": f"img{index}.png", "question": f"what colour is square {index}?",
+                     "answer": "red" if index % 2 else "blue green"})
+    pd.DataFrame(rows).to_csv(folder / "qa.csv", index=False)
+    return folder
+
+
+def qa_dataset(folder, **extra) -> dict:
+    return {"source": {"kind": "path", "path": str(folder / "qa.csv")}, "image_column": "file",
+            "prompt_column": "question", "answer_column": "answer", "train_size": 16, "eval_size": 8, **extra}
+
+
+def experiment(dataset_def: dict, **defaults) -> dict:
+    return {"models": {"llava": LLAVA_DEF}, "datasets": {"vqa": dataset_def},
+            "defaults": {**VLM_DEFAULTS, **defaults}, "matrix": {"model": ["llava"], "dataset": ["vqa"]}}
+
+
+def first_run(config: dict):
+    config_module.validate_config(config)
+    return matrix.expand_runs(config)[0]
+
+
+def prepare_run(spec, out):
+    return data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out, 128, spec.model, spec.image_size)
+
+
+def tokenizer():
+    return modeling.load_tokenizer({"source": MINILM_SOURCE})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparation and batches
+
+
+def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
+    spec = first_run(experiment(qa_dataset(qa_folder)))
+    manifest = prepare_run(spec, tmp_path)
+    assert manifest["task"] == "vision_language" and manifest["image_tokens_per_image"] == IMAGE_TOKENS
+    assert manifest["vision_tokens_per_image"] == IMAGE_TOKENS + 1  # the tower also processes its class token
+    # the MiniLM tokenizer has no image placeholder: it was added after its 30,522 tokens
+    assert manifest["image_token_id"] == 30522 and manifest["vocab_size"] == 30523
+    assert {name: split["rows"] for name, split in manifest["splits"].items()} == {"train": 16, "eval": 8}
+    memory = data.load_split(tmp_path, "eval", data.verify(tmp_path))
+    disk = data.load_split(tmp_path, "eval", manifest, "disk")
+    order = np.array([5, 0, 7, 2])
+    batch = batching.collate("vision_language", memory, order, manifest["pad_token_id"])
+    from_disk = batching.collate("vision_language", disk, order, manifest["pad_token_id"])
+    for key in ("pixel_values", "input_ids", "labels", "attention_mask"):
+        assert torch.equal(batch.inputs[key], from_disk.inputs[key]), key
+    ids, labels, mask = batch.inputs["input_ids"], batch.inputs["labels"], batch.inputs["attention_mask"]
+    words = tokenizer()
+    source = pd.read_csv(qa_folder / "qa.csv").set_index("question")
+    for row in range(len(order)):
+        sequence = ids[row][mask[row] == 1]
+        assert int((sequence == 30522).sum()) == IMAGE_TOKENS and bool((sequence[:IMAGE_TOKENS] == 30522).all())
+        answer = labels[row][labels[row] != batching.IGNORE_INDEX]
+        # the scored tokens are the answer and the end token, the last ones of the sequence
+        assert torch.equal(answer, sequence[-len(answer):])
+        question = words.decode(sequence[IMAGE_TOKENS:-len(answer)])
+        assert words.decode(answer, skip_special_tokens=True) == source.loc[question, "answer"]
+        assert answer[-1] == words.sep_token_id
+    # padding is neither a real token nor scored; image and text tokens counted apart
+    assert batch.real_tokens == int(mask.sum()) < batch.padded_tokens
+    assert (batch.images, batch.image_tokens, batch.vision_tokens) == (4, 4 * IMAGE_TOKENS, 4 * (IMAGE_TOKENS + 1))
+    assert (labels[mask == 0] == batching.IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("form", ["parquet_bytes", "save_to_disk"])
+def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_path, qa_folder, form):
+    import datasets
+
+    rows = pd.read_csv(qa_folder / "qa.csv")
+    if form == "parquet_bytes":
+        rows["file"] = [(qa_folder / name).read_bytes() for name in rows["file"]]
+        rows.to_parquet(tmp_path / "qa.parquet")
+        location = tmp_path / "qa.parquet"
+    else:
+        rows["file"] = [str(qa_folder / name) for name in rows["file"]]
+        datasets.Dataset.from_pandas(rows).cast_column("file", datasets.Image()).save_to_disk(str(tmp_path / "saved"))
+        location = tmp_path / "saved"
+    other = prepare_run(first_run(experiment({**qa_dataset(qa_folder), "source": {"kind": "path", "path": str(location)}})),
+                        tmp_path / "other")
+    files = prepare_run(first_run(experiment(qa_dataset(qa_folder))), tmp_path / "files")
+    a, b = (data.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
+    assert (a.pixels == b.pixels).all() and all((x == y).all() for x, y in zip(a.input_ids, b.input_ids))
+
+
+@has_digits
+def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
+    spec = first_run(experiment(DIGITS_QA))
+    manifest = prepare_run(spec, tmp_path)
+    split = data.load_split(tmp_path, "train", manifest)
+    words = tokenizer()
+    answers = {words.decode(labels[labels != batching.IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
+    assert answers == set(DIGIT_WORDS)
+    assert words.decode(split.input_ids[0][IMAGE_TOKENS:IMAGE_TOKENS + 5]) == "what digit is this?"
+    with pytest.raises(ConfigError, match=r"datasets\.vqa\.answers: 9 answers.*class 9 occurs"):
+        prepare_run(first_run(experiment({**DIGITS_QA, "answers": DIGIT_WORDS[:9]})), tmp_path / "short")
+
+
+def test_synthetic_rows_have_a_prompt_then_a_scored_answer(tmp_path):
+    dataset_def = {"source": {"kind": "synthetic", "target_len": 4}, "train_size": 8, "eval_size": 4}
+    spec = first_run(experiment(dataset_def))
+    manifest = prepare_run(spec, tmp_path)
+    assert manifest["splits"]["train"]["text_tokens"] == 8 * 16
+    split = data.load_split(tmp_path, "train", manifest)
+    for ids, labels in zip(split.input_ids, split.labels):
+        assert len(ids) == IMAGE_TOKENS + 16 and int((ids == manifest["image_token_id"]).sum()) == IMAGE_TOKENS
+        assert (labels[:-4] == batching.IGNORE_INDEX).all() and (labels[-4:] == ids[-4:]).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model: image tokens, LoRA placement, FLOPs
+
+
+def built(tmp_path, **defaults):
+    spec = first_run(experiment({"source": {"kind": "synthetic"}, "train_size": 8, "eval_size": 4}, **defaults))
+    manifest = prepare_run(spec, tmp_path)
+    torch.manual_seed(0)
+    return spec, manifest, modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
+
+
+@pytest.mark.parametrize("vision, strategy", [("clip_vision_model", "default"), ("clip_vision_model", "full"),
+                                              ("siglip_vision_model", "full")])
+def test_image_tokens_are_the_features_the_model_inserts(tmp_path, vision, strategy):
+    overrides = {"vision_config": {**VISION, "model_type": vision}, "text_config": TEXT,
+                 "vision_feature_select_strategy": strategy}
+    config = experiment({"source": {"kind": "synthetic"}, "train_size": 8, "eval_size": 4}, image_size=24)
+    config["models"]["llava"] = {**LLAVA_DEF, "source": {**TINY_LLAVA, "overrides": overrides}}
+    spec = first_run(config)
+    manifest = prepare_run(spec, tmp_path)
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
+    features = model.get_image_features(pixel_values=torch.zeros(2, 3, 24, 24), return_dict=True).pooler_output
+    per_image = features[0].shape[0] if isinstance(features, (list, tuple)) else features.shape[1]
+    assert manifest["image_tokens_per_image"] == per_image
+    # the parse-time reading of the config (resource estimates) agrees
+    assert task_types.vision_language_image_tokens(overrides, 24) == per_image
+    # and a batch of the prepared rows goes through the model (LLaVA checks the placeholder count)
+    batch = batching.collate("vision_language", data.load_split(tmp_path, "train", manifest), np.arange(2),
+                             manifest["pad_token_id"]).to("cpu")
+    assert torch.isfinite(model(**batch.inputs).loss)
+
+
+def test_lora_adapts_the_language_model_and_the_projector_only_when_named(tmp_path):
+    _, _, model = built(tmp_path / "a", method="lora")
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert adapted and all(".language_model." in name and name.endswith(("q_proj", "v_proj")) for name in adapted)
+    # the vision tower has q_proj and v_proj too, and stays frozen
+    assert not any(param.requires_grad for name, param in model.named_parameters() if ".vision_tower." in name)
+    _, _, model = built(tmp_path / "b", method="lora", lora_targets=["q_proj", "linear_1"])
+    adapted = {name for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert any(".multi_modal_projector.linear_1" in name for name in adapted)
+    assert not any(".multi_modal_projector.linear_2" in name or ".vision_tower." in name for name in adapted)
+    _, _, model = built(tmp_path / "c", method="lora", lora_targets="all-linear")
+    adapted = {name for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert len(adapted) == 2 * 7 and all(".language_model." in name for name in adapted)  # 4 attention + 3 MLP per layer
+    with pytest.raises(ConfigError, match="lora_targets.*language model or projector"):
+        built(tmp_path / "d", method="lora", lora_targets=["out_proj"])  # a layer of the vision tower only
+
+
+def test_flops_count_the_vision_tower_on_its_own_tokens(tmp_path):
+    _, _, model = built(tmp_path / "full")
+    shape = flops.ModelShape.of(model)
+    assert (shape.vision_layers, shape.vision_width) == (2, 64) and shape.vision_linear_params > 0
+    assert shape.projector_linear_params == 2 * 64 * 64
+    # a frozen tower (LoRA) runs forward only: 2 FLOPs per weight and token, forward attention only
+    _, _, lora = built(tmp_path / "lora", method="lora")
+    frozen = flops.ModelShape.of(lora)
+    with_vision = flops.step_flops(frozen, False, 100, 0, image_tokens=16, vision_tokens=17, vision_sum_squared_lengths=17**2)
+    without = flops.step_flops(frozen, False, 100, 0)
+    assert with_vision - without == (2 * frozen.vision_linear_params * 17 + 4 * 2 * 64 * 17**2
+                                     + 4 * frozen.projector_linear_params * 16)
+
+
+@pytest.fixture(scope="module")
+def llava_checkpoint(tmp_path_factory):
+    """The tiny LLaVA saved as a checkpoint folder: weights, the MiniLM tokenizer with <image> added (the id its
+    config names) and an image processor of its own statistics."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("llava-checkpoint")
+    words = tokenizer()
+    words.add_tokens(["<image>"], special_tokens=True)
+    config = LlavaConfig(vision_config=VISION, text_config={**TEXT, "vocab_size": len(words), "pad_token_id": 0},
+                         image_token_index=words.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    words.save_pretrained(folder)
+    CLIPImageProcessor(image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_folder, llava_checkpoint):
+    config = experiment(qa_dataset(qa_folder), method="lora", image_size=None)
+    config["models"]["llava"] = {"task": "vision_language", "source": {"kind": "path", "path": str(llava_checkpoint)}}
+    spec = first_run(config)
+    manifest = prepare_run(spec, tmp_path / "ok")
+    assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["processor_class"] == "CLIPImageProcessor"
+    assert (manifest["image_size"], manifest["image_tokens_per_image"], manifest["image_token_id"]) == (16, 16, 30522)
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
+    batch = batching.collate("vision_language", data.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
+                             manifest["pad_token_id"]).to("cpu")
+    assert torch.isfinite(model(**batch.inputs).loss)
+    # its vision tower has position embeddings for 16 x 16 only
+    with pytest.raises(ConfigError, match=r"image_size: 24, but model 'llava'.*built for 16"):
+        prepare_run(spec.replace(image_size=24), tmp_path / "larger")
+
+
+def test_a_checkpoint_whose_image_token_is_not_its_tokenizers_is_refused(tmp_path, qa_folder, llava_checkpoint):
+    import json
+    import shutil
+
+    from ftbench.errors import SourceError
+
+    folder = shutil.copytree(llava_checkpoint, tmp_path / "other")
+    settings = json.loads((folder / "config.json").read_text())
+    settings["image_token_index"] = 100
+    (folder / "config.json").write_text(json.dumps(settings))
+    config = experiment(qa_dataset(qa_folder), image_size=None)
+    config["models"]["llava"] = {"task": "vision_language", "source": {"kind": "path", "path": str(folder)}}
+    with pytest.raises(SourceError, match="image_token_index 100 is not its tokenizer's <image> id 30522"):
+        prepare_run(first_run(config), tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loss and evaluation
+
+
+def test_eval_scores_answer_tokens_only_on_hand_made_logits():
+    """Two sequences of 4 positions; the labels of position t are predicted at t-1 (shift by one)."""
+    vocab = 5
+    labels = torch.tensor([[-100, -100, 3, 1], [-100, 2, 4, -100]])
+    logits = torch.full((2, 4, vocab), -10.0)
+    logits[0, 1, 3] = 10.0  # right: predicts label 3
+    logits[0, 2, 0] = 10.0  # wrong: label 1
+    logits[1, 0, 2] = 10.0  # right
+    logits[1, 1, :] = 0.0  # uniform over 5: loss log 5, argmax 0 (wrong: label 4)
+    logits[1, 3, 1] = 10.0  # after the last position: never scored
+    output = type("Output", (), {"logits": logits})()
+    batch = batching.Batch({"labels": labels}, 2, 8, 8, 0)
+    scores = batching.EvalAccumulator("vision_language")
+    scores.add(output, batch)
+    result = scores.result()
+    assert result["eval_token_accuracy"] == pytest.approx(2 / 4)
+    confident = torch.nn.functional.cross_entropy(torch.tensor([[10.0] + [-10.0] * 4]), torch.tensor([0])).item()
+    wrong = torch.nn.functional.cross_entropy(torch.tensor([[10.0] + [-10.0] * 4]), torch.tensor([1])).item()
+    expected = (2 * confident + wrong + np.log(5)) / 4
+    assert result["eval_loss"] == pytest.approx(expected, rel=1e-4)
+    assert result["eval_perplexity"] == pytest.approx(np.exp(expected), rel=1e-4)
+
+
+def test_loss_falls_on_a_tiny_llava(tmp_path, qa_folder):
+    spec = first_run(experiment(qa_dataset(qa_folder)))
+    manifest = prepare_run(spec, tmp_path)
+    torch.manual_seed(0)
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
+    batch = batching.collate("vision_language", data.load_split(tmp_path, "train", manifest), np.arange(4),
+                             manifest["pad_token_id"]).to("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
+    losses = []
+    for _ in range(6):
+        loss = model(**batch.inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    # from about ln(30,523) = 10.3 (random weights): more than one nat less on the answers in 6 steps
+    assert losses[-1] < losses[0] - 1.0 and losses == sorted(losses, reverse=True), losses
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parse-time refusals
+
+
+@pytest.mark.parametrize("missing", ["answer_column", "prompt_column", "image_column"])
+def test_a_missing_prompt_answer_or_image_column_is_refused(qa_folder, missing):
+    dataset_def = qa_dataset(qa_folder)
+    del dataset_def[missing]
+    with pytest.raises(ConfigError, match=rf"^config key datasets\.vqa\.{missing}: required"):
+        config_module.validate_config(experiment(dataset_def))
+
+
+def test_a_column_the_file_lacks_is_refused(qa_folder):
+    with pytest.raises(ConfigError, match=r"datasets\.vqa\.answer_column: column 'reply' is not in"):
+        config_module.validate_config(experiment(qa_dataset(qa_folder, answer_column="reply")))
+
+
+def test_one_prompt_for_every_row_replaces_the_prompt_column(qa_folder):
+    dataset_def = qa_dataset(qa_folder, prompt="Describe the image.")
+    del dataset_def["prompt_column"]
+    config_module.validate_config(experiment(dataset_def))
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"batching": "pack"}, r"batching 'pack' is not supported .*vision_language"),
+    ({"batching": "padding_free"}, r"batching 'padding_free' is not supported"),
+    ({"engine": "hf_trainer"}, r"engine.*hf_trainer.*not implemented"),
+    ({"parallel": "fsdp", "num_gpus": 2, "device": "auto"}, r"fsdp.*not implemented"),
+])
+def test_settings_this_task_does_not_support_are_refused(qa_folder, settings, match):
+    with pytest.raises(ConfigError, match=match):
+        config_module.validate_config(experiment(qa_dataset(qa_folder), **settings))
+
+
+def test_models_other_than_llava_and_config_models_without_tokenizer_are_refused(qa_folder):
+    config = experiment(qa_dataset(qa_folder))
+    config["models"]["llava"] = {**LLAVA_DEF, "source": {**TINY_LLAVA, "architecture": "LlamaConfig"}}
+    with pytest.raises(ConfigError, match=r"models\.llava\.source\.architecture: 'LlamaConfig'.*LlavaConfig"):
+        config_module.validate_config(config)
+    source = {key: value for key, value in TINY_LLAVA.items() if key != "tokenizer"}
+    config["models"]["llava"] = {**LLAVA_DEF, "source": source}
+    with pytest.raises(ConfigError, match=r"models\.llava\.source\.tokenizer: required"):
+        config_module.validate_config(config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training (slow)
+
+
+def train(tmp_path, dataset_def: dict, **defaults):
+    from ftbench import trainer
+
+    spec = first_run(experiment(dataset_def, **defaults))
+    prepare_run(spec, tmp_path)
+    return trainer.train_run(spec, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_training_reports_answer_metrics_and_image_tokens_apart(tmp_path, qa_folder, method):
+    metrics, steps = train(tmp_path, qa_dataset(qa_folder), method=method)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["images_per_s"] == pytest.approx(metrics["samples_per_s"])
+    assert metrics["image_tokens_per_s"] + metrics["text_tokens_per_s"] == pytest.approx(metrics["tokens_per_s"])
+    assert metrics["image_tokens_per_s"] == pytest.approx(IMAGE_TOKENS * metrics["images_per_s"])
+    assert all(step["image_tokens"] == 8 * IMAGE_TOKENS for step in steps)
+    assert 0 <= metrics["eval_token_accuracy"] <= 1 and metrics["eval_perplexity"] > 1 and metrics["eval_samples"] == 8
+    assert metrics["memory_estimate_mb"] is None and "not modelled" in metrics["memory_estimate_note"]
+    # the analytic count (vision tower, projector, decoder) against torch's counter; the patch convolution is the gap
+    assert 0.9 < metrics["flops_counted_ratio"] < 1.1
+
+
+@pytest.mark.slow
+def test_ddp_vision_language_run_counts_every_ranks_images(tmp_path, qa_folder):
+    """Two gloo ranks on the CPU through the train command: images and image tokens of both ranks count."""
+    import json
+    import subprocess
+    import sys
+
+    spec = first_run(experiment(qa_dataset(qa_folder), method="lora", parallel="ddp", num_gpus=2, device="cpu"))
+    prepare_run(spec, tmp_path / "data")
+    out = tmp_path / "run" / "metrics.json"
+    out.parent.mkdir()
+    process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data",
+                              str(tmp_path / "data"), "--out", str(out), "--threads", "2"],
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    row = json.loads(out.read_text())["metrics"]
+    assert row["status"] == "ok", row["status_reason"]
+    assert row["world_size"] == 2
+    assert row["measured_images"] == row["measured_steps"] * 2 * spec.batch_size
+    assert row["image_tokens_per_s"] == pytest.approx(IMAGE_TOKENS * row["images_per_s"])
+    assert row["image_tokens_per_s"] + row["text_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
+    assert 0 <= row["eval_token_accuracy"] <= 1
+
+
+@pytest.mark.slow
+@has_digits
+def test_vision_language_experiment_through_snakemake(tmp_path, snakemake_runner, config_writer, qa_folder):
+    """Full fine-tuning on the question folder and LoRA on the digits questions: both runs ok, the answer-token
+    metrics and image columns filled, and the report names the quality figure after the task."""
+    config = experiment(qa_dataset(qa_folder))
+    config["datasets"]["digits"] = DIGITS_QA
+    config["matrix"] = {"model": ["llava"], "dataset": ["vqa", "digits"]}
+    config["overrides"] = [{"when": {"dataset": "digits"}, "set": {"method": "lora"}}]
+    config_writer(tmp_path, config)
+    process = snakemake_runner(tmp_path, timeout=300)
+    assert process.returncode == 0, process.stderr[-4000:]
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet")
+    assert len(table) == 2 and (table["status"] == "ok").all(), table[["run_id", "status_reason"]]
+    assert (table["task"] == "vision_language").all() and sorted(table["method"]) == ["full", "lora"]
+    for column in ("eval_token_accuracy", "eval_perplexity", "eval_loss", "images_per_s", "image_tokens_per_s",
+                   "text_tokens_per_s", "flops_per_step_analytic"):
+        assert table[column].notna().all() and (table[column] >= 0).all(), column
+    assert table["eval_accuracy"].isna().all() and table["memory_estimate_mb"].isna().all()
+    report = (tmp_path / "results" / "report.html").read_text(encoding="utf-8")
+    assert "answer token accuracy" in report
+
+
+def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
+    """A language model's and a vision-language model's runs side by side: each quality figure under its own name."""
+    import re
+
+    from ftbench import analysis, report
+    from test_report import fixture_runs, write_fixture
+
+    vlm = fixture_runs("single")[0].assign(task="vision_language", eval_accuracy=pd.NA, eval_token_accuracy=0.7,
+                                           model="vlm", config_id=lambda t: t["config_id"].str.replace("m-d", "vlm-d"),
+                                           run_id=lambda t: t["run_id"].str.replace("m-d", "vlm-d"))
+    runs = pd.concat([fixture_runs("lm")[0], vlm], ignore_index=True)
+    assert analysis.quality_column(analysis.prepare(runs))[1] == \
+        "eval token accuracy (causal_lm) / answer token accuracy (vision_language)"
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
+    assert ">answer_token_accuracy</th>" in configurations and ">token_accuracy</th>" in configurations
+    assert "Most accurate (answer token accuracy): <b>" in page
