@@ -294,6 +294,22 @@ def test_figures_get_a_panel_per_model():
     assert [len(bar_lengths(ax)) for ax in grid.axes.flat] == [4, 4]
 
 
+def test_models_each_on_their_own_dataset_get_a_panel_per_pair_not_an_empty_grid():
+    """A mixed experiment (a text model on text, an image model on images, ...): one panel per (model,
+    dataset) pair with runs, titled with both, and a panel whose runs have no memory estimate draws none."""
+    normal = fixture_runs("normal")[0]
+    parts = [normal.assign(model=model, dataset=dataset, run_id=normal["run_id"].str.replace("m-d", f"{model}-{dataset}"),
+                           config_id=normal["config_id"].str.replace("m-d", f"{model}-{dataset}"))
+             for model, dataset in (("m", "d"), ("vit", "images"), ("llava", "vqa"))]
+    parts[2] = parts[2].assign(memory_estimate_mb=float("nan"))  # not modelled for this task
+    runs = analysis.prepare(pd.concat(parts, ignore_index=True))
+    for figure in ("throughput", "peak_memory"):
+        grid = drawn(figure, runs)
+        titles = [ax.get_title() for ax in grid.axes.flat]
+        assert titles == ["m on d", "vit on images", "llava on vqa"], figure
+        assert [len(bar_lengths(ax)) for ax in grid.axes.flat] == [4, 4, 4]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The HTML report from fixtures
 

@@ -224,13 +224,27 @@ def run_labels(runs: pd.DataFrame) -> pd.Series:
     return pd.Series(labels.to_numpy(), index=runs["run_id"])
 
 
-def panels(runs: pd.DataFrame) -> dict[str, str | None]:
-    """How a per-configuration figure splits into panels: a column per model and a row per dataset, where
-    the table has several (accuracy and cost compare within one model and dataset)."""
-    def several(column: str) -> str | None:
-        return column if runs[column].nunique() > 1 else None
+PANEL = "panel"  # the column faceted() adds when each (model, dataset) pair with runs gets a panel of its own
+PANELS_PER_ROW = 2
 
-    return {"col": several("model"), "row": several("dataset")}
+
+def faceted(frame: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """How a per-configuration figure splits into panels: (the frame to draw, seaborn's facet arguments).
+    A column per model and a row per dataset where the table has several (accuracy and cost compare within
+    one model and dataset). Where most cells of that grid would be empty (each model trained on its own
+    dataset, as in a mixed text and image experiment), one panel per (model, dataset) pair that has runs,
+    titled with both and wrapped, instead of a grid of empty panels."""
+    models, datasets = frame["model"].nunique(), frame["dataset"].nunique()
+    pairs = frame[["model", "dataset"]].drop_duplicates()
+    if models > 1 and datasets > 1 and len(pairs) <= max(models, datasets):
+        frame = frame.assign(**{PANEL: frame["model"].astype(str) + " on " + frame["dataset"].astype(str)})
+        return frame, {"col": PANEL, "col_wrap": min(PANELS_PER_ROW, len(pairs))}
+    return frame, {"col": "model" if models > 1 else None, "row": "dataset" if datasets > 1 else None}
+
+
+def panel_columns(layout: dict) -> list[str]:
+    """The columns that tell the panels of ``layout`` (faceted's) apart."""
+    return [layout[key] for key in ("col", "row") if layout.get(key)]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on cluster nodes and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
@@ -48,6 +49,12 @@ def _method_legend(grid: sns.FacetGrid, methods, **extra) -> None:
     grid.add_legend(legend_data={**handles, **extra}, title="method")
 
 
+def _panel_titles(grid: sns.FacetGrid, layout: dict) -> None:
+    """A (model, dataset) panel is titled with the pair alone, not 'panel = ...'."""
+    if layout.get("col") == analysis.PANEL:
+        grid.set_titles("{col_name}")
+
+
 def _height(rows: int) -> float:
     """Figure height (inches) for a panel listing ``rows`` configurations."""
     return min(1.6 + 0.38 * rows, 24.0)
@@ -75,10 +82,9 @@ def _configuration_bars(runs: pd.DataFrame, value: str, xlabel: str, largest_fir
     timed-out run). With ``summary`` (indexed by config_key: ``value``, ``low``, ``high``) the bar is the
     configuration's figure and the whiskers its 95% interval; without, the bar is the median of the
     runs and the whiskers their range. ``decorate(ax, panel_data, order)`` adds to each panel."""
-    runs = runs.assign(**{value: runs[value].astype(float)})
+    runs, layout = analysis.faceted(runs.assign(**{value: runs[value].astype(float)}))
     methods = analysis.method_order(runs["method"])
-    layout = analysis.panels(runs)
-    keys = [column for column in layout.values() if column]
+    keys = analysis.panel_columns(layout)
     per_panel = runs.groupby(keys)["config_label"].nunique().max() if keys else runs["config_label"].nunique()
     width = 9.0 if layout["col"] is None else 6.0
     height = _height(per_panel)
@@ -117,6 +123,7 @@ def _configuration_bars(runs: pd.DataFrame, value: str, xlabel: str, largest_fir
             decorate(ax, panel, order)
 
     grid.map_dataframe(draw)
+    _panel_titles(grid, layout)
     grid.set_axis_labels(xlabel, "")
     each_run = EACH_RUN if not runs["status"].eq("timeout").all() else {}
     _method_legend(grid, methods, **each_run, **(TIMED_OUT if timed_out else {}), **(legend_extra or {}))
@@ -158,7 +165,9 @@ def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.Data
     def decorate(ax, panel: pd.DataFrame, order: list[str]) -> None:
         for column, (_, style) in markers.items():
             values = panel.groupby("config_label")[column].median().astype(float).reindex(order)
-            ax.scatter(values.to_numpy(), range(len(order)), zorder=4, **style)
+            drawn = values.notna().to_numpy()
+            if drawn.any():  # a panel of runs without the figure (no estimate for their task) has no marker
+                ax.scatter(values[drawn].to_numpy(), np.arange(len(order))[drawn], zorder=4, **style)
         gpus = panel[panel["device"].isin(["cuda"]) & panel["device_memory_mb"].notna()]
         for capacity, names in gpus.groupby("device_memory_mb")["device_name"].unique().items():
             ax.axvline(capacity, color=CAPACITY_COLOUR, linestyle="--", linewidth=1.2)
@@ -238,8 +247,10 @@ def figure_accuracy_vs_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: 
     _, name = analysis.quality_column(ok)
     ok = ok.astype({"quality": float, "peak_memory_mb": float, "quality_low": float, "quality_high": float})
     methods = analysis.method_order(ok["method"])
+    ok, layout = analysis.faceted(ok)
     grid = sns.relplot(ok, kind="scatter", x="peak_memory_mb", y="quality", hue="method", hue_order=methods,
-                       palette=_palette(methods), s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, **analysis.panels(ok))
+                       palette=_palette(methods), s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, **layout)
+    _panel_titles(grid, layout)
     grid.map_dataframe(lambda data, **_: _error_bars(plt.gca(), data, "peak_memory_mb", "quality", None,
                                                      ("quality_low", "quality_high")))
     grid.set_axis_labels("peak memory (MiB): CUDA reserved, peak RSS on a CPU", f"{name} (bars: 95% Wilson interval)")
@@ -255,8 +266,10 @@ def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd
         return _no_quality(runs, "a cost") if not measured.empty else _no_throughput(runs)
     _, name = analysis.quality_column(runs[runs["config_key"].isin(points.index)])
     methods = analysis.method_order(points["method"])
+    points, layout = analysis.faceted(points)
     grid = sns.relplot(points, kind="scatter", x="cost", y="quality", hue="method", hue_order=methods, palette=_palette(methods),
-                       s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, legend=False, **analysis.panels(points))
+                       s=60, alpha=0.85, height=5, aspect=1.5, zorder=3, legend=False, **layout)
+    _panel_titles(grid, layout)
 
     def front(data: pd.DataFrame, **_) -> None:
         ax = plt.gca()
