@@ -121,7 +121,11 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
     """Pad a batch to its longest sequence; count real tokens before padding is added.
 
     ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk.
-    Image tasks are batched by images.py."""
+    Image tasks are batched by images.py, image-caption pairs by retrieval.py."""
+    if task == "image_text_retrieval":
+        from . import retrieval  # imports this module (its batches are Batches)
+
+        return retrieval.collate(split, indices)
     if task in IMAGE_TASKS:
         from . import images  # imports this module (its batches are Batches)
 
@@ -151,6 +155,16 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
 
 # ---------------------------------------------------------------------------------------------------
 # Scoring
+
+
+def eval_accumulator(task: str):
+    """What scores a task's eval batches (``add(output, batch)``, then ``result()``): retrieval keeps every
+    embedding for its recall over the whole split; the other tasks sum per batch."""
+    if task == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.RecallAccumulator()
+    return EvalAccumulator(task)
 
 
 class EvalAccumulator:

@@ -12,4 +12,6 @@ NOT_PACKABLE = {
                       "packed position ids, so packed rows would mix sequences; use group_by_length",
     "seq2seq": "encoder-decoder rows pair each input with its target through cross-attention, which packing "
                "would mix; use group_by_length",
+    "image_text_retrieval": "a dual encoder pairs each caption with its image and pools one token per caption; "
+                            "use group_by_length",
 }

@@ -343,6 +343,10 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
 
 def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
     """What an image-classification run needs: image data (a column, or pixel rows) and one process."""
+    if task == "image_text_retrieval":
+        from . import retrieval  # image-caption pairs
+
+        return retrieval.check_run(run, lambda name, value: _setting_key(config, name, value))
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
     if dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
@@ -366,7 +370,8 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     from .task_types import model_task
 
     keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column"),
-            "image_classification": ("image_column", "label_column")}
+            "image_classification": ("image_column", "label_column"),
+            "image_text_retrieval": ("image_column", "text_column", "label_column")}
     needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
     for run in runs:
         dataset_def = run.dataset_def

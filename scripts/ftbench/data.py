@@ -202,6 +202,10 @@ def prepare(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = task_types.model_task(model_def)
+    if task == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
     if task in task_types.IMAGE_TASKS:
         from . import images
 
@@ -416,6 +420,10 @@ def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_sourc
     """A split to draw batches from: decoded into memory up front, or read from the shards per batch."""
     data_dir = Path(data_dir)
     shards = [data_dir / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
+    if manifest["task"] == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.load_split(shards, manifest, data_source)
     if manifest["task"] in task_types.IMAGE_TASKS:
         from . import images
 

@@ -77,7 +77,8 @@ class Meter:
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
                   "capacity_tokens": batch.capacity_tokens,
                   "flops": flops.step_flops(self.shape, self.run.spec.method == "full", batch.real_tokens,
-                                            batch.sum_squared_lengths, batch.target_tokens, batch.target_sum_squared_lengths)}
+                                            batch.sum_squared_lengths, batch.target_tokens, batch.target_sum_squared_lengths,
+                                            batch.images, batch.image_tokens)}
         self.loader_s += time.perf_counter() - started
         return {**batch.inputs, COUNTS_KEY: counts}
 

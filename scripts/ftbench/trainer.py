@@ -144,7 +144,11 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
                 raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
             run.spec = spec.replace(batch_size=search.found)
             metrics["batch_size"] = search.found
-        if run.task in IMAGE_TASKS:
+        if run.task == "image_text_retrieval":
+            from . import retrieval
+
+            metrics.update(retrieval.memory_estimate(run.model, run.spec, manifest))
+        elif run.task in IMAGE_TASKS:
             metrics.update(images.memory_estimate(run.model, run.spec, manifest))
         else:
             metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
@@ -282,7 +286,8 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
             batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(device)
             record["loader_s"] += time.perf_counter() - fetch_start
             record["flops"] += flops.step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths,
-                                                batch.target_tokens, batch.target_sum_squared_lengths)
+                                                batch.target_tokens, batch.target_sum_squared_lengths, batch.images,
+                                                batch.image_tokens)
             if injector:
                 if micro == 0:
                     injector.before_step(step)
@@ -377,14 +382,17 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
     targets_len = batch.inputs["labels"].shape[1] if run.task == "seq2seq" else 0
     n = batch.samples
+    # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
+    pictures = batch.image_tokens if "input_ids" in batch.inputs else 0
     try:
         counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
         # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
         run.model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
-    analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len), n * inputs_len**2,
-                                n * targets_len, n * targets_len**2)
+    analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len) + pictures,
+                                n * inputs_len**2 + pictures * (pictures // n), n * targets_len, n * targets_len**2,
+                                batch.images, batch.image_tokens)
     return {
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,
@@ -399,7 +407,7 @@ def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, de
     eval_samples counts the examples scored."""
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
-    scores = batching.EvalAccumulator(task)
+    scores = batching.eval_accumulator(task)
     order = packing.eval_order(split, count)
     scored = 0
     for start in range(0, count, spec.eval_batch_size):
