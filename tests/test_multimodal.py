@@ -284,7 +284,7 @@ def test_image_runs_need_an_image_column_and_one_process(image_folder):
         config_module.check_run(matrix.expand_runs(config)[0], config)
 
 
-@pytest.mark.parametrize("task", ["image_text_retrieval", "vision_language"])
+@pytest.mark.parametrize("task", ["vision_language"])
 def test_planned_tasks_are_refused_with_the_reason(image_folder, task):
     config = experiment(image_dataset(image_folder))
     config["models"]["vit"] = {**VIT_DEF, "task": task}
@@ -301,11 +301,13 @@ def test_example_multimodal():
     config = yaml.safe_load((ROOT / "config" / "examples" / "multimodal.yaml").read_text())
     config_module.validate_config(config)
     runs = matrix.expand_runs(config)
-    assert len(runs) == 3 + 4
+    assert len(runs) == 3 + 4 + 4
     assert {run.method for run in runs if run.model == "vit_base"} == {"full", "lora", "qlora"}
+    assert {run.method for run in runs if run.model == "clip_b32"} == {"full", "lora", "qlora"}
     assert {run.image_size for run in runs} == {224, 384, 32}
-    assert len({run.data_id for run in runs}) == 3  # 224 and 384 prepared apart, the digits once
-    assert all(run.model_def["task"] == "image_classification" for run in runs)
+    # 224 and 384 prepared apart, the digits once per task (labels, captions), the synthetic pairs once
+    assert len({run.data_id for run in runs}) == 5
+    assert {run.model_def["task"] for run in runs} == {"image_classification", "image_text_retrieval"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ captioned from their class ("a handwritten digit 3").
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -318,6 +320,52 @@ def test_quality_is_recall_beside_accuracy_in_a_mixed_table():
 
 # ---------------------------------------------------------------------------------------------------
 # Training (slow)
+
+
+@pytest.fixture(scope="module")
+def clip_checkpoint(tmp_path_factory, minilm_dir):
+    """The tiny CLIP saved as a checkpoint folder (16 px) with the MiniLM tokenizer and an image processor of
+    its own statistics: what a fine-tuned CLIP folder holds."""
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    folder = tmp_path_factory.mktemp("clip-checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    text = {**TINY_CLIP["overrides"]["text_config"], "vocab_size": len(tokenizer), "eos_token_id": tokenizer.sep_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.cls_token_id}
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=TINY_CLIP["overrides"]["vision_config"], projection_dim=16)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    CLIPImageProcessor(image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_lora_on_a_clip_checkpoint_at_another_image_size(tmp_path, caption_folder, clip_checkpoint):
+    from ftbench import trainer
+
+    model_def = {"task": "image_text_retrieval", "source": {"kind": "path", "path": str(clip_checkpoint)}}
+    config = experiment(caption_dataset(caption_folder), model_def, method="lora", image_size=24)
+    spec = matrix.expand_runs(config)[0]
+    config_module.check_run(spec, config)
+    manifest = prepare(spec.dataset_def, tmp_path, model_def, image_size=24)
+    assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["tokenizer_class"]
+    assert manifest["interpolate_pos_encoding"] is True and manifest["image_tokens_per_image"] == (24 // 4) ** 2 + 1
+    metrics, steps = trainer.train_run(spec, tmp_path)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert steps[0]["image_tokens"] == 8 * 37 and 0 <= metrics["eval_recall_at_1"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_qlora_trains_a_dual_encoder(tmp_path):
+    from ftbench import trainer
+
+    config = experiment(SYNTHETIC, method="qlora", max_steps=3)
+    spec = matrix.expand_runs(config)[0]
+    prepare(SYNTHETIC, tmp_path)
+    metrics, _ = trainer.train_run(spec, tmp_path)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["trainable_params"] < metrics["total_params"] and metrics["eval_samples"] == 8
 
 
 @pytest.mark.slow

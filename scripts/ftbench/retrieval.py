@@ -68,8 +68,13 @@ def full_config(model_def: dict) -> dict:
         return config_class(**source.get("overrides", {})).to_dict()
     from transformers import AutoConfig
 
+    from .modeling import load_failure
+
     location = sources.resolve_location(source)
-    return AutoConfig.from_pretrained(location, revision=source.get("revision")).to_dict()
+    try:
+        return AutoConfig.from_pretrained(location, revision=source.get("revision")).to_dict()
+    except (OSError, ValueError) as exc:
+        raise SourceError(load_failure("model config", source, location, exc)) from None
 
 
 def towers(config: dict, where: str) -> tuple[dict, dict]:
