@@ -360,9 +360,14 @@ def test_lora_on_a_clip_checkpoint_at_another_image_size(tmp_path, caption_folde
 def test_qlora_trains_a_dual_encoder(tmp_path):
     from ftbench import trainer
 
-    config = experiment(SYNTHETIC, method="qlora", max_steps=3)
+    # bitsandbytes' CPU inference kernel needs rows of at least its 64-value quantisation block
+    wide = {**TOWER, "hidden_size": 64}
+    model_def = {"task": "image_text_retrieval", "source": {**TINY_CLIP, "overrides": {
+        "text_config": {**wide, "max_position_embeddings": 32}, "vision_config": {**wide, "patch_size": 4, "image_size": 16},
+        "projection_dim": 64}}}
+    config = experiment(SYNTHETIC, model_def, method="qlora", max_steps=3)
     spec = matrix.expand_runs(config)[0]
-    prepare(SYNTHETIC, tmp_path)
+    prepare(SYNTHETIC, tmp_path, model_def)
     metrics, _ = trainer.train_run(spec, tmp_path)
     assert metrics["status"] == "ok", metrics["status_reason"]
     assert metrics["trainable_params"] < metrics["total_params"] and metrics["eval_samples"] == 8
