@@ -157,8 +157,11 @@ def figure_peak_memory(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.Data
 
     def decorate(ax, panel: pd.DataFrame, order: list[str]) -> None:
         for column, (_, style) in markers.items():
-            values = panel.groupby("config_label")[column].median().astype(float).reindex(order)
-            ax.scatter(values.to_numpy(), range(len(order)), zorder=4, **style)
+            values = panel.groupby("config_label")[column].median().astype(float).reindex(order).reset_index(drop=True)
+            # A configuration without the figure (no estimate: not modelled, or a CPU run) gets no marker:
+            # matplotlib cannot place a missing value on the configurations' axis.
+            values = values.dropna()
+            ax.scatter(values.to_numpy(), values.index.to_numpy(), zorder=4, **style)
         gpus = panel[panel["device"].isin(["cuda"]) & panel["device_memory_mb"].notna()]
         for capacity, names in gpus.groupby("device_memory_mb")["device_name"].unique().items():
             ax.axvline(capacity, color=CAPACITY_COLOUR, linestyle="--", linewidth=1.2)
