@@ -414,3 +414,31 @@ def test_retrieval_experiment_through_snakemake(tmp_path, snakemake_runner, conf
     assert table["memory_estimate_note"].str.contains("not modelled").all()
     report = (tmp_path / "results" / "report.html").read_text(encoding="utf-8")
     assert "recall@1" in report
+
+
+def test_a_report_of_classifier_and_dual_encoder_runs_names_each_quality_and_draws_every_figure(tmp_path):
+    """Mixed tasks: accuracy for the classifier, recall@1 for the dual encoder (whose memory estimate is not
+    modelled: the peak-memory figure draws a diamond for the classifier only)."""
+    import re
+
+    from ftbench import analysis, collect, report
+    from ftbench.columns import COLUMNS
+    from test_report import drawn, make_run, write_fixture
+
+    classifier = make_run(0, accuracy=0.8)
+    clip = make_run(1, accuracy=None, task="image_text_retrieval", model="clip", run_id="clip-d-lora-r8-bf16-b16-s512-00000001",
+                    config_id="clip-d-lora-r8-bf16-b16-s512-1234abcd", memory_estimate_mb=None, memory_estimate_ratio=None,
+                    memory_estimate_note=retrieval.MEMORY_NOT_MODELLED, eval_samples=500, eval_recall_at_1=0.6,
+                    eval_recall_at_1_i2t=0.5, eval_recall_at_1_t2i=0.7, images_per_s=50.0)
+    runs = collect.typed(pd.DataFrame([classifier, clip], columns=list(COLUMNS)))
+    grid = drawn("peak_memory", analysis.prepare(runs))
+    # the estimate diamonds (white markers): the classifier's, at its estimate; none for the dual encoder
+    estimates = [offset[0] for ax in grid.axes.flat for c in ax.collections if c.get_facecolor().size
+                 and tuple(c.get_facecolor()[0][:3]) == (1.0, 1.0, 1.0) for offset in c.get_offsets()]
+    assert estimates == [0.8 * 12000.0]
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
+    assert ">accuracy</th>" in configurations and ">recall@1</th>" in configurations
+    assert "Most accurate (accuracy): <b>" in page and "Most accurate (recall@1): <b>" in page
