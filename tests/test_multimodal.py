@@ -304,7 +304,7 @@ def test_example_multimodal():
     assert len(runs) == 3 + 4 + 4
     assert {run.method for run in runs if run.model == "vit_base"} == {"full", "lora", "qlora"}
     assert {run.method for run in runs if run.model == "clip_b32"} == {"full", "lora", "qlora"}
-    assert {run.image_size for run in runs} == {224, 384, 32}
+    assert {run.image_size for run in runs} == {224, 384, 32, 16}
     # 224 and 384 prepared apart, the digits once per task (labels, captions), the synthetic pairs once
     assert len({run.data_id for run in runs}) == 5
     assert {run.model_def["task"] for run in runs} == {"image_classification", "image_text_retrieval"}

@@ -222,21 +222,22 @@ def built(method: str = "full", model_def: dict = CLIP_DEF, **settings):
     return spec, modeling.build_model(spec, None, torch.device("cpu"))
 
 
-def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path, caption_folder):
-    manifest = prepare(caption_dataset(caption_folder), tmp_path)
+def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path):
+    """16 synthetic pairs (every caption its own, ending in the MiniLM tokenizer's [SEP]) learnt as one batch."""
+    manifest = prepare(SYNTHETIC, tmp_path)
+    torch.manual_seed(0)
     spec, model = built()
     assert model.model.text_model.config.eos_token_id == 102  # the MiniLM tokenizer's [SEP]: where captions pool
     batch = batching.collate("image_text_retrieval", data.load_split(tmp_path, "train", manifest), np.arange(16), 0)
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=0.002)
-    torch.manual_seed(0)
     losses = []
     for _ in range(15):
         loss = model.model(**batch.to(torch.device("cpu")).inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
-    assert losses[-1] < 0.5 * losses[0], losses
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0], losses
 
 
 def test_lora_adapts_both_towers_and_trains_only_adapters():
