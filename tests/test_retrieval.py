@@ -381,8 +381,9 @@ def test_a_siglip_and_a_lora_clip_train_through_the_loop(tmp_path, caption_folde
     siglip = {"task": "image_text_retrieval", "source": {
         "kind": "config", "architecture": "SiglipConfig", "tokenizer": MINILM_SOURCE,
         "overrides": {"text_config": {**TOWER, "max_position_embeddings": 32}, "vision_config": {**TOWER, "patch_size": 4, "image_size": 16}}}}
-    for name, model_def, method in (("siglip", siglip, "full"), ("clip", CLIP_DEF, "lora")):
-        config = experiment(caption_dataset(caption_folder), model_def, method=method, data_source="disk")
+    for name, model_def, method, checkpointing in (("siglip", siglip, "full", True), ("clip", CLIP_DEF, "lora", False)):
+        config = experiment(caption_dataset(caption_folder), model_def, method=method, data_source="disk",
+                            batching="group_by_length", gradient_checkpointing=checkpointing)
         spec = matrix.expand_runs(config)[0]
         config_module.check_run(spec, config)
         prepare(spec.dataset_def, tmp_path / name, model_def)
@@ -391,8 +392,10 @@ def test_a_siglip_and_a_lora_clip_train_through_the_loop(tmp_path, caption_folde
         assert metrics["eval_samples"] == 8 and 0 <= metrics["eval_recall_at_1"] <= 1
         assert metrics["memory_estimate_mb"] is None and "not modelled" in metrics["memory_estimate_note"]
         assert metrics["text_tokens_per_s"] > 0 and metrics["image_tokens_per_s"] > 0
-        # analytic FLOPs of both towers against torch's counter (the patch convolution is the known gap)
-        assert 0.8 < metrics["flops_counted_ratio"] < 1.2, metrics["flops_counted_ratio"]
+        # analytic FLOPs of both towers against torch's counter (the patch convolution is the known gap); the
+        # counter also sees checkpointing's recomputed forward (about 4/3)
+        low, high = (1.2, 1.5) if checkpointing else (0.8, 1.2)
+        assert low < metrics["flops_counted_ratio"] < high, metrics["flops_counted_ratio"]
 
 
 @pytest.mark.slow

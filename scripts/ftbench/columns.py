@@ -104,8 +104,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # image_text_retrieval (scripts/ftbench/retrieval.py): over the whole scored eval split; a retrieved item
     # is right when its caption text equals the query's (eval images may share a caption), and a tie between
     # a right and a wrong item is a miss
-    "eval_recall_at_1_i2t": ("Float64", "image_text_retrieval: share of eval images whose most similar eval caption is theirs (image->text recall@1)"),
-    "eval_recall_at_1_t2i": ("Float64", "image_text_retrieval: share of eval captions whose most similar eval image is theirs (text->image recall@1)"),
+    "eval_recall_at_1_i2t": ("Float64", "image_text_retrieval: share of eval images whose most similar eval caption is theirs or has "
+                                        "the same text (image->text recall@1; a tie with a wrong caption is a miss)"),
+    "eval_recall_at_1_t2i": ("Float64", "image_text_retrieval: share of eval captions whose most similar eval image is theirs or one "
+                                        "with the same caption text (text->image recall@1; a tie with a wrong image is a miss)"),
     "eval_recall_at_1": ("Float64", "image_text_retrieval: mean of eval_recall_at_1_i2t and eval_recall_at_1_t2i (the task's quality figure)"),
     "eval_loss": ("Float64", "mean loss on the eval split (per sample for classification, per target token for LMs; "
                              "image_text_retrieval: the contrastive loss per eval batch, which depends on eval_batch_size)"),

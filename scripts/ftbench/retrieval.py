@@ -5,7 +5,9 @@ contrastively on image + caption pairs, scored by image->text and text->image re
   ``text_model`` whose forward takes ``return_loss``), from a checkpoint folder, a hub name or a config
   alone (random init). The loss is the model's own (``return_loss=True``): CLIP's symmetric InfoNCE over
   the batch's image-caption similarities, SigLIP's pairwise sigmoid loss. The negatives of a caption are
-  the other images of its batch (with ``parallel: dp``, of its GPU's slice of the batch).
+  the other images of its batch (with ``parallel: dp``, of its GPU's slice of the batch). Rows of a batch
+  that share a caption (class captions) are negatives of each other too, as in plain CLIP training: the
+  loss cannot go below about ln(copies of a caption per batch), while recall still reaches 1.
 - Data: an image and a caption per row. The caption is the dataset's ``text_column``, or for a dataset
   of class labels (``pixels`` rows, or ``label_column``) ``caption_template`` with ``{label}`` replaced
   (the 8x8 digits become "a handwritten digit 3"). Preparation decodes and resizes every image once
@@ -40,8 +42,9 @@ from .batching import TokenisedSplit, _pad
 from .errors import ConfigError, SourceError
 
 TASK = "image_text_retrieval"
-# Query rows per block of the eval similarity matrix: 4,096 x (eval rows) floats at a time.
-SIMILARITY_CHUNK_ROWS = 4096
+# Query rows per block of the eval similarity matrix: 1,024 x (eval rows) floats at a time (200 MB, and two
+# masked copies, for 50,000 eval rows).
+SIMILARITY_CHUNK_ROWS = 1024
 # Model types whose text tower was trained on captions padded to the full length with no attention mask
 # (its pooled token is the last position).
 PAD_TO_LENGTH_MODEL_TYPES = ("siglip", "siglip2")
@@ -132,8 +135,9 @@ def config_overrides(overrides: dict, spec, tokenizer) -> dict:
                               f"tokenizer has {len(tokenizer)} tokens; remove it (the text tower then takes the "
                               "tokenizer's) or raise it")
         text.setdefault("vocab_size", len(tokenizer))
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
         for key, value in (("pad_token_id", tokenizer.pad_token_id), ("eos_token_id", end_token_id(tokenizer)),
-                           ("bos_token_id", tokenizer.bos_token_id or tokenizer.cls_token_id)):
+                           ("bos_token_id", start)):
             if value is not None:
                 text.setdefault(key, int(value))
         overrides["text_config"] = text
