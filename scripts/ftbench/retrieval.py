@@ -19,6 +19,10 @@ contrastively on image + caption pairs, scored by image->text and text->image re
   ``image_tokens_per_s`` and ``text_tokens_per_s`` give them apart. SigLIP was trained on captions padded
   to its full length without an attention mask: its batches are padded so too (the padding still does
   not count as tokens).
+- Run settings: methods full / lora / qlora (``lora_targets`` name both towers' layers alike: CLIP's
+  q_proj, k_proj, v_proj, out_proj, fc1, fc2), every precision, batching pad and group_by_length (captions
+  by length), data_source memory or disk, parallel none or dp. Refused at parse time (``check_run``):
+  packed batching, parallel ddp / fsdp and engine hf_trainer.
 - Memory estimate: each tower's, as memory_estimate.py models an encoder over its own tokens (see
   ``memory_estimate`` below).
 - Quality: recall@1 both ways over the whole scored eval split (a similarity matrix computed in chunks
@@ -30,7 +34,6 @@ contrastively on image + caption pairs, scored by image->text and text->image re
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
