@@ -302,15 +302,6 @@ def test_image_runs_refuse_packing_with_the_reason(image_folder):
         config_module.validate_config(experiment(image_dataset(image_folder), batching="pack"))
 
 
-@pytest.mark.parametrize("task", ["image_text_retrieval"])
-def test_planned_tasks_are_refused_with_the_reason(image_folder, task):
-    config = experiment(image_dataset(image_folder))
-    config["models"]["vit"] = {**VIT_DEF, "task": task}
-    # the schema knows the name; the run checks refuse it
-    with pytest.raises(ConfigError, match=rf"models\.vit\.task: '{task}'.*not implemented"):
-        config_module.validate_config(config)
-
-
 def test_example_multimodal():
     import yaml
 
@@ -319,13 +310,15 @@ def test_example_multimodal():
     config = yaml.safe_load((ROOT / "config" / "examples" / "multimodal.yaml").read_text())
     config_module.validate_config(config)
     runs = matrix.expand_runs(config)
-    assert len(runs) == 3 + 4 + 4
+    assert len(runs) == 3 + 4 + 4 + 4  # ViT matrix + ViT includes + CLIP + LLaVA
     assert {run.method for run in runs if run.model == "vit_base"} == {"full", "lora", "qlora"}
-    assert {run.image_size for run in runs} == {224, 384, 32}
-    # 224 and 384 prepared apart, the digits once for classification, once as questions; the VLM's synthetic rows once
-    assert len({run.data_id for run in runs}) == 5
-    assert {run.model_def["task"] for run in runs} == {"image_classification", "vision_language"}
+    assert {run.method for run in runs if run.model == "clip_b32"} == {"full", "lora", "qlora"}
     assert {run.method for run in runs if run.model == "llava_small"} == {"full", "lora", "qlora"}
+    assert {run.image_size for run in runs} == {224, 384, 32, 16}
+    # 224 and 384 prepared apart, the digits once per task (labels, captions, questions), the synthetic
+    # pairs once, the VLM's synthetic rows once
+    assert len({run.data_id for run in runs}) == 7
+    assert {run.model_def["task"] for run in runs} == {"image_classification", "image_text_retrieval", "vision_language"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -182,16 +182,19 @@ class Quality:
 # The scored-token count is not recorded, and the tokens of one sequence are not independent: the
 # sequence count is the cautious n (a wider interval than the token count would give).
 _TOKEN_ACCURACY = Quality("eval_token_accuracy", "token accuracy", n_note="eval sequences")
-# One entry per task kind: a new task (image-text retrieval with recall@1, say) adds its line here.
+# One entry per task kind: a new task adds its line here.
 QUALITY: dict[str, Quality] = {
     "classification": Quality("eval_accuracy", "accuracy"),
     "image_classification": Quality("eval_accuracy", "accuracy"),
+    # The mean of image->text and text->image recall@1 over the eval rows (retrieval.py).
+    "image_text_retrieval": Quality("eval_recall_at_1", "recall@1"),
     "causal_lm": _TOKEN_ACCURACY,
     "seq2seq": _TOKEN_ACCURACY,
     "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
 }
 # The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model).
-QUALITY_COLUMNS = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity")
+QUALITY_COLUMNS = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i",
+                   "eval_recall_at_1")
 
 
 def quality_column(runs: pd.DataFrame) -> tuple[pd.Series, str]:

@@ -125,11 +125,16 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
     """Pad a batch to its longest sequence; count real tokens before padding is added.
 
     ``split`` is anything with ``take(indices) -> TokenisedSplit``: rows in memory, or read from disk.
-    Image tasks are batched by images.py, vision-language by vision_language.py."""
+    Image tasks are batched by images.py, image-caption pairs by retrieval.py, vision-language rows by
+    vision_language.py."""
     if task == "vision_language":
         from . import vision_language
 
         return vision_language.collate(split, indices, pad_token_id)
+    if task == "image_text_retrieval":
+        from . import retrieval  # imports this module (its batches are Batches)
+
+        return retrieval.collate(split, indices)
     if task in IMAGE_TASKS:
         from . import images  # imports this module (its batches are Batches)
 
@@ -159,6 +164,16 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int) -> Batch:
 
 # ---------------------------------------------------------------------------------------------------
 # Scoring
+
+
+def eval_accumulator(task: str):
+    """What scores a task's eval batches (``add(output, batch)``, then ``result()``): retrieval keeps every
+    embedding for its recall over the whole split; the other tasks sum per batch."""
+    if task == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.RecallAccumulator()
+    return EvalAccumulator(task)
 
 
 class EvalAccumulator:

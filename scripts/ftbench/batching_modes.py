@@ -15,4 +15,6 @@ NOT_PACKABLE = {
     "image_classification": "every image is the same number of patch tokens: there is no padding to remove; use pad",
     "vision_language": "a packed row would hold several images whose features LLaVA places by counting image "
                        "tokens, which packing does not keep apart; use group_by_length",
+    "image_text_retrieval": "a dual encoder pairs each caption with its image and pools one token per caption; "
+                            "use group_by_length",
 }

@@ -15,7 +15,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "config_id": ("string", "the run's configuration without repeat and seed: repeats share it"),
     "status": ("string", describe_statuses()),
     "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
-    "task": ("string", "classification | causal_lm | seq2seq | image_classification | vision_language"),
+    "task": ("string", "classification | causal_lm | seq2seq | image_classification | image_text_retrieval | vision_language"),
     "data_kind": ("string", "the dataset's source kind (hub | path | package | synthetic): the report shows no quality figure for synthetic (random-token) data"),
     # the run's settings, as ftbench.runspec defines them
     **spec_columns(),
@@ -63,8 +63,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "measured_images": ("Int64", "images processed in the measured window, all devices"),
     "images_per_s": ("Float64", "images per second, all devices together"),
     "images_per_s_per_device": ("Float64", "images_per_s divided by world_size"),
-    "image_tokens_per_s": ("Float64", "image tokens per second, all devices; part of tokens_per_s (image_classification: patch + class tokens; vision_language: the image features placed in the decoder's sequence)"),
-    "text_tokens_per_s": ("Float64", "real (unpadded) text tokens per second of an image task (0 for image classification; vision_language: prompt and answer); part of tokens_per_s"),
+    "image_tokens_per_s": ("Float64", "image tokens per second, all devices; part of tokens_per_s (image_classification and image_text_retrieval: patch + class tokens; vision_language: the image features placed in the decoder's sequence)"),
+    "text_tokens_per_s": ("Float64", "real (unpadded) text tokens per second of an image task (0 for image classification; image_text_retrieval: caption tokens; vision_language: prompt and answer); part of tokens_per_s"),
     "packing_efficiency": ("Float64", "packed runs (batching pack / padding_free): real tokens / row capacity of the packed rows; null otherwise"),
     "step_time_median_s": ("Float64", "median seconds per measured step"),
     "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
@@ -100,7 +100,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # quality
     "final_train_loss": ("Float64", "training loss of the last step"),
     "eval_accuracy": ("Float64", "classification accuracy on the eval split"),
-    "eval_loss": ("Float64", "mean loss on the eval split (per sample for classification, per target token for LMs, per answer token for vision_language)"),
+    # image_text_retrieval (scripts/ftbench/retrieval.py): over the whole scored eval split; a retrieved item
+    # is right when its caption text equals the query's (eval images may share a caption), and a tie between
+    # a right and a wrong item is a miss
+    "eval_recall_at_1_i2t": ("Float64", "image_text_retrieval: share of eval images whose most similar eval caption is theirs or has "
+                                        "the same text (image->text recall@1; a tie with a wrong caption is a miss)"),
+    "eval_recall_at_1_t2i": ("Float64", "image_text_retrieval: share of eval captions whose most similar eval image is theirs or one "
+                                        "with the same caption text (text->image recall@1; a tie with a wrong image is a miss)"),
+    "eval_recall_at_1": ("Float64", "image_text_retrieval: mean of eval_recall_at_1_i2t and eval_recall_at_1_t2i (the task's quality figure)"),
+    "eval_loss": ("Float64", "mean loss on the eval split (per sample for classification, per target token for LMs, per "
+                             "answer token for vision_language; image_text_retrieval: the contrastive loss per eval batch, "
+                             "which depends on eval_batch_size)"),
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),

@@ -280,16 +280,13 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         raise ConfigError(f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans "
                           f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
     from . import sources
-    from .task_types import IMAGE_TASKS, PLANNED, TASKS, model_task
+    from .task_types import IMAGE_TASKS, TASKS, model_task
 
     task = model_task(run.model_def)
     _check_batching(run, config, task)
     dataset_def = run.dataset_def
     where = f"datasets.{run.dataset}"
     model_source = run.model_def["source"]
-    if task in PLANNED:
-        raise ConfigError(f"config key models.{run.model}.task: {task!r} ({PLANNED[task]}) is not implemented by this "
-                          "ftbench version")
     if task in IMAGE_TASKS:
         _check_image_run(run, config, task)
     elif run.image_size is not None:
@@ -342,7 +339,12 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
 
 
 def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
-    """What an image run needs: image data (a column, or pixel rows; vision_language: its own checks)."""
+    """What an image run needs: image data (a column, or pixel rows; image_text_retrieval and vision_language:
+    their own checks)."""
+    if task == "image_text_retrieval":
+        from . import retrieval  # image-caption pairs
+
+        return retrieval.check_run(run, lambda name, value: _setting_key(config, name, value))
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
     if task == "vision_language":
@@ -394,7 +396,8 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
 
     keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column"),
             "image_classification": ("image_column", "label_column"),
-            "vision_language": ("image_column", "prompt_column", "answer_column")}
+            "vision_language": ("image_column", "prompt_column", "answer_column"),
+            "image_text_retrieval": ("image_column", "text_column", "label_column")}
     needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
     for run in runs:
         dataset_def = run.dataset_def

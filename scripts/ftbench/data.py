@@ -207,6 +207,10 @@ def prepare(
 
         return vision_language.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb,
                                        model_name)
+    if task == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
     if task in task_types.IMAGE_TASKS:
         from . import images
 
@@ -425,6 +429,10 @@ def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_sourc
         from . import vision_language
 
         return vision_language.load_split(shards, manifest, data_source)
+    if manifest["task"] == "image_text_retrieval":
+        from . import retrieval
+
+        return retrieval.load_split(shards, manifest, data_source)
     if manifest["task"] in task_types.IMAGE_TASKS:
         from . import images
 

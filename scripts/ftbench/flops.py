@@ -14,6 +14,11 @@
   over all its tokens (text and image). A vision tower with no trainable weight runs forward only (2N,
   4 x layers x width x S): nothing before it needs a gradient. The patch-embedding convolution is not
   counted (as for image classification).
+- Dual encoders (CLIP, SigLIP: a ``vision_model`` and a ``text_model``): each tower's Linear layers and
+  attention over its own tokens (image tokens through the vision tower at its width and depth, caption
+  tokens through the text tower), and the heads applied once per image or caption (CLIP's projections,
+  SigLIP's pooling heads) once per pair. SigLIP's pooling attention is a MultiheadAttention whose
+  key/value projections over the patches (about 1.5% of its vision tower) are not counted.
 - MFU = achieved FLOP/s / (dense peak per device x devices), the peak for the run's dtype from a peak
   table the caller loads (``load_peaks``; the shipped one is config/gpus.yaml). Unknown device: MFU is
   None and a warning says so, never a guessed peak.
@@ -46,31 +51,63 @@ class ModelShape:
     projector_trainable_linear_params: int = 0
     vision_layers: int = 0
     vision_width: int = 0
+    # Dual encoders only: the vision tower's shape (it sees the image tokens; the fields above are then the
+    # text tower's), and the heads applied once per image or caption.
+    vision: "ModelShape | None" = None
+    pooled_linear_params: int = 0
+    pooled_trainable_linear_params: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         config = getattr(model, "config", None)
+        if getattr(model, "vision_model", None) is not None and getattr(model, "text_model", None) is not None:
+            return _dual_encoder_shape(model, config)
         split_encoder = bool(getattr(config, "is_encoder_decoder", False))
         counts = {part: 0 for part in ("linear", "encoder", "vision", "projector")}
         trainable = dict(counts)
-        for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
-                continue
-            quant_state = getattr(weight, "quant_state", None)
-            count = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel()
+        for name, count, is_trainable in _linear_layers(model):
             dotted = f".{name}."
             parts = ["linear"] + (["encoder"] if split_encoder and ".encoder." in dotted else []) + \
                 (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else [])
             for part in parts:
                 counts[part] += count
-                trainable[part] += count if weight.requires_grad else 0
+                trainable[part] += count if is_trainable else 0
         shape = model_shape.from_transformers_config(config)
         vision = model_shape.from_config(getattr(config, "vision_config", None) and config.vision_config.to_dict())
         return cls(counts["linear"], trainable["linear"], shape.attention_layers - shape.encoder_layers, shape.width,
                    counts["encoder"], trainable["encoder"], shape.encoder_layers, counts["vision"], trainable["vision"],
                    counts["projector"], trainable["projector"], vision.layers if counts["vision"] else 0,
                    vision.width if counts["vision"] else 0)
+
+
+def _linear_layers(model: torch.nn.Module):
+    """(name, weights, trainable) of every Linear layer (and GPT-2's Conv1D); 4-bit weights counted as the
+    values they stand for."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        quant_state = getattr(weight, "quant_state", None)
+        yield name, int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel(), weight.requires_grad
+
+
+# A dual encoder's layers applied to one pooled token per image or caption.
+DUAL_ENCODER_HEADS = ("visual_projection", "text_projection", "vision_model.head", "text_model.head")
+
+
+def _dual_encoder_shape(model: torch.nn.Module, config) -> ModelShape:
+    counts = {part: [0, 0] for part in ("vision", "text", "pooled")}
+    for name, count, trainable in _linear_layers(model):
+        dotted = f".{name}."
+        part = "pooled" if any(f".{head}." in dotted for head in DUAL_ENCODER_HEADS) else \
+            "vision" if ".vision_model." in dotted else "text"
+        counts[part][0] += count
+        counts[part][1] += count if trainable else 0
+    vision = model_shape.from_transformers_config(config.vision_config)
+    text = model_shape.from_transformers_config(config.text_config)
+    return ModelShape(*counts["text"], text.layers, text.width,
+                      vision=ModelShape(*counts["vision"], vision.layers, vision.width),
+                      pooled_linear_params=counts["pooled"][0], pooled_trainable_linear_params=counts["pooled"][1])
 
 
 def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
@@ -81,19 +118,27 @@ def batch_flops(shape: ModelShape, full_finetune: bool, batch) -> int:
     """step_flops of a batching.Batch's real tokens."""
     return step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths, batch.target_tokens,
                       batch.target_sum_squared_lengths, batch.image_tokens, batch.vision_tokens,
-                      batch.vision_sum_squared_lengths)
+                      batch.vision_sum_squared_lengths, batch.images)
 
 
 def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_lengths: int,
                target_tokens: int = 0, target_sum_squared_lengths: int = 0, image_tokens: int = 0,
-               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0) -> int:
-    """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets included) and the
-    given sums of squared lengths (attention grows with the square of each sequence's length). A
-    vision-language model adds its vision tower over ``vision_tokens`` and its projector over the
-    ``image_tokens`` (the part of ``tokens`` that are image features).
+               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0, images: int = 0) -> int:
+    """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets and image tokens
+    included) and the given sums of squared lengths (attention grows with the square of each sequence's
+    length). ``image_tokens`` is the part of ``tokens`` that are image tokens. A dual encoder routes them
+    (``images`` images, all of the same tokens) through its vision tower; a vision-language model adds its
+    vision tower over ``vision_tokens`` and its projector over the ``image_tokens``; other models count
+    every token alike.
 
     Cross-attention of encoder-decoders is not counted (small next to the linear layers at the lengths
     benchmarked; flops_counted_ratio shows the gap)."""
+    if shape.vision is not None:
+        per_image = image_tokens // images if images else 0
+        text = ModelShape(shape.linear_params, shape.trainable_linear_params, shape.layers, shape.width)
+        return (step_flops(shape.vision, full_finetune, image_tokens, image_tokens * per_image)
+                + step_flops(text, full_finetune, tokens - image_tokens, sum_squared_lengths - image_tokens * per_image)
+                + _linear_flops_per_token(shape.pooled_linear_params, shape.pooled_trainable_linear_params, full_finetune) * images)
     vision = 0
     if shape.vision_linear_params:
         if shape.vision_trainable_linear_params == 0:  # a frozen tower (LoRA) gets no backward pass at all

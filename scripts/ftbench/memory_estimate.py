@@ -67,6 +67,9 @@ ACTIVATION_BYTES = {
     ("layer", "plain", False): (32, 8),
 }
 DROPOUT_MASK_BYTES = {True: 4, False: 8}  # per unit of width, when hidden dropout is on (training mode)
+# CLIP's quick_gelu (x * sigmoid(1.702 x), unfused) keeps its sigmoid too: one more intermediate-wide tensor in
+# the compute dtype than a fused GELU (traced on CLIP's towers: 20% more activations than BERT's MLP term).
+QUICK_GELU_BYTES = {True: 2, False: 4}
 # Adapters, per layer-token per unit of width, by (norm kind, 16-bit?), relative to the full fine-tuning
 # row above. Llama: -8 for its two frozen RMSNorms, +2 for one more 16-bit copy under autocast; BERT
 # (LayerNorm keeps what it keeps whether or not its weight trains): +2 and 0.
@@ -146,6 +149,8 @@ def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int |
     per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
     if hidden_dropout(config) > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
+    if getattr(config, "hidden_act", None) == "quick_gelu":
+        per_intermediate += QUICK_GELU_BYTES[sixteen_bit]
     per_layer_token = per_width * width + per_intermediate * inter
     if spec.method in ("lora", "qlora"):
         per_layer_token += adapter_bytes_per_layer_token(model, spec, norm, mlp, inter, width, layers, sixteen_bit)

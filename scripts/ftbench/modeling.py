@@ -173,7 +173,11 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
         overrides = dict(source.get("overrides", {}))
-        if task.modality == "image" and spec.image_size:
+        if task.name == "image_text_retrieval":
+            from . import retrieval  # the towers' nested configs: image size, the tokenizer's vocabulary
+
+            overrides = retrieval.config_overrides(overrides, spec, load_tokenizer(model_def))
+        elif task.modality == "image" and spec.image_size:
             overrides["image_size"] = spec.image_size  # a random-init encoder is built for the run's image size
         if vocab_size is not None:
             overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)

@@ -22,7 +22,7 @@ TABLE_COLUMNS = [
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
     "unstable_reason", "samples_per_s", "step_time_median_s", "peak_memory_allocated_mb", "peak_memory_reserved_mb",
     "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated", "estimate_over_rss", "eval_accuracy",
-    "eval_token_accuracy", "quality_ci95", "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens",
+    "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95", "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens",
     "cost_per_1k_samples", "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token",
     "energy_cost_per_1m_tokens", "trainable_params", "wall_time_s",
 ]
@@ -99,7 +99,9 @@ CONVENTIONS = [
     "Peak memory: CUDA max_memory_allocated and max_memory_reserved on a GPU (reserved adds the caching allocator's "
     "free blocks; the estimate models allocated); the process's peak resident memory on a CPU (model loading included).",
     "Quality: per task - classification accuracy on the held-out split; for language-model runs the next-token (or "
-    "target-token) accuracy and perplexity. Runs on synthetic (random-token) data show none.",
+    "target-token) accuracy and perplexity; for image-text retrieval recall@1, the mean of image->text and text->image "
+    "recall@1 over the eval split (a retrieved item is right when its caption text is the query's). Runs on synthetic "
+    "(random-token) data show none.",
     "MFU: analytic model FLOP/s (6N per token for full fine-tuning, 4N + 2N_trainable with adapters, plus attention; "
     "recomputation not counted) over the dense peak of the run's dtype in config/gpus.yaml, times the GPUs.",
     "Cost: $ per device-hour (config/prices.yaml or the experiment's prices key) x devices held, divided by the measured "

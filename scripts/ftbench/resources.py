@@ -215,11 +215,15 @@ def model_params(model_def: dict) -> float:
     """
     key = json.dumps(model_def, sort_keys=True)
     if key not in _MODEL_PARAMS:
-        shape = model_shape.from_config(_readable_config(model_def["source"]))
+        config = _readable_config(model_def["source"]) or {}
+        shape = model_shape.from_config(config)
         params = DEFAULT_MODEL_PARAMS
         if shape.width and shape.layers:
             vocab = shape.vocab_size or DEFAULT_VOCAB_SIZE
             params = shape.layers * (4 * shape.width**2 + 3 * shape.width * shape.intermediate) + vocab * shape.width
+            if isinstance(config.get("vision_config"), dict):  # a dual encoder's vision tower (the above: its text side)
+                vision = model_shape.from_config(config["vision_config"])
+                params += vision.layers * (4 * vision.width**2 + 3 * vision.width * vision.intermediate)
         _MODEL_PARAMS[key] = params
     return _MODEL_PARAMS[key]
 

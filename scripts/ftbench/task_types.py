@@ -7,11 +7,11 @@
 - seq2seq: an encoder-decoder (T5-like); loss = cross-entropy over the target tokens.
 - image_classification: a vision encoder (ViT-like) with a classification head; loss = cross-entropy
   over classes; quality = accuracy. Data: images (``images.py``), no text.
+- image_text_retrieval: an image-text dual encoder (CLIP/SigLIP-like); loss = the model's contrastive
+  loss; quality = image->text and text->image recall@1. Data: images and captions (``retrieval.py``).
 - vision_language: a LLaVA-style decoder (a vision tower, a projector and a language model) trained on
   image + prompt -> answer; loss = next-token cross-entropy over the answer tokens; quality = eval loss,
   perplexity and token accuracy over the answer tokens. Data: images and text (``vision_language.py``).
-- image_text_retrieval (CLIP/SigLIP-style dual encoders): declared so a config naming it is refused with
-  the reason, not yet implemented (``PLANNED``).
 
 Imports nothing heavy: config validation uses it at parse time. How each type is batched and scored is
 in ``batching.py``; how its model is built is in ``modeling.py``.
@@ -44,13 +44,10 @@ TASKS = {
     # peft has no image task type: the new head is named instead (ViT's and most image models' "classifier").
     "image_classification": Task("image_classification", "AutoModelForImageClassification", "", (), "image",
                                  ("classifier",)),
+    # No new head: the towers' projections are the model's own (retrieval.py batches, scores and prepares it).
+    "image_text_retrieval": Task("image_text_retrieval", "AutoModel", "", (), "image"),
     # LoRA targets only the language model (and the projector when named): vision_language.lora_target_modules.
     "vision_language": Task("vision_language", "AutoModelForImageTextToText", "", (), "image"),
-}
-
-# Task kinds a config may name that this version refuses, with what they would be.
-PLANNED = {
-    "image_text_retrieval": "contrastive fine-tuning of image-text dual encoders (CLIP/SigLIP)",
 }
 IMAGE_TASKS = tuple(name for name, task in TASKS.items() if task.modality == "image")
 
@@ -62,8 +59,10 @@ DEFAULT_PATCH_SIZE = 16
 
 def image_tokens_per_image(model_config: dict | None, image_size: int | None) -> int:
     """Patch tokens plus the class token a ViT-style encoder makes of one image at ``image_size``
-    (null: the config's own size). Reads a config dict only: the resource estimate uses it at parse time."""
+    (null: the config's own size). Reads a config dict only: the resource estimate uses it at parse time.
+    A dual encoder's (CLIP's) vision settings are its ``vision_config``."""
     model_config = model_config or {}
+    model_config = model_config.get("vision_config") or model_config
     size = int(image_size or model_config.get("image_size", DEFAULT_IMAGE_SIZE))
     return (size // int(model_config.get("patch_size", DEFAULT_PATCH_SIZE))) ** 2 + 1
 

@@ -146,6 +146,10 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
             metrics["batch_size"] = search.found
         if run.task == "vision_language":
             metrics.update(vision_language.memory_estimate())
+        elif run.task == "image_text_retrieval":
+            from . import retrieval
+
+            metrics.update(retrieval.memory_estimate(run.model, run.spec, manifest))
         elif run.task in IMAGE_TASKS:
             metrics.update(images.memory_estimate(run.model, run.spec, manifest))
         else:
@@ -377,15 +381,17 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
     targets_len = batch.inputs["labels"].shape[1] if run.task == "seq2seq" else 0
     n = batch.samples
+    # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
+    pictures = batch.image_tokens if run.task == "image_text_retrieval" else 0  # a LLaVA has them in input_ids
     try:
         counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
         # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
         run.model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
-    analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len), n * inputs_len**2,
-                                n * targets_len, n * targets_len**2, batch.image_tokens, batch.vision_tokens,
-                                batch.vision_sum_squared_lengths)
+    analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len) + pictures,
+                                n * inputs_len**2 + pictures * (pictures // n), n * targets_len, n * targets_len**2,
+                                batch.image_tokens, batch.vision_tokens, batch.vision_sum_squared_lengths, batch.images)
     return {
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,
@@ -400,7 +406,7 @@ def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, de
     eval_samples counts the examples scored."""
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
-    scores = batching.EvalAccumulator(task)
+    scores = batching.eval_accumulator(task)
     order = packing.eval_order(split, count)
     scored = 0
     for start in range(0, count, spec.eval_batch_size):
