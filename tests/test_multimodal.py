@@ -336,6 +336,19 @@ def train(tmp_path, dataset_def: dict, **defaults):
 
 
 @pytest.mark.slow
+def test_the_hf_trainer_engine_sees_the_loops_normalised_images(tmp_path, image_folder):
+    """engine hf_trainer on an image run: the same normalised pixels (the same first loss from the same
+    weights and batch), and its images counted as the loop counts them."""
+    loop, loop_steps = train(tmp_path / "loop", image_dataset(image_folder))
+    hf, hf_steps = train(tmp_path / "hf", image_dataset(image_folder), engine="hf_trainer")
+    assert hf["status"] == "ok", hf["status_reason"]
+    assert hf_steps[0]["loss"] == pytest.approx(loop_steps[0]["loss"], rel=1e-4)
+    assert hf["measured_images"] == loop["measured_images"] == 3 * 8
+    assert hf["images_per_s"] == pytest.approx(hf["samples_per_s"])
+    assert 0 <= hf["eval_accuracy"] <= 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_training_reports_images_and_image_tokens(tmp_path, image_folder, method):
     metrics, steps = train(tmp_path, image_dataset(image_folder), method=method)

@@ -32,7 +32,7 @@ import torch
 from . import flops, gpu_monitor, packing
 from .devices import synchronize
 from .errors import UnsupportedConfiguration
-from .metrics import Warmup, energy_per_token, summarise
+from .metrics import Warmup, energy_per_token, image_throughput, summarise
 
 COUNTS_KEY = "ftbench_counts"  # the collator's per-micro-batch counts, taken off before the forward pass
 OPTIMIZERS = {"adamw": "adamw_torch", "sgd": "sgd", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
@@ -77,12 +77,17 @@ class Meter:
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
                   "capacity_tokens": batch.capacity_tokens,
                   "flops": flops.batch_flops(self.shape, self.run.spec.method == "full", batch)}
+        if batch.images:
+            counts.update(images=batch.images, image_tokens=batch.image_tokens)
+            # An image batch holds uint8 pixels that its ``to`` normalises; the Trainer moves tensors itself,
+            # so they are normalised here, on the host, as a DataLoader of float pixels would give them.
+            batch = batch.to("cpu")
         self.loader_s += time.perf_counter() - started
         return {**batch.inputs, COUNTS_KEY: counts}
 
     def micro_batch(self, counts: dict, loss: torch.Tensor) -> None:
         for key, value in counts.items():
-            self.pending[key] += value
+            self.pending[key] = self.pending.get(key, 0) + value  # images: image runs only
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
 
     def begin_window_if_due(self, now: float) -> None:
@@ -208,6 +213,7 @@ def _figures(meter: Meter, spec, args, total_steps: int) -> dict:
     window_s = meter.window_end - meter.window_start if meter.window_start is not None and meter.window_end is not None else None
     figures["window_s"] = window_s
     figures.update(summarise(steps, window_s, 1))
+    figures.update(image_throughput(steps, window_s, 1))
     figures["energy_j_per_token"] = energy_per_token(figures)
     figures.update(trainer_settings(args))
     from .trainer import steps_and_peaks
