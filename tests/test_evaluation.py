@@ -45,7 +45,7 @@ def test_eval_peak_is_reset_and_read_apart_from_trainings():
 @pytest.mark.slow
 def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, prepared_data):
     """evaluate() asks before each batch; a run's metrics say how many examples were scored and why."""
-    from ftbench import batching, data, devices, matrix, modeling
+    from ftbench import data, matrix, modeling
     import torch
 
     config = tiny_config_factory(defaults={**tiny_config_factory()["defaults"], "eval_batch_size": 4},

@@ -449,6 +449,7 @@ def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
     from test_report import fixture_runs, write_fixture
 
     vlm = fixture_runs("single")[0].assign(task="vision_language", eval_accuracy=pd.NA, eval_token_accuracy=0.7,
+                                           images_per_s=12.5, image_tokens_per_s=12.5 * IMAGE_TOKENS,
                                            model="vlm", config_id=lambda t: t["config_id"].str.replace("m-d", "vlm-d"),
                                            run_id=lambda t: t["run_id"].str.replace("m-d", "vlm-d"))
     runs = pd.concat([fixture_runs("lm")[0], vlm], ignore_index=True)
@@ -460,3 +461,5 @@ def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
     configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
     assert ">answer_token_accuracy</th>" in configurations and ">token_accuracy</th>" in configurations
     assert "Most accurate (answer token accuracy): <b>" in page
+    runs_table = re.search(r'id="runs">.*?</thead>', page, flags=re.S).group(0)
+    assert ">images_per_s</th>" in runs_table and ">image_tokens_per_s</th>" in runs_table

@@ -20,11 +20,12 @@ from .pages import fmt, money
 TABLE_COLUMNS = [
     "run_id", "status", "status_reason", "method", "precision", "batch_size", "seq_len", "lora_rank",
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
-    "unstable_reason", "samples_per_s", "step_time_median_s", "peak_memory_allocated_mb", "peak_memory_reserved_mb",
-    "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated", "estimate_over_rss", "eval_accuracy",
-    "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95", "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens",
-    "cost_per_1k_samples", "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token",
-    "energy_cost_per_1m_tokens", "trainable_params", "wall_time_s",
+    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
+    "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
+    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
+    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images",
+    "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token", "energy_cost_per_1m_tokens",
+    "trainable_params", "wall_time_s",
 ]
 ALWAYS_SHOWN = {"run_id", "status", "status_reason"}
 RUN_TITLES = {

@@ -13,8 +13,12 @@ import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, SourceError
+
+if TYPE_CHECKING:  # pandas is imported where a table is read, not at parse time
+    import pandas
 
 DATA_SUFFIXES = {
     ".csv": "csv",
