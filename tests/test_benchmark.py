@@ -86,3 +86,18 @@ def test_parse_benchmark_reports_each_dry_run_and_ftbench_share(tmp_path):
         assert experiments[name]["validate_expand_first_s"] > 0 and experiments[name]["validate_expand_s"] > 0
     assert (experiments["default"]["target_s"], experiments["matrix"]["target_s"]) == (2.0, 10.0)
     assert "snakemake -n (median of 1)" in process.stdout and len(process.stdout.splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_shape_churn_benchmark_times_each_length_pattern_against_the_fixed_one(tmp_path):
+    """scripts/benchmark_shape_churn.py, a smoke run on the CPU with a two-layer model: one figure per
+    length pattern, the fixed length's ratio 1."""
+    out = tmp_path / "churn.json"
+    process = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_shape_churn.py"), "--tiny", "--device", "cpu",
+                              "--batch-size", "4", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--json", str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert list(result["ms_per_step"]) == ["fixed 32", "varying 24-32", "varying 2-32"]
+    assert all(ms > 0 for ms in result["ms_per_step"].values())
+    assert "1.00x the fixed length" in process.stdout.splitlines()[0]

@@ -173,13 +173,14 @@ def check_run(run, setting_key) -> None:
         raise ConfigError(f"config key {setting_key('seq_len', run.seq_len)}: {run.seq_len} exceeds the text tower of "
                           f"model {run.model!r} ({limit} positions); expected a value <= {limit}")
     if run.engine == "hf_trainer":
-        # The Trainer would move the uint8 pixels to the device as they are: ImageBatch.to normalises them.
+        # hf_engine's collator normalises image batches, but the Trainer path is not built or tested for a dual
+        # encoder's contrastive loss and recall evaluation.
         raise ConfigError(f"config key {setting_key('engine', run.engine)}: run {run.run_id} ({TASK}) with engine "
-                          "'hf_trainer' is not implemented by this ftbench version (its batches skip the pixel "
-                          "normalisation on the device); use engine loop")
+                          "'hf_trainer' is not implemented by this ftbench version (its contrastive loss and recall@1 run in the "
+                          "loop only); use engine loop")
     if run.parallel in ("ddp", "fsdp"):
-        # One contrastive batch per process would change the loss (fewer negatives) and DDP's rank merging
-        # does not carry images yet.
+        # One contrastive batch per process would change the loss: each rank would contrast its own slice
+        # only (fewer negatives than the global batch), unless embeddings were gathered across ranks.
         raise ConfigError(f"config key {setting_key('parallel', run.parallel)}: run {run.run_id} ({TASK}) with "
                           f"parallel {run.parallel!r} is not implemented by this ftbench version; use none or dp")
 
