@@ -185,6 +185,15 @@ def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict,
         counts["other_labels"] = before - len(frame)
         tables[name] = frame.reset_index(drop=True)
         dropped[name] = counts
+    return (*train_and_eval(tables, dataset_def, where), folder)
+
+
+def train_and_eval(tables: dict[str, pd.DataFrame], dataset_def: dict, where: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The (train, eval) frames of a dataset's cleaned ``tables`` (split name -> rows): its named
+    ``train_split``/``eval_split``, or without an eval split a seeded split of train_size and eval_size rows,
+    stratified by ``label`` where the rows have one (each class in both splits)."""
+    from . import data
+
     if "eval_split" not in dataset_def:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
         train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
@@ -192,13 +201,12 @@ def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict,
         if train_size + eval_size > len(frame):
             raise ConfigError(f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} but only "
                               f"{len(frame)} usable rows remain")
-        train, evaluation = data.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
-        return train, evaluation, folder
+        return data.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
     for key in ("train_split", "eval_split"):
         split = dataset_def.get(key, "train")
         if split not in tables:
             raise ConfigError(f"config key {where}.{key}: split {split!r} not found; splits are {', '.join(tables)}")
-    return tables[dataset_def.get("train_split", "train")], tables[dataset_def["eval_split"]], folder
+    return tables[dataset_def.get("train_split", "train")], tables[dataset_def["eval_split"]]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -248,7 +256,24 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
             tables[split_name] = to_table(pixels, np.array([ids[value] for value in frame["label"]], dtype=np.int64))
 
     per_image = image_tokens_per_image(model_config, size)
-    manifest = {
+    manifest = image_manifest(
+        task, dataset_name, dataset_def, model_name, model_def, seq_len, image_size, size, (mean, std, processor_class),
+        per_image, dropped, shard_size_mb, label_names=label_names,
+        # A config-built model is built at the run's size; a checkpoint keeps its own and interpolates.
+        interpolate_pos_encoding=model_def["source"]["kind"] != "config" and size != model_config.get("image_size", size))
+    return write_image_shards(manifest, tables, out_dir, lambda table: {})
+
+
+def image_manifest(task: str, dataset_name: str, dataset_def: dict, model_name: str, model_def: dict, seq_len: int,
+                   image_size: int | None, size: int, processor: tuple, per_image: int, dropped: dict,
+                   shard_size_mb: float, **task_fields) -> dict:
+    """The manifest every image task's preparation writes (``processor``: processor_stats' mean, std and
+    class; ``size``: the resolved side of ``image_size``), before its splits; ``task_fields`` add the
+    task's own entries or replace these (a tokenizer, label names)."""
+    from . import data
+
+    mean, std, processor_class = processor
+    return {
         "manifest_version": data.MANIFEST_VERSION,
         "dataset": dataset_name,
         "task": task,
@@ -263,21 +288,32 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
         "image_mean": mean,
         "image_std": std,
         "image_tokens_per_image": per_image,
-        # A config-built model is built at the run's size; a checkpoint keeps its own and interpolates.
-        "interpolate_pos_encoding": model_def["source"]["kind"] != "config" and size != model_config.get("image_size", size),
-        "label_names": label_names,
+        "interpolate_pos_encoding": False,
+        "label_names": None,
         "rows_dropped": dropped,
         "shard_size_mb": shard_size_mb,
         "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
                         "seq_len": seq_len, "image_size": image_size},
         "splits": {},
+        **task_fields,
     }
+
+
+def write_image_shards(manifest: dict, tables: dict[str, pa.Table], out_dir: Path, split_figures) -> dict:
+    """Each split's table as Parquet shards, its counts in the manifest (rows, images, image tokens, and
+    ``split_figures(table)``'s: text tokens, say, which ``tokens`` then includes); the manifest written last."""
+    from . import data
+
+    per_image = manifest["image_tokens_per_image"]
     for split_name, table in tables.items():
+        figures = split_figures(table)
         manifest["splits"][split_name] = {
             "rows": table.num_rows,
-            "tokens": table.num_rows * per_image,
+            "tokens": table.num_rows * per_image + figures.get("text_tokens", 0),
             "images": table.num_rows,
-            "shards": data.write_shards(table, out_dir, split_name, shard_size_mb),
+            "image_tokens": table.num_rows * per_image,
+            **figures,
+            "shards": data.write_shards(table, out_dir, split_name, shard_size_mb=manifest["shard_size_mb"]),
         }
     atomic.write_json(out_dir / data.MANIFEST_NAME, manifest)
     return manifest

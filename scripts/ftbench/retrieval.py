@@ -42,7 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import atomic, images, sources
+from . import images, sources
 from .batching import TokenisedSplit, _pad
 from .errors import ConfigError, SourceError
 
@@ -221,21 +221,8 @@ def _caption_frames(dataset_name: str, dataset_def: dict, dropped: dict):
         frame = frame[frame["caption"].astype(str).str.strip() != ""]
         dropped[name] = {"missing_or_empty": before - len(frame)}
         tables[name] = frame.reset_index(drop=True)
-    if "eval_split" not in dataset_def:
-        frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
-        train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
-        eval_size = dataset_def.get("eval_size", len(frame) - train_size)
-        if train_size + eval_size > len(frame):
-            raise ConfigError(f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} but only "
-                              f"{len(frame)} usable rows remain")
-        # Stratified by class where the captions come from classes (each class in both splits).
-        train, evaluation = data.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
-        return train, evaluation, folder
-    for key in ("train_split", "eval_split"):
-        split = dataset_def.get(key, "train")
-        if split not in tables:
-            raise ConfigError(f"config key {where}.{key}: split {split!r} not found; splits are {', '.join(tables)}")
-    return tables[dataset_def.get("train_split", "train")], tables[dataset_def["eval_split"]], folder
+    # Stratified by class where the captions come from classes (each class in both splits).
+    return (*images.train_and_eval(tables, dataset_def, where), folder)
 
 
 def to_table(pixels: np.ndarray, input_ids: list, caption_ids: np.ndarray) -> pa.Table:
@@ -292,45 +279,19 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
             tables[split_name] = to_table(pixels, input_ids, caption_ids)
 
     per_image = image_tokens(config, size)
-    manifest = {
-        "manifest_version": data.MANIFEST_VERSION,
-        "dataset": dataset_name,
-        "task": TASK,
-        "source_fingerprint": sources.fingerprint(dataset_def["source"]),
-        "tokenizer": (model_def["source"].get("tokenizer") if model_def["source"]["kind"] == "config"
-                      else model_def["source"]),
-        "tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else None,
-        "processor_class": processor_class,
-        "pad_token_id": tokenizer.pad_token_id if tokenizer is not None else int(text.get("pad_token_id") or 0),
-        "vocab_size": len(tokenizer) if tokenizer is not None else int(text["vocab_size"]),
-        "seq_len": seq_len,
+    manifest = images.image_manifest(
+        TASK, dataset_name, dataset_def, model_name, model_def, seq_len, image_size, size, (mean, std, processor_class),
+        per_image, dropped, shard_size_mb,
+        tokenizer=model_def["source"].get("tokenizer") if model_def["source"]["kind"] == "config" else model_def["source"],
+        tokenizer_class=type(tokenizer).__name__ if tokenizer is not None else None,
+        pad_token_id=tokenizer.pad_token_id if tokenizer is not None else int(text.get("pad_token_id") or 0),
+        vocab_size=len(tokenizer) if tokenizer is not None else int(text["vocab_size"]),
         # SigLIP's captions are padded to seq_len with no attention mask (see the module docstring).
-        "pad_to_length": config.get("model_type") in PAD_TO_LENGTH_MODEL_TYPES,
-        "image_size": size,
-        "image_mean": mean,
-        "image_std": std,
-        "image_tokens_per_image": per_image,
-        "interpolate_pos_encoding": model_def["source"]["kind"] != "config" and size != vision["image_size"],
-        "label_names": None,
-        "rows_dropped": dropped,
-        "shard_size_mb": shard_size_mb,
-        "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
-                        "seq_len": seq_len, "image_size": image_size},
-        "splits": {},
-    }
-    for split_name, table in tables.items():
-        text_tokens = int(pc.sum(table["length"]).as_py() or 0)
-        manifest["splits"][split_name] = {
-            "rows": table.num_rows,
-            "tokens": table.num_rows * per_image + text_tokens,
-            "images": table.num_rows,
-            "image_tokens": table.num_rows * per_image,
-            "text_tokens": text_tokens,
-            "distinct_captions": len(np.unique(table["caption_id"].to_numpy())),
-            "shards": data.write_shards(table, out_dir, split_name, shard_size_mb),
-        }
-    atomic.write_json(out_dir / data.MANIFEST_NAME, manifest)
-    return manifest
+        pad_to_length=config.get("model_type") in PAD_TO_LENGTH_MODEL_TYPES,
+        interpolate_pos_encoding=model_def["source"]["kind"] != "config" and size != vision["image_size"])
+    return images.write_image_shards(manifest, tables, out_dir, lambda table: {
+        "text_tokens": int(pc.sum(table["length"]).as_py() or 0),
+        "distinct_captions": len(np.unique(table["caption_id"].to_numpy()))})
 
 
 # ---------------------------------------------------------------------------------------------------

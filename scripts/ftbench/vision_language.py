@@ -34,7 +34,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import atomic, images, sources, task_types
+from . import images, sources, task_types
 from .batching import IGNORE_INDEX, _pad
 from .errors import ConfigError, SourceError
 
@@ -246,42 +246,16 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
                 np.zeros((0, size, size, images.CHANNELS), dtype=np.uint8)
             tables[split_name] = to_table(pixels, [encoded[i][0] for i in keep], [encoded[i][1] for i in keep], per_image)
 
-    manifest = {
-        "manifest_version": data.MANIFEST_VERSION,
-        "dataset": dataset_name,
-        "task": "vision_language",
-        "source_fingerprint": sources.fingerprint(dataset_def["source"]),
-        "tokenizer": tokenizer_source(model_def),
-        "tokenizer_class": type(facts.tokenizer).__name__ if facts.tokenizer is not None else None,
-        "processor_class": processor_class,
-        "pad_token_id": facts.pad_token_id,
-        "vocab_size": facts.vocab_size,
-        "image_token_id": facts.image_token_id,
-        "seq_len": seq_len,
-        "image_size": size,
-        "image_mean": mean,
-        "image_std": std,
-        "image_tokens_per_image": per_image,  # placeholders in the text: what the decoder sees per image
-        "vision_tokens_per_image": vision_tokens,  # what the vision tower processes per image
-        "interpolate_pos_encoding": False,
-        "label_names": None,
-        "rows_dropped": dropped,
-        "shard_size_mb": shard_size_mb,
-        "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
-                        "seq_len": seq_len, "image_size": image_size},
-        "splits": {},
-    }
-    for split_name, table in tables.items():
-        text_tokens = int(pc.sum(table["text_length"]).as_py() or 0)
-        manifest["splits"][split_name] = {
-            "rows": table.num_rows,
-            "tokens": text_tokens + table.num_rows * per_image,
-            "text_tokens": text_tokens,
-            "images": table.num_rows,
-            "shards": data.write_shards(table, out_dir, split_name, shard_size_mb),
-        }
-    atomic.write_json(out_dir / data.MANIFEST_NAME, manifest)
-    return manifest
+    manifest = images.image_manifest(
+        "vision_language", dataset_name, dataset_def, model_name, model_def, seq_len, image_size, size,
+        (mean, std, processor_class), per_image, dropped, shard_size_mb,
+        tokenizer=tokenizer_source(model_def),
+        tokenizer_class=type(facts.tokenizer).__name__ if facts.tokenizer is not None else None,
+        pad_token_id=facts.pad_token_id, vocab_size=facts.vocab_size, image_token_id=facts.image_token_id,
+        # image_tokens_per_image: the placeholders in the text, what the decoder sees per image;
+        vision_tokens_per_image=vision_tokens)  # what the vision tower processes per image
+    return images.write_image_shards(manifest, tables, out_dir,
+                                     lambda table: {"text_tokens": int(pc.sum(table["text_length"]).as_py() or 0)})
 
 
 # ---------------------------------------------------------------------------------------------------
