@@ -173,6 +173,27 @@ def prepared_data(tmp_path_factory, tiny_csv):
 # Config files and snakemake
 
 
+def png_bytes(seed: int, size: int = 12) -> bytes:
+    """A PNG of random colours (``seed`` decides them): an image file for the image tasks' tests."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_image_folder(folder: Path, rows, table_name: str) -> Path:
+    """``folder`` with a PNG for each of ``rows``' ``file`` names (the n-th file from seed n) and the rows as
+    the CSV ``table_name`` naming them (paths relative to the folder)."""
+    for index, name in enumerate(rows["file"]):
+        (folder / name).write_bytes(png_bytes(index))
+    rows.to_csv(folder / table_name, index=False)
+    return folder
+
+
 def write_config(folder: Path, config: dict, name: str = "config.yaml") -> Path:
     """Write ``config`` as YAML into ``folder``; return the file's path."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ Models are ViTs built from a config (no pip package ships vision weights); the r
 from __future__ import annotations
 
 import importlib.util
-import io
 
 import numpy as np
 import pandas as pd
@@ -17,6 +16,8 @@ import torch
 
 from ftbench import batching, config as config_module, cost, data, images, matrix, metrics
 from ftbench.errors import ConfigError
+
+from conftest import png_bytes, write_image_folder
 
 TINY_VIT = {"kind": "config", "architecture": "ViTConfig",
             "overrides": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
@@ -31,15 +32,6 @@ IMAGE_DEFAULTS = {"method": "full", "precision": "fp32", "batch_size": 8, "seq_l
                   "image_size": 16, "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}
 
 
-def png_bytes(seed: int, size: int = 12) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def image_rows(count: int = 24) -> pd.DataFrame:
     return pd.DataFrame({"file": [f"img{index}.png" for index in range(count)],
                          "label": ["cat" if index % 3 else "dog" for index in range(count)]})
@@ -48,12 +40,7 @@ def image_rows(count: int = 24) -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory):
     """A folder of PNG files and a labels.csv naming them (paths relative to the folder)."""
-    folder = tmp_path_factory.mktemp("images")
-    rows = image_rows()
-    for index, name in enumerate(rows["file"]):
-        (folder / name).write_bytes(png_bytes(index))
-    rows.to_csv(folder / "labels.csv", index=False)
-    return folder
+    return write_image_folder(tmp_path_factory.mktemp("images"), image_rows(), "labels.csv")
 
 
 def image_dataset(folder, **extra) -> dict:

@@ -16,10 +16,10 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import MINILM_SOURCE
+from conftest import MINILM_SOURCE, write_image_folder
 from ftbench import batching, config as config_module, data, flops, matrix, modeling, retrieval
 from ftbench.errors import ConfigError
-from test_multimodal import DIGITS_DEF, has_digits, png_bytes
+from test_multimodal import DIGITS_DEF, has_digits
 
 TOWER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 TINY_CLIP = {"kind": "config", "architecture": "CLIPConfig",
@@ -42,12 +42,7 @@ def caption_rows(count: int = 24) -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def caption_folder(tmp_path_factory):
     """PNG files and a captions.csv naming them (paths relative to the folder)."""
-    folder = tmp_path_factory.mktemp("captioned")
-    rows = caption_rows()
-    for index, name in enumerate(rows["file"]):
-        (folder / name).write_bytes(png_bytes(index))
-    rows.to_csv(folder / "captions.csv", index=False)
-    return folder
+    return write_image_folder(tmp_path_factory.mktemp("captioned"), caption_rows(), "captions.csv")
 
 
 def caption_dataset(folder, **extra) -> dict:

@@ -7,14 +7,13 @@ digit's word (no pip package ships a real image + caption or question set).
 from __future__ import annotations
 
 import importlib.util
-import io
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from conftest import MINILM_SOURCE
+from conftest import MINILM_SOURCE, write_image_folder
 from ftbench import batching, config as config_module, data, flops, matrix, modeling, task_types
 from ftbench.errors import ConfigError
 
@@ -38,25 +37,12 @@ VLM_DEFAULTS = {"method": "full", "precision": "fp32", "batch_size": 8, "seq_len
 IMAGE_TOKENS = 16
 
 
-def png_bytes(seed: int, size: int = 12) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def qa_folder(tmp_path_factory):
     """PNG files and a qa.csv naming file, question and answer (paths relative to the folder)."""
-    folder = tmp_path_factory.mktemp("vqa")
-    rows = []
-    for index in range(24):
-        (folder / f"img{index}.png").write_bytes(png_bytes(index))
-        rows.append({"file": f"img{index}.png", "question": f"what colour is square {index}?",
-                     "answer": "red" if index % 2 else "blue green"})
-    pd.DataFrame(rows).to_csv(folder / "qa.csv", index=False)
-    return folder
+    rows = pd.DataFrame([{"file": f"img{index}.png", "question": f"what colour is square {index}?",
+                          "answer": "red" if index % 2 else "blue green"} for index in range(24)])
+    return write_image_folder(tmp_path_factory.mktemp("vqa"), rows, "qa.csv")
 
 
 def qa_dataset(folder, **extra) -> dict:
