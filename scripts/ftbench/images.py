@@ -147,6 +147,32 @@ def _pixel_rows(dataset_def: dict, where: str) -> pd.DataFrame:
 IMAGE_LABEL_ROLES = {"image": "image_column", "label": "label_column"}
 
 
+def role_tables(dataset_def: dict, where: str, roles: dict[str, str]) -> tuple[dict[str, pd.DataFrame], Path | None]:
+    """(split name -> frame with one column per role, folder that relative image paths start from): the
+    dataset's source tables cut to the columns its ``roles`` (role -> config key naming the column) name, or
+    the pixel rows of a ``pixels`` CSV (columns image and label)."""
+    from . import data
+
+    folder = Path(dataset_def["image_folder"]).expanduser().resolve() if "image_folder" in dataset_def else None
+    if "pixels" in dataset_def:
+        return {"train": _pixel_rows(dataset_def, where)}, folder
+    for key in roles.values():
+        if key not in dataset_def:
+            raise ConfigError(f"config key {where}.{key}: required for an image dataset of this task")
+    tables = data._load_source_tables(dataset_def, where)
+    for split_name, frame in tables.items():
+        for key in roles.values():
+            if dataset_def[key] not in frame.columns:
+                raise ConfigError(f"config key {where}.{key}: column {dataset_def[key]!r} not in split {split_name!r}; "
+                                  f"columns are {', '.join(map(str, frame.columns))}")
+    tables = {name: frame[[dataset_def[key] for key in roles.values()]].set_axis(list(roles), axis=1)
+              for name, frame in tables.items()}
+    if folder is None and dataset_def["source"]["kind"] != "hub":
+        location = Path(sources.resolve_location(dataset_def["source"]))
+        folder = location.parent if location.is_file() else location
+    return tables, folder
+
+
 def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict,
                       roles: dict[str, str] = IMAGE_LABEL_ROLES) -> tuple[pd.DataFrame, pd.DataFrame, Path | None]:
     """(train, eval, folder that relative image paths start from): frames with one column per role (the
@@ -154,24 +180,7 @@ def load_image_splits(dataset_name: str, dataset_def: dict, dropped: dict,
     from . import data
 
     where = f"datasets.{dataset_name}"
-    folder = Path(dataset_def["image_folder"]).expanduser().resolve() if "image_folder" in dataset_def else None
-    if "pixels" in dataset_def:
-        tables = {"train": _pixel_rows(dataset_def, where)}
-    else:
-        for key in roles.values():
-            if key not in dataset_def:
-                raise ConfigError(f"config key {where}.{key}: required for an image dataset of this task")
-        tables = data._load_source_tables(dataset_def, where)
-        for split_name, frame in tables.items():
-            for key in roles.values():
-                if dataset_def[key] not in frame.columns:
-                    raise ConfigError(f"config key {where}.{key}: column {dataset_def[key]!r} not in split {split_name!r}; "
-                                      f"columns are {', '.join(map(str, frame.columns))}")
-        tables = {name: frame[[dataset_def[key] for key in roles.values()]].set_axis(list(roles), axis=1)
-                  for name, frame in tables.items()}
-        if folder is None and dataset_def["source"]["kind"] != "hub":
-            location = Path(sources.resolve_location(dataset_def["source"]))
-            folder = location.parent if location.is_file() else location
+    tables, folder = role_tables(dataset_def, where, roles)
     labels = dataset_def.get("labels")
     if "label" in next(iter(tables.values())).columns:
         data.check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def.get("label_column", "pixels label"))

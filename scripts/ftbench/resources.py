@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import os
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import model_shape, sources
@@ -165,10 +164,12 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
     per_example = run.seq_len
-    if run.task == "vision_language":  # the text, then the image's tokens in the decoder
-        per_example = run.seq_len + vision_language_image_tokens(_readable_config(run.model_def["source"]), run.image_size)
-    elif run.task in IMAGE_TASKS:  # an image is its patch tokens, whatever seq_len says
-        per_example = image_tokens_per_image(_readable_config(run.model_def["source"]), run.image_size)
+    if run.task in IMAGE_TASKS:
+        model_config = sources.local_model_config(run.model_def["source"])
+        if run.task == "vision_language":  # the text, then the image's tokens in the decoder
+            per_example = run.seq_len + vision_language_image_tokens(model_config, run.image_size)
+        else:  # an image is its patch tokens, whatever seq_len says
+            per_example = image_tokens_per_image(model_config, run.image_size)
     tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * per_example
     flops = 6 * params * tokens_per_device
     if run.gradient_checkpointing:
@@ -215,7 +216,7 @@ def model_params(model_def: dict) -> float:
     """
     key = json.dumps(model_def, sort_keys=True)
     if key not in _MODEL_PARAMS:
-        config = _readable_config(model_def["source"]) or {}
+        config = sources.local_model_config(model_def["source"]) or {}
         shape = model_shape.from_config(config)
         params = DEFAULT_MODEL_PARAMS
         if shape.width and shape.layers:
@@ -228,13 +229,3 @@ def model_params(model_def: dict) -> float:
     return _MODEL_PARAMS[key]
 
 
-def _readable_config(source: dict) -> dict | None:
-    """The model's config settings where they can be read without the network; else None."""
-    try:
-        if source["kind"] == "config":
-            return source.get("overrides", {})
-        if source["kind"] in ("path", "package"):
-            return json.loads((Path(sources.resolve_location(source)) / "config.json").read_text())
-    except (OSError, ValueError, FtbenchError):
-        pass
-    return None

@@ -100,17 +100,8 @@ def image_tokens(config: dict, image_size: int) -> int:
 
 def text_max_positions(model_def: dict) -> int | None:
     """The text tower's positions as far as the config file or overrides say (parse time, no transformers)."""
-    source = model_def["source"]
-    if source["kind"] == "config":
-        return (source.get("overrides", {}).get("text_config") or {}).get("max_position_embeddings")
-    if source["kind"] == "hub":
-        return None
-    import json
-
-    path = Path(sources.resolve_location(source)) / "config.json"
-    if not path.is_file():
-        return None
-    return (json.loads(path.read_text(encoding="utf-8")).get("text_config") or {}).get("max_position_embeddings")
+    config = sources.local_model_config(model_def["source"]) or {}
+    return (config.get("text_config") or {}).get("max_position_embeddings")
 
 
 def end_token_id(tokenizer) -> int | None:
@@ -191,28 +182,11 @@ def check_run(run, setting_key) -> None:
 
 def _caption_frames(dataset_name: str, dataset_def: dict, dropped: dict):
     """(train, eval, folder of relative image paths): frames with columns image and caption."""
-    from . import data
-
     where = f"datasets.{dataset_name}"
     template = dataset_def.get("caption_template")
-    if "pixels" in dataset_def:
-        tables = {"train": images._pixel_rows(dataset_def, where)}
-        folder = None
-    else:
-        keys = {"image": "image_column", "caption": "text_column"} if "text_column" in dataset_def else \
-            {"image": "image_column", "label": "label_column"}
-        tables = data._load_source_tables(dataset_def, where)
-        for split_name, frame in tables.items():
-            for key in keys.values():
-                if dataset_def[key] not in frame.columns:
-                    raise ConfigError(f"config key {where}.{key}: column {dataset_def[key]!r} not in split {split_name!r}; "
-                                      f"columns are {', '.join(map(str, frame.columns))}")
-        tables = {name: frame[[dataset_def[key] for key in keys.values()]].set_axis(list(keys), axis=1)
-                  for name, frame in tables.items()}
-        folder = Path(dataset_def["image_folder"]).expanduser().resolve() if "image_folder" in dataset_def else None
-        if folder is None and dataset_def["source"]["kind"] != "hub":
-            location = Path(sources.resolve_location(dataset_def["source"]))
-            folder = location.parent if location.is_file() else location
+    roles = {"image": "image_column", "caption": "text_column"} if "text_column" in dataset_def else \
+        {"image": "image_column", "label": "label_column"}
+    tables, folder = images.role_tables(dataset_def, where, roles)
     for name, frame in tables.items():
         before = len(frame)
         frame = frame.dropna()

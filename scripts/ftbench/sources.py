@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError, SourceError
+from .errors import ConfigError, FtbenchError, SourceError
 
 if TYPE_CHECKING:  # pandas is imported where a table is read, not at parse time
     import pandas
@@ -136,20 +136,24 @@ def fingerprint(source: dict) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def local_model_config(source: dict) -> dict | None:
+    """A model's config settings where they can be read with no network and no transformers: a config-built
+    model's overrides, a local folder's config.json; None for a hub model or a file that cannot be read."""
+    try:
+        if source["kind"] == "config":
+            return source.get("overrides", {})
+        if source["kind"] in ("path", "package"):
+            return json.loads((Path(resolve_location(source)) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, FtbenchError):
+        pass
+    return None
+
+
 def model_max_seq_len(model_def: dict) -> int | None:
     """Maximum positions of a model, when it can be read without loading weights; None if unknown."""
-    source = model_def["source"]
     if "max_seq_len" in model_def:
         return model_def["max_seq_len"]
-    if source["kind"] == "config":
-        overrides = source.get("overrides", {})
-        return overrides.get("max_position_embeddings")
-    if source["kind"] == "hub":
-        return None
-    config_file = Path(resolve_location(source)) / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = local_model_config(model_def["source"]) or {}
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(config.get(key), int):
             return config[key]
