@@ -29,6 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Train jobs run in their own processes here, as with FTBENCH_WARM_START=0: a warm process per test
+# folder would hold memory and CPU for minutes. tests/test_warmstart.py turns it on, in folders of its own.
+os.environ["FTBENCH_WARM_START"] = "0"
 
 TINY_ROWS = 200
 TINY_LABEL_COUNTS = {"neg": 120, "pos": 80}  # unequal shares, so stratification is visible

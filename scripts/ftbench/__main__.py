@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from . import cli
+from . import cli, warmstart
 
 def check(argv: list[str]) -> None:
     """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
@@ -67,6 +67,11 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if warmstart.wanted(argv):
+        # A train job runs in a child of a process that has imported the stack already (warmstart.py).
+        status = warmstart.run_warm(argv)
+        if status is not None:
+            sys.exit(status)
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)

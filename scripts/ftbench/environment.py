@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import gpu_monitor
+from . import gpu_monitor, warmstart
 
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "snakemake", "pandas", "pyarrow")
 
@@ -70,7 +70,10 @@ def capture() -> dict:
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (the operating system's start time, so imports count too)."""
+    """Seconds since this job's process started (the operating system's start time, so imports count
+    too); for a job forked from a warm process, since its client process started (warmstart.py)."""
+    if warmstart.job_started_at is not None:
+        return time.time() - warmstart.job_started_at
     import psutil
 
     return time.time() - psutil.Process().create_time()

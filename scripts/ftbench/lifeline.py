@@ -40,14 +40,15 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def watch(pid: int | None) -> threading.Thread | None:
-    """End this process when ``pid`` ends (not under SLURM, not without a pid). Returns the watching thread."""
+def watch(pid: int | None, what: str = "snakemake") -> threading.Thread | None:
+    """End this process when ``pid`` (``what`` it is, for the message) ends (not under SLURM, not without
+    a pid). Returns the watching thread."""
     if not pid or os.environ.get("SLURM_JOB_ID"):
         return None
     started = _start_time(pid)
     if started is None:
-        _end(pid)  # already gone before the job started
-    thread = threading.Thread(target=_watch, args=(pid, started), name="ftbench-lifeline", daemon=True)
+        _end(pid, what)  # already gone before the job started
+    thread = threading.Thread(target=_watch, args=(pid, started, what), name="ftbench-lifeline", daemon=True)
     thread.start()
     return thread
 
@@ -61,15 +62,15 @@ def forget(callback) -> None:
         _on_parent_death.remove(callback)
 
 
-def _watch(pid: int, started: str) -> None:
+def _watch(pid: int, started: str, what: str) -> None:
     event = threading.Event()
     while not event.wait(POLL_S):
         if not alive(pid) or _start_time(pid) != started:
-            _end(pid)
+            _end(pid, what)
 
 
-def _end(pid: int) -> None:
-    print(f"ftbench: snakemake (pid {pid}) is gone: this training job ends with it, writing no result; "
+def _end(pid: int, what: str) -> None:
+    print(f"ftbench: {what} (pid {pid}) is gone: this training job ends with it, writing no result; "
           "the next invocation trains the run again", file=sys.stderr, flush=True)
     for callback in list(_on_parent_death):
         try:

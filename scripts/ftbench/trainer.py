@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import (batch_size_search, batching, data, environment, evaluation, faults, flops, fsdp, gpu_monitor, images,
-               memory_estimate, modeling, packing, vision_language)
+               memory_estimate, modeling, packing, vision_language, warmstart)
 from .devices import Distributed, autocast_args, choose_device, synchronize
 from .errors import UnsupportedConfiguration
 from .metrics import Warmup, energy_per_token, image_throughput, summarise
@@ -185,6 +185,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         # Process start to the first step, plus the last step to here less evaluation (a column of its own).
         metrics["overhead_s"] = (environment.process_age_s() - (time.perf_counter() - loop["first"])
                                  + time.perf_counter() - loop.get("last", loop["first"]) - (metrics.get("eval_time_s") or 0.0))
+    metrics["warm_start"] = warmstart.job_started_at is not None
     metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
 

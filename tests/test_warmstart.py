@@ -1,0 +1,243 @@
+"""warmstart.py: train jobs forked from a process that has imported the stack, with real processes.
+
+The rest of the suite runs with FTBENCH_WARM_START=0 (conftest.py): here it is on, with each test's own
+runtime folder (XDG_RUNTIME_DIR), so its warm processes are its own and are stopped at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import e2e_config, run_snakemake, snakemake_failure, write_config
+from ftbench import matrix, warmstart
+
+CPU_RUN = {"method": "lora", "precision": "fp32", "batch_size": 8, "seq_len": 32, "lora_rank": 4,
+           "lora_targets": ["query", "value"], "learning_rate": 0.001, "max_steps": 6, "warmup_steps": 2,
+           "eval_batch_size": 64, "device": "cpu", "num_gpus": 0, "seed": 0}
+
+
+@pytest.fixture
+def warm_env(tmp_path):
+    """The environment of a job with warm start on and a runtime folder of this test's own; afterwards,
+    the warm processes started in it are stopped."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "FTBENCH_WARM_START": "1", "FTBENCH_WARM_IDLE_S": "60", "XDG_RUNTIME_DIR": str(runtime)}
+    yield env
+    for lock in (runtime / "ftbench").glob("*.lock"):
+        warmstart.stop_server(lock.with_suffix(".sock"))
+
+
+def wait_for_socket(env: dict, timeout: float = 120) -> Path:
+    """The socket of a warm process started in ``env``'s runtime folder, once it listens."""
+    folder = Path(env["XDG_RUNTIME_DIR"]) / "ftbench"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sockets = list(folder.glob("*.sock"))
+        if sockets:
+            return sockets[0]
+        time.sleep(0.2)
+    logs = "\n".join(path.read_text() for path in folder.glob("*.log"))
+    raise AssertionError(f"no warm process listened within {timeout} s; its log:\n{logs}")
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+def server_pid(socket_path: Path) -> int:
+    return int(socket_path.with_suffix(".lock").read_text())
+
+
+@pytest.fixture(scope="module")
+def cpu_spec(tiny_config_factory):
+    def make(**settings):
+        config = tiny_config_factory(defaults={**CPU_RUN, **settings}, matrix={"model": ["tiny"], "dataset": ["tiny"]})
+        (spec,) = matrix.expand_runs(config)
+        return spec
+
+    return make
+
+
+def train_command(spec, data_dir: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data_dir), "--out", str(out),
+            "--threads", "1"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which jobs may share a warm process
+
+
+def test_jobs_differing_only_in_per_job_variables_share_a_warm_process():
+    base = {"PATH": "/usr/bin", "HF_HOME": "/data/hf"}
+    key = warmstart.server_key(base)
+    assert warmstart.server_key({**base, "CUDA_VISIBLE_DEVICES": "3", "FTBENCH_INJECT_FAULT": "x"}) == key
+    assert warmstart.server_key({**base, "HF_HOME": "/elsewhere"}) != key  # read when transformers is imported
+    assert warmstart.server_key({**base, "PYTHONPATH": "/other"}) != key
+
+
+def test_an_edited_ftbench_file_needs_a_new_warm_process(tmp_path, monkeypatch):
+    """A warm process holds the code it imported: a job of edited code must not run in it."""
+    package = Path(warmstart.__file__).parent
+    copy = tmp_path / "ftbench"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(warmstart, "__file__", str(copy / "warmstart.py"))
+    before = warmstart.server_key({})
+    (copy / "trainer.py").write_text((copy / "trainer.py").read_text() + "\n# edited\n")
+    assert warmstart.server_key({}) != before
+
+
+def test_off_under_slurm_for_ddp_ranks_and_when_switched_off():
+    assert warmstart.wanted(["train", "--spec", "{}"], {})
+    assert not warmstart.wanted(["train", "--spec", "{}"], {"SLURM_JOB_ID": "7"})
+    assert not warmstart.wanted(["train", "--rank-dir", "r"], {})
+    assert not warmstart.wanted(["train"], {"FTBENCH_WARM_START": "0"})
+    assert not warmstart.wanted(["collect"], {})
+
+
+def test_a_process_that_initialised_cuda_does_not_serve(tmp_path, monkeypatch):
+    """A CUDA context does not survive fork(): a warm process that has one must fork no job."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    path = tmp_path / "k.sock"
+    assert warmstart.serve(path, idle_s=0) == 1
+    assert not path.exists()
+    assert "initialised CUDA" in path.with_suffix(".failed").read_text()
+    warmstart.start_server(path)  # a later job does not try again for this key
+    assert not path.with_suffix(".log").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Jobs through a warm process, as the train rule starts them
+
+
+@pytest.mark.slow
+def test_a_warm_job_gives_the_result_of_a_cold_one(cpu_spec, prepared_data, tmp_path, warm_env):
+    """The first job runs in its own process and starts the warm one; the next runs forked from it, with
+    the same losses and scores, its output in the job's own streams, and its overhead counted from its
+    own start."""
+    spec = cpu_spec()
+    results = []
+    for name in ("cold", "warm"):
+        out = tmp_path / name / "metrics.json"
+        out.parent.mkdir()
+        process = subprocess.run(train_command(spec, prepared_data[0], out), env=warm_env, cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=300)
+        assert process.returncode == 0, process.stderr[-3000:]
+        assert f"{spec.run_id}: {{'status': 'ok'" in process.stdout  # the child wrote into the job's stdout
+        results.append((json.loads(out.read_text())["metrics"], pd.read_parquet(out.with_name("steps.parquet"))))
+        if name == "cold":
+            wait_for_socket(warm_env)
+    (cold, cold_steps), (warm, warm_steps) = results
+    assert (cold["warm_start"], warm["warm_start"]) == (False, True)
+    assert warm_steps["loss"].tolist() == cold_steps["loss"].tolist()
+    assert warm["eval_accuracy"] == cold["eval_accuracy"]
+    assert warm["eval_loss"] == pytest.approx(cold["eval_loss"], rel=1e-6)
+    assert warm["overhead_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_failing_warm_job_passes_on_its_message_and_exit_status(cpu_spec, prepared_data, tmp_path, warm_env):
+    spec = cpu_spec()
+    path = start_warm_process(warm_env, tmp_path)
+    process = subprocess.run(train_command(spec, tmp_path / "no-such-data", tmp_path / "out" / "metrics.json"),
+                             env=warm_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 1
+    assert process.stderr.strip().splitlines()[-1].startswith("ftbench: ")
+    assert "no-such-data" in process.stderr
+    assert "exited with 1" in path.with_suffix(".log").read_text()  # it was the warm process's child
+
+
+def start_warm_process(env: dict, cwd: Path) -> Path:
+    """A warm process for train jobs run in ``env`` from ``cwd``, listening: its socket."""
+    where = subprocess.run([sys.executable, "-m", "ftbench.warmstart", "where"], env=env, cwd=cwd, capture_output=True,
+                           text=True, check=True)
+    path = Path(where.stdout.strip())
+    with open(path.with_suffix(".log"), "ab") as log:
+        subprocess.Popen([sys.executable, "-m", "ftbench.warmstart", "serve", str(path)], env=env, cwd=cwd, stdout=log,
+                         stderr=subprocess.STDOUT)
+    assert wait_for_socket(env) == path
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_stopping_the_jobs_process_stops_its_warm_child(how, cpu_spec, prepared_data, tmp_path, warm_env):
+    """Snakemake stops a job by signalling the process it started: SIGTERM reaches the forked child (which
+    ends as a terminated run: no result); after SIGKILL the child sees its client gone and ends."""
+    spec = cpu_spec(max_steps=100000, warmup_steps=2)
+    path = start_warm_process(warm_env, tmp_path)
+    server = server_pid(path)
+    out = tmp_path / "out" / "metrics.json"
+    out.parent.mkdir()
+    client = subprocess.Popen(train_command(spec, prepared_data[0], out), env=warm_env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not children_of(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (child,) = children_of(server)
+    time.sleep(3)  # into training
+    client.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+    client.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while child in children_of(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child not in children_of(server)
+    assert not out.exists()  # a stopped run writes no result: the next invocation trains it again
+    if how == "sigterm":
+        assert client.returncode != 0
+        assert "terminated (SIGTERM)" in client.stderr.read()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Through Snakemake
+
+
+@pytest.mark.slow
+def test_snakemake_jobs_run_warm_with_the_results_of_cold_ones(snakemake_run, tiny_model_dir, tiny_csv, tmp_path, warm_env,
+                                                              monkeypatch):
+    """Snakemake starts every job with the same environment, so after the first job's warm process is up,
+    the others fork from it; each warm run's losses equal the same run's in the (cold) shared workflow."""
+    workdir = tmp_path / "workflow"
+    config = e2e_config(tiny_model_dir, tiny_csv)
+    write_config(workdir, config)
+    first, *others = matrix.expand_runs(config)
+    for name, value in warm_env.items():
+        monkeypatch.setenv(name, value)
+    process = run_snakemake(workdir, f"results/runs/{first.run_id}/metrics.json", timeout=600)
+    assert process.returncode == 0, snakemake_failure(process)
+    wait_for_socket(warm_env)
+    process = run_snakemake(workdir, timeout=600)
+    assert process.returncode == 0, snakemake_failure(process)
+    cold_workdir = snakemake_run[0]
+    for run in others:
+        warm = json.loads((workdir / "results" / "runs" / run.run_id / "metrics.json").read_text())["metrics"]
+        cold = json.loads((cold_workdir / "results" / "runs" / run.run_id / "metrics.json").read_text())["metrics"]
+        assert warm["warm_start"] is True, run.run_id
+        assert warm["status"] == cold["status"], run.run_id
+        if cold.get("eval_loss") is not None:
+            assert warm["eval_loss"] == pytest.approx(cold["eval_loss"], rel=1e-5), run.run_id
+        steps = [pd.read_parquet(folder / "results" / "runs" / run.run_id / "steps.parquet")["loss"].tolist()
+                 for folder in (workdir, cold_workdir)]
+        assert steps[0] == pytest.approx(steps[1], rel=1e-5), run.run_id
+    table = pd.read_parquet(workdir / "results" / "metrics.parquet")
+    assert table.set_index("run_id").loc[[run.run_id for run in others], "warm_start"].all()
