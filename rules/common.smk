@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 import re
+import subprocess
 import sys
 
 # ftbench is installed (pip install -e .): see the README.
@@ -151,6 +152,20 @@ def _cluster_jobs():
 # dry run). On a SLURM cluster without accounting, track jobs with squeue: sacct would hang silently.
 onstart:
     ftbench_slurm.choose_status_command(workflow)
+    start_warm_process()
+
+
+def start_warm_process():
+    """Locally, the warm process that train jobs fork from (ftbench/warmstart.py) starts with the workflow,
+    so it has imported torch and transformers by the time the first train job starts. Not for a cluster
+    (each job is its own allocation), not with --use-conda (jobs run another Python), not when no train
+    job is to run. Started through `python`, as the rules are, so it is the one the jobs look for."""
+    from snakemake.settings.types import DeploymentMethod
+
+    if workflow.non_local_exec or DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+        return
+    if any(job.rule.name == "train" for job in workflow.dag.needrun_jobs()):
+        subprocess.run(["python", "-m", "ftbench.warmstart", "start"], check=False)
 
 
 def get_train_runtime(wildcards, attempt=1):

@@ -90,6 +90,8 @@ def test_jobs_differing_only_in_per_job_variables_share_a_warm_process():
     base = {"PATH": "/usr/bin", "HF_HOME": "/data/hf"}
     key = warmstart.server_key(base)
     assert warmstart.server_key({**base, "CUDA_VISIBLE_DEVICES": "3", "FTBENCH_INJECT_FAULT": "x"}) == key
+    # What Snakemake sets per job (its threads and tmpdir): the forked job applies them itself.
+    assert warmstart.server_key({**base, "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "TMPDIR": "/scratch"}) == key
     assert warmstart.server_key({**base, "HF_HOME": "/elsewhere"}) != key  # read when transformers is imported
     assert warmstart.server_key({**base, "PYTHONPATH": "/other"}) != key
 
@@ -123,6 +125,17 @@ def test_a_process_that_initialised_cuda_does_not_serve(tmp_path, monkeypatch):
     assert not path.exists()
     assert "initialised CUDA" in path.with_suffix(".failed").read_text()
     warmstart.start_server(path)  # a later job does not try again for this key
+    assert not path.with_suffix(".log").exists()
+
+
+def test_no_second_warm_process_while_one_holds_the_lock(tmp_path):
+    """A job that finds the socket not yet listening (the warm process is still importing) starts none."""
+    import fcntl
+
+    path = tmp_path / "k.sock"
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        warmstart.start_server(path)
     assert not path.with_suffix(".log").exists()
 
 
@@ -215,8 +228,9 @@ def test_stopping_the_jobs_process_stops_its_warm_child(how, cpu_spec, prepared_
 @pytest.mark.slow
 def test_snakemake_jobs_run_warm_with_the_results_of_cold_ones(snakemake_run, tiny_model_dir, tiny_csv, tmp_path, warm_env,
                                                               monkeypatch):
-    """Snakemake starts every job with the same environment, so after the first job's warm process is up,
-    the others fork from it; each warm run's losses equal the same run's in the (cold) shared workflow."""
+    """The workflow starts the warm process when it starts, with the key its jobs compute (one warm process
+    serves them all); once it is up, jobs fork from it, and each warm run's losses equal the same run's
+    in the (cold) shared workflow."""
     workdir = tmp_path / "workflow"
     config = e2e_config(tiny_model_dir, tiny_csv)
     write_config(workdir, config)
@@ -239,5 +253,7 @@ def test_snakemake_jobs_run_warm_with_the_results_of_cold_ones(snakemake_run, ti
         steps = [pd.read_parquet(folder / "results" / "runs" / run.run_id / "steps.parquet")["loss"].tolist()
                  for folder in (workdir, cold_workdir)]
         assert steps[0] == pytest.approx(steps[1], rel=1e-5), run.run_id
+    logs = list((Path(warm_env["XDG_RUNTIME_DIR"]) / "ftbench").glob("*.log"))
+    assert len(logs) == 1, [log.read_text() for log in logs]  # the workflow's and every job's key agree
     table = pd.read_parquet(workdir / "results" / "metrics.parquet")
     assert table.set_index("run_id").loc[[run.run_id for run in others], "warm_start"].all()

@@ -45,15 +45,20 @@ from pathlib import Path
 IDLE_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # from connecting to the child's pid: the warm process only accepts and forks
 
-# Read when a job runs, never at import: jobs differing only in these may share a warm process.
-PER_JOB_VARIABLES = {"PWD", "OLDPWD", "SHLVL", "_", "CUDA_VISIBLE_DEVICES"}
+# Read when a job runs, or applied by the forked job itself (_become_job): jobs differing only in these
+# may share a warm process. Snakemake sets the thread and temp-folder variables per job (its threads and
+# tmpdir), which the workflow does not know when it starts the warm process.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+PER_JOB_VARIABLES = {"PWD", "OLDPWD", "SHLVL", "_", "PS1", "CUDA_VISIBLE_DEVICES", "TMPDIR", "TEMP", "TMP", "TEMPDIR",
+                     *THREAD_VARIABLES}
 PER_JOB_PREFIXES = ("FTBENCH_",)
 
 # What the warm process imports: what every train job needs. transformers loads lazily: its Auto classes
 # pull in generation (and with it scikit-learn and scipy, 2.2 s of a warm job on the H100 before they
 # were listed here); an architecture's own module is small (0.4 s for Llama) and left to the job.
 PRELOAD = (
-    "torch", "numpy", "pandas", "pyarrow.parquet", "psutil",
+    "torch", "numpy", "pandas", "pyarrow.parquet", "psutil", "threadpoolctl",
     "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
     "transformers.generation.utils", "transformers.modeling_layers", "transformers.processing_utils",
     "ftbench.cli", "ftbench.job", "ftbench.trainer", "ftbench.modeling", "ftbench.evaluation", "ftbench.images",
@@ -166,7 +171,7 @@ def start_server(path: Path) -> None:
     fail again (its reason is in the .failed file)."""
     import subprocess
 
-    if path.with_suffix(".failed").exists():
+    if path.with_suffix(".failed").exists() or _serving(path):
         return
 
     log = open(path.with_suffix(".log"), "ab")  # noqa: SIM115 - handed to the child, closed here after
@@ -187,6 +192,31 @@ def _address(path: Path):
         yield f"/proc/self/fd/{folder}/{path.name}"
     finally:
         os.close(folder)
+
+
+def start_ahead() -> bool:
+    """Start the warm process that a train job started here would use, unless one runs (or is importing):
+    the workflow does this when it starts (rules/common.smk), so the first train job finds it ready too.
+    False where train jobs would not run warm."""
+    path = socket_path() if wanted(["train"]) else None
+    if path is None:
+        return False
+    start_server(path)
+    return True
+
+
+def _serving(path: Path) -> bool:
+    """Whether a warm process holds ``path``'s lock (serving, or still importing)."""
+    import fcntl
+
+    try:
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _forward(child: int, number: int) -> None:
@@ -404,6 +434,7 @@ def _become_job(request: dict, fds: list[int]) -> None:
         if os.environ.get("PYTHONUNBUFFERED"):
             sys.stdout.reconfigure(write_through=True)
             sys.stderr.reconfigure(write_through=True)
+        _apply_per_job_settings()
         job_started_at = float(request["client_started"])
         from . import lifeline
         from .__main__ import main
@@ -431,6 +462,20 @@ def _become_job(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def _apply_per_job_settings() -> None:
+    """What a fresh process would have taken from its environment at start-up, taken from the job's:
+    the temp folder (tempfile caches it) and the thread pools' sizes (the BLAS libraries read their
+    variable when loaded, in the warm process; torch's pool is sized by the job's --threads)."""
+    tempfile.tempdir = None
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            return
+        threadpool_limits(int(threads))
+
+
 def stop_server(path: Path) -> bool:
     """End the warm process serving ``path`` (tests; a user may just wait for it to idle out)."""
     try:
@@ -443,8 +488,9 @@ def stop_server(path: Path) -> bool:
     return False
 
 
-USAGE = """python -m ftbench.warmstart where | stop | serve SOCKET
+USAGE = """python -m ftbench.warmstart where | start | stop | serve SOCKET
   where   the socket a train job started here (this folder, this environment) would use; its log is beside it
+  start   start that warm process in the background unless it runs (the workflow does this when it starts)
   stop    end the warm process of that socket (it also ends by itself after FTBENCH_WARM_IDLE_S idle seconds)
   serve   be the warm process at SOCKET (what the first train job starts)"""
 
@@ -455,6 +501,9 @@ def main(argv: list[str]) -> int:
 
     if argv[:1] == ["serve"] and len(argv) == 2:
         return warmstart.serve(Path(argv[1]))
+    if argv == ["start"]:
+        warmstart.start_ahead()
+        return 0
     if argv in (["where"], ["stop"]):
         path = warmstart.socket_path()
         if path is None:
