@@ -169,6 +169,27 @@ def test_a_warm_job_gives_the_result_of_a_cold_one(cpu_spec, prepared_data, tmp_
 
 
 @pytest.mark.slow
+def test_a_job_waits_for_a_warm_process_still_importing(cpu_spec, prepared_data, tmp_path, warm_env):
+    """The workflow starts the warm process as it starts; the first train job may come before it listens,
+    and then waits for it rather than import everything itself."""
+    spec = cpu_spec()
+    where = subprocess.run([sys.executable, "-m", "ftbench.warmstart", "where"], env=warm_env, cwd=tmp_path,
+                           capture_output=True, text=True, check=True)
+    path = Path(where.stdout.strip())
+    subprocess.run([sys.executable, "-m", "ftbench.warmstart", "start"], env=warm_env, cwd=tmp_path, check=True)
+    deadline = time.monotonic() + 30
+    while not warmstart._serving(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warmstart._serving(path) and not path.exists()  # holding its lock, importing, not listening yet
+    out = tmp_path / "out" / "metrics.json"
+    out.parent.mkdir()
+    process = subprocess.run(train_command(spec, prepared_data[0], out), env=warm_env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert json.loads(out.read_text())["metrics"]["warm_start"] is True
+
+
+@pytest.mark.slow
 def test_a_failing_warm_job_passes_on_its_message_and_exit_status(cpu_spec, prepared_data, tmp_path, warm_env):
     spec = cpu_spec()
     path = start_warm_process(warm_env, tmp_path)

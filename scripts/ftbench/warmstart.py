@@ -44,6 +44,9 @@ from pathlib import Path
 
 IDLE_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # from connecting to the child's pid: the warm process only accepts and forks
+# How long a job waits for a warm process that is still importing (it was started before the job, so it
+# is ready sooner than the job would be after importing the same modules itself).
+READY_WAIT_S = 60.0
 
 # Read when a job runs, or applied by the forked job itself (_become_job): jobs differing only in these
 # may share a warm process. Snakemake sets the thread and temp-folder variables per job (its threads and
@@ -130,12 +133,8 @@ def run_warm(argv: list[str]) -> int | None:
     path = socket_path()
     if path is None:
         return None
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        with _address(path) as address:
-            connection.connect(address)
-    except OSError:
-        connection.close()
+    connection = _connect(path)
+    if connection is None:
         start_server(path)
         return None
     with connection:
@@ -163,6 +162,23 @@ def run_warm(argv: list[str]) -> int | None:
     print(f"ftbench: the warm-start process ended during this job (pid {child}); its exit status is unknown",
           file=sys.stderr, flush=True)
     return 1
+
+
+def _connect(path: Path) -> socket.socket | None:
+    """A connection to the warm process at ``path``; while one holds its lock but does not listen yet
+    (importing), wait for it, up to READY_WAIT_S. None if there is none to use."""
+    deadline = time.monotonic() + READY_WAIT_S
+    while True:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with _address(path) as address:
+                connection.connect(address)
+            return connection
+        except OSError:
+            connection.close()
+        if time.monotonic() > deadline or not _serving(path):
+            return None
+        time.sleep(0.1)
 
 
 def start_server(path: Path) -> None:
