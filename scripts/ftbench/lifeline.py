@@ -32,7 +32,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _start_time(pid: int) -> str | None:
+def start_ticks(pid: int) -> str | None:
     """The process's start time (/proc/<pid>/stat field 22): a pid reused by another process differs."""
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -45,7 +45,7 @@ def watch(pid: int | None, what: str = "snakemake") -> threading.Thread | None:
     a pid). Returns the watching thread."""
     if not pid or os.environ.get("SLURM_JOB_ID"):
         return None
-    started = _start_time(pid)
+    started = start_ticks(pid)
     if started is None:
         _end(pid, what)  # already gone before the job started
     thread = threading.Thread(target=_watch, args=(pid, started, what), name="ftbench-lifeline", daemon=True)
@@ -65,7 +65,7 @@ def forget(callback) -> None:
 def _watch(pid: int, started: str, what: str) -> None:
     event = threading.Event()
     while not event.wait(POLL_S):
-        if not alive(pid) or _start_time(pid) != started:
+        if not alive(pid) or start_ticks(pid) != started:
             _end(pid, what)
 
 

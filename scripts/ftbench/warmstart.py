@@ -6,8 +6,9 @@ and 10.8-18.7 s for torch + transformers + a Llama class (on a 2-core laptop 1.4
 about 7 s of measured steps in a 60-step run of the 134M example. A sweep of short runs would be mostly
 imports. (Numbers: README, "Warm start".)
 
-How: the first train job finds no warm process, starts one in the background (``python -m
-ftbench.warmstart serve``) and runs inline as before. That process imports the stack once (never
+How: a local workflow starts the warm process when it starts (``python -m ftbench.warmstart start`` from
+rules/common.smk), and a train job that finds none starts one and runs inline as before; a job that finds
+one still importing waits for it. The warm process imports the stack once (never
 touching CUDA: a process that has initialised CUDA cannot fork a working CUDA child), listens on a Unix
 socket, and for each later job forks a child that takes over the job's command line, environment,
 working directory and standard streams (passed as file descriptors), runs it, and exits with the job's
@@ -18,9 +19,9 @@ seconds (default 120) without a job.
 
 Whether two jobs may share a warm process is decided by a key: the Python executable, sys.path (with
 the mtimes of its site-packages folders, which change when packages are installed), ftbench's own files, the working
-directory and the environment, less the variables that are read only when a job runs
-(``CUDA_VISIBLE_DEVICES``, ``FTBENCH_*``). A change to any of them starts a new warm process; a stale
-one just idles out.
+directory and the environment, less the variables that are read only when a job runs or that the forked
+job applies itself (``CUDA_VISIBLE_DEVICES``, ``FTBENCH_*``, and the thread and temp-folder variables
+Snakemake sets per job). A change to any of them starts a new warm process; a stale one just idles out.
 
 Not used: under SLURM (each job is its own allocation; nothing would be shared), for DDP ranks (torchrun
 starts them), off Linux, or with ``FTBENCH_WARM_START=0``. A job forked this way records
@@ -157,7 +158,9 @@ def run_warm(argv: list[str]) -> int | None:
     if line.startswith("exit "):
         return int(line.split()[1])
     # The warm process itself ended during the job (killed): the job lives on without it. Wait for it.
-    while _alive(child):
+    from . import lifeline
+
+    while lifeline.alive(child):
         time.sleep(0.5)
     print(f"ftbench: the warm-start process ended during this job (pid {child}); its exit status is unknown",
           file=sys.stderr, flush=True)
@@ -210,15 +213,13 @@ def _address(path: Path):
         os.close(folder)
 
 
-def start_ahead() -> bool:
+def start_ahead() -> None:
     """Start the warm process that a train job started here would use, unless one runs (or is importing):
     the workflow does this when it starts (rules/common.smk), so the first train job finds it ready too.
-    False where train jobs would not run warm."""
+    Nothing where train jobs would not run warm."""
     path = socket_path() if wanted(["train"]) else None
-    if path is None:
-        return False
-    start_server(path)
-    return True
+    if path is not None:
+        start_server(path)
 
 
 def _serving(path: Path) -> bool:
@@ -255,22 +256,14 @@ def _umask() -> int:
 def _process_start_time() -> float:
     """When this process started (the operating system's record), so a warm job's overhead counts the
     client's own start-up too."""
+    from . import lifeline
+
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        ticks = int(lifeline.start_ticks(os.getpid()))
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+    except (OSError, TypeError, ValueError, StopIteration):
         return time.time()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the warm process ------------------------------------------------------------------------------
@@ -493,7 +486,7 @@ def _apply_per_job_settings() -> None:
 
 
 def stop_server(path: Path) -> bool:
-    """End the warm process serving ``path`` (tests; a user may just wait for it to idle out)."""
+    """End the warm process serving ``path`` (``stop``; it also idles out by itself)."""
     try:
         pid = int(path.with_suffix(".lock").read_text().strip())
     except (OSError, ValueError):
