@@ -97,7 +97,14 @@ def real_tokens_in(table: pa.Table) -> int:
 
 def from_table(table: pa.Table) -> TokenisedSplit:
     def arrays(column: str) -> list[np.ndarray]:
-        return [np.asarray(row, dtype=np.int64) for row in table[column].to_pylist()]
+        # One flat int64 copy split into per-row views: going through Python lists (to_pylist) took
+        # 0.6 s for 4M tokens on 2 cores, in every train job.
+        rows = table[column].combine_chunks()
+        if rows.null_count:
+            raise ValueError(f"column {column!r} has {rows.null_count} missing rows")
+        offsets = rows.offsets.to_numpy()
+        flat = rows.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        return np.split(flat, offsets[1:-1] - offsets[0]) if len(rows) else []
 
     return TokenisedSplit(
         input_ids=arrays("input_ids"),
