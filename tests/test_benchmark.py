@@ -39,6 +39,24 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
     assert "median ftbench/bare" in process.stdout
 
 
+@pytest.mark.slow
+def test_flop_count_benchmark_times_both_counters_on_the_runs_own_pass(tmp_path, tiny_config_factory):
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 4,
+                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
+    out = tmp_path / "flops.json"
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_flop_count.py"), "--config", str(config), "--run", "0",
+         "--trials", "3", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = json.loads(out.read_text())
+    trials = results["trials"]
+    assert sorted(trial["order"][0] for trial in trials) == ["flop_counter_mode", "flop_tally", "plain"]
+    assert all(trial[side] > 0 for trial in trials for side in ("plain", "flop_counter_mode", "flop_tally"))
+    assert results["median_s"]["flop_tally"] == pytest.approx(sorted(t["flop_tally"] for t in trials)[1])
+    assert results["flops_counted"] > 0 and results["device"] == "cpu"
+    assert "FlopTally / FlopCounterMode" in process.stdout
+
+
 def _load_benchmark_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("benchmark_overhead", ROOT / "scripts" / "benchmark_overhead.py")

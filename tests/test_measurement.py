@@ -416,6 +416,33 @@ def test_fused_attention_is_counted_with_grouped_query_heads():
     assert fused / analytic == pytest.approx(1.0, abs=0.01)
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_flop_tally_gives_flop_counter_modes_total(method):
+    """FlopTally is FlopCounterMode's arithmetic without its bookkeeping: the same total, here with
+    autocast, fused attention, LoRA adapters and gradient checkpointing's recomputed forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_llama(attn_implementation="sdpa")
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    autocast = {"device_type": "cpu", "dtype": torch.bfloat16}
+    reference = FlopCounterMode(display=False, custom_mapping=flops.attention_flop_formulas())
+    with reference:
+        with torch.autocast(**autocast):
+            output = model(**inputs)
+        output.loss.backward()
+    model.zero_grad(set_to_none=True)
+    tallied = flops.counted_flops(model, inputs, autocast)
+    assert tallied == reference.get_total_flops() > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_attention_formula_on_a_hand_computed_example():
     # b=2, 4 query heads, 2 KV heads, S=8, head dim 16: QK^T and PV are 2 x (2*4*8*8*16) multiply-adds.
     forward = flops._attention_forward_flops((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16))
