@@ -128,6 +128,32 @@ def test_a_process_that_initialised_cuda_does_not_serve(tmp_path, monkeypatch):
     assert not path.with_suffix(".log").exists()
 
 
+def test_a_process_whose_imports_broke_cuda_for_its_children_does_not_serve(tmp_path, monkeypatch):
+    """Seen on the H100: an import initialised the CUDA driver but not torch's flag. The flag says all is
+    well; only a child forked afterwards, failing to use the GPU it saw before, shows it."""
+    monkeypatch.setattr(warmstart, "_sees_gpu", lambda: True)  # asked in a forked child, which inherits this
+    monkeypatch.setattr(warmstart, "_forked_child_can_use_gpu", lambda: False)
+    path = tmp_path / "k.sock"
+    assert warmstart.serve(path, idle_s=0) == 1
+    assert "a forked child cannot use the GPU" in path.with_suffix(".failed").read_text()
+    # Without a GPU there is nothing to break: the checks pass.
+    assert warmstart._why_not_fork_safe(False, gpu_visible=False, gpu_usable=False) is None
+    assert warmstart._why_not_fork_safe(False, gpu_visible=True, gpu_usable=True) is None
+
+
+def test_fork_checks_run_in_a_child_and_report_its_answer():
+    import torch
+
+    assert warmstart._in_forked_child(lambda: True) and not warmstart._in_forked_child(lambda: False)
+    assert not warmstart._in_forked_child(lambda: 1 / 0)  # a check that fails says no
+    assert warmstart._in_forked_child(warmstart._sees_gpu) == torch.cuda.is_available()
+    assert warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("json"))
+    assert not warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("no_such_module_here"))
+    # Checks asked together run side by side; each answer comes back to its own question.
+    yes, no = warmstart._fork_check(lambda: time.sleep(0.2) or True), warmstart._fork_check(lambda: False)
+    assert not warmstart._check_result(no) and warmstart._check_result(yes)
+
+
 def test_no_second_warm_process_while_one_holds_the_lock(tmp_path):
     """A job that finds the socket not yet listening (the warm process is still importing) starts none."""
     import fcntl

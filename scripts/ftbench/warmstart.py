@@ -67,6 +67,9 @@ PRELOAD = (
     "transformers.generation.utils", "transformers.modeling_layers", "transformers.processing_utils",
     "ftbench.cli", "ftbench.job", "ftbench.trainer", "ftbench.modeling", "ftbench.evaluation", "ftbench.images",
 )
+# Not preloaded, though a LoRA job would gain 0.9 s: torch._dynamo and torch._inductor.compile_fx (what
+# torch.compile imports, which bitsandbytes calls at import). On the H100 (torch 2.11) importing them
+# initialised the CUDA driver without setting torch's flag; forked jobs could then not use the GPU.
 # Preloaded only where importing them leaves CUDA alone (tried first in a forked child): with a CUDA
 # build of bitsandbytes installed, importing peft imports it, and it initialises CUDA to pick its library.
 PRELOAD_IF_FORK_SAFE = ("peft",)
@@ -288,20 +291,28 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     # The libraries' idle pool threads (OpenBLAS, jemalloc) have fork handlers, as in a DataLoader worker.
     warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
     started = time.perf_counter()
+    import torch
+
+    # Questions for forked children, asked now and answered while this process imports the rest: whether
+    # a child sees a GPU (asked before anything else is imported), and whether each optional module
+    # imports without touching CUDA.
+    gpu_check = _fork_check(_sees_gpu)
+    optional = {name: _fork_check(_imports_leaving_cuda_alone(name)) for name in PRELOAD_IF_FORK_SAFE}
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError as exc:
             print(f"warm start: {name} not preloaded ({exc})", flush=True)
-    import torch
-
-    if torch.cuda.is_initialized():
-        return _give_up(path, "importing the stack initialised CUDA, so this process cannot fork jobs")
-    for name in PRELOAD_IF_FORK_SAFE:
-        if _import_leaves_cuda_alone(name):
+    imported = time.perf_counter()
+    gpu_visible = _check_result(gpu_check)
+    for name, probe in optional.items():
+        if _check_result(probe) and (not gpu_visible or _forked_child_can_use_gpu_after(name)):
             importlib.import_module(name)
         else:
             print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
+    reason = _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
+    if reason:
+        return _give_up(path, reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop_server: clean up the socket on the way out
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
@@ -313,7 +324,8 @@ def serve(path: Path, idle_s: float | None = None) -> int:
         return _give_up(path, f"cannot listen at {path}: {exc}")
     os.chmod(path, 0o600)
     listener.listen(64)
-    print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path}", flush=True)
+    print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path} (imports "
+          f"{imported - started:.1f} s, then fork checks and optional imports)", flush=True)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -361,22 +373,87 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     return 0
 
 
-def _import_leaves_cuda_alone(name: str) -> bool:
-    """Import ``name`` in a forked child first: whether it imports, leaving CUDA uninitialised."""
+def _why_not_fork_safe(cuda_initialised: bool, gpu_visible: bool, gpu_usable: bool) -> str | None:
+    """Why this process, its imports done, cannot fork jobs that use the GPU; None if it can.
+
+    torch's flag (``cuda_initialised``) misses a library that initialised the CUDA driver itself: a child
+    forked after that fails at its first CUDA call. Hence the second check: where a child forked before
+    the imports saw a GPU (``gpu_visible``), one forked after them must still be able to use it."""
+    if cuda_initialised:
+        return "importing the stack initialised CUDA, so this process cannot fork jobs"
+    if gpu_visible and not gpu_usable:
+        return "importing the stack initialised the CUDA driver: a forked child cannot use the GPU"
+    return None
+
+
+def _fork_check(check) -> int:
+    """Start ``check()`` in a child forked now (nothing it does touches this process); its pid, for
+    ``_check_result``."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            import importlib
-
-            import torch
-
-            importlib.import_module(name)
-            code = 1 if torch.cuda.is_initialized() else 0
+            code = 0 if check() else 1
         finally:
             os._exit(code)
+    return pid
+
+
+def _check_result(pid: int) -> bool:
+    """Whether the check in child ``pid`` held (False also if it failed)."""
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def _in_forked_child(check) -> bool:
+    return _check_result(_fork_check(check))
+
+
+def _sees_gpu() -> bool:
+    """For a forked child (asked here, it would initialise the driver in this process)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _can_use_gpu() -> bool:
+    """An allocation, not only a device count: torch keeps the count once it has it, and a child inherits
+    it, so only a real CUDA call shows whether the driver still works after the fork."""
+    import torch
+
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _forked_child_can_use_gpu() -> bool:
+    return _in_forked_child(_can_use_gpu)
+
+
+def _imports_leaving_cuda_alone(name: str):
+    """A check for a forked child: whether ``name`` imports, leaving torch's CUDA flag unset."""
+    def check() -> bool:
+        import importlib
+
+        import torch
+
+        importlib.import_module(name)
+        return not torch.cuda.is_initialized()
+
+    return check
+
+
+def _forked_child_can_use_gpu_after(name: str) -> bool:
+    """Whether, once ``name`` is imported, a grandchild can still use the GPU (the driver untouched)."""
+    def check() -> bool:
+        import importlib
+
+        importlib.import_module(name)
+        return _forked_child_can_use_gpu()
+
+    return _in_forked_child(check)
 
 
 def _give_up(path: Path, reason: str) -> int:
