@@ -147,8 +147,8 @@ def test_fork_checks_run_in_a_child_and_report_its_answer():
     assert warmstart._in_forked_child(lambda: True) and not warmstart._in_forked_child(lambda: False)
     assert not warmstart._in_forked_child(lambda: 1 / 0)  # a check that fails says no
     assert warmstart._in_forked_child(warmstart._sees_gpu) == torch.cuda.is_available()
-    assert warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("json"))
-    assert not warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("no_such_module_here"))
+    assert warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("json", gpu_visible=False))
+    assert not warmstart._in_forked_child(warmstart._imports_leaving_cuda_alone("no_such_module_here", gpu_visible=False))
     # Checks asked together run side by side; each answer comes back to its own question.
     yes, no = warmstart._fork_check(lambda: time.sleep(0.2) or True), warmstart._fork_check(lambda: False)
     assert not warmstart._check_result(no) and warmstart._check_result(yes)

@@ -293,20 +293,18 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     started = time.perf_counter()
     import torch
 
-    # Questions for forked children, asked now and answered while this process imports the rest: whether
-    # a child sees a GPU (asked before anything else is imported), and whether each optional module
-    # imports without touching CUDA.
-    gpu_check = _fork_check(_sees_gpu)
-    optional = {name: _fork_check(_imports_leaving_cuda_alone(name)) for name in PRELOAD_IF_FORK_SAFE}
+    gpu_visible = _in_forked_child(_sees_gpu)  # asked before anything else is imported
+    # Whether each optional module imports leaving CUDA alone: asked of forked children, which answer
+    # while this process imports the rest.
+    optional = {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError as exc:
             print(f"warm start: {name} not preloaded ({exc})", flush=True)
     imported = time.perf_counter()
-    gpu_visible = _check_result(gpu_check)
     for name, probe in optional.items():
-        if _check_result(probe) and (not gpu_visible or _forked_child_can_use_gpu_after(name)):
+        if _check_result(probe):
             importlib.import_module(name)
         else:
             print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
@@ -432,28 +430,18 @@ def _forked_child_can_use_gpu() -> bool:
     return _in_forked_child(_can_use_gpu)
 
 
-def _imports_leaving_cuda_alone(name: str):
-    """A check for a forked child: whether ``name`` imports, leaving torch's CUDA flag unset."""
+def _imports_leaving_cuda_alone(name: str, gpu_visible: bool):
+    """A check for a forked child: whether ``name`` imports leaving CUDA alone: torch's flag unset and,
+    where there is a GPU, the driver too (a grandchild can still use the GPU)."""
     def check() -> bool:
         import importlib
 
         import torch
 
         importlib.import_module(name)
-        return not torch.cuda.is_initialized()
+        return not torch.cuda.is_initialized() and (not gpu_visible or _forked_child_can_use_gpu())
 
     return check
-
-
-def _forked_child_can_use_gpu_after(name: str) -> bool:
-    """Whether, once ``name`` is imported, a grandchild can still use the GPU (the driver untouched)."""
-    def check() -> bool:
-        import importlib
-
-        importlib.import_module(name)
-        return _forked_child_can_use_gpu()
-
-    return _in_forked_child(check)
 
 
 def _give_up(path: Path, reason: str) -> int:
