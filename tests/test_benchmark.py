@@ -13,17 +13,22 @@ import pytest
 from conftest import ROOT, write_config
 
 
-@pytest.mark.slow
-def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tmp_path, tiny_config_factory):
-    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 8,
+def run_benchmark(script: str, tmp_path, tiny_config_factory, batch_size: int, *args: str):
+    """Run scripts/<script> on run 0 of a tiny LoRA experiment on the CPU: (its process, its JSON figures)."""
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": batch_size,
                                                                   "seq_len": 32, "device": "cpu", "num_gpus": 0}))
-    out = tmp_path / "overhead.json"
+    out = tmp_path / "figures.json"
     process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config), "--run", "0",
-         "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6", "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / script), "--config", str(config), "--run", "0", *args, "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert process.returncode == 0, process.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return process, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tmp_path, tiny_config_factory):
+    process, results = run_benchmark("benchmark_overhead.py", tmp_path, tiny_config_factory, 8,
+                                     "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6")
     trials = results["trials"]
     assert len(trials) == 3 and results["steps"] == 4 and results["batch_size"] == 6 and results["device"] == "cpu"
     # Every side goes first once in three trials: drift cannot favour one side.
@@ -41,14 +46,7 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
 
 @pytest.mark.slow
 def test_flop_count_benchmark_times_both_counters_on_the_runs_own_pass(tmp_path, tiny_config_factory):
-    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 4,
-                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
-    out = tmp_path / "flops.json"
-    process = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_flop_count.py"), "--config", str(config), "--run", "0",
-         "--trials", "3", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert process.returncode == 0, process.stderr[-3000:]
-    results = json.loads(out.read_text())
+    process, results = run_benchmark("benchmark_flop_count.py", tmp_path, tiny_config_factory, 4, "--trials", "3")
     trials = results["trials"]
     assert sorted(trial["order"][0] for trial in trials) == ["flop_counter_mode", "flop_tally", "plain"]
     assert all(trial[side] > 0 for trial in trials for side in ("plain", "flop_counter_mode", "flop_tally"))

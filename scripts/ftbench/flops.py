@@ -210,9 +210,10 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
 class FlopTally(TorchDispatchMode):
     """The total that torch.utils.flop_counter.FlopCounterMode gives, at less cost: the same per-op formulas
     and the same decomposition of ops that have none, without its per-module bookkeeping (hooks on every
-    module call and on backward), and trying to decompose each op only once. On the 134M example on an
-    H100 the counter's pass took 1.5 s (full) and 3.1 s (LoRA) of a job; on a 2-core CPU this costs about
-    half of what FlopCounterMode does, for the identical total (tests/test_measurement.py).
+    module call and on backward), and trying to decompose each op only once. The identical total
+    (tests/test_measurement.py) at 0.57-0.58x FlopCounterMode's time on an H100 for the 134M example's
+    full and LoRA passes (scripts/benchmark_flop_count.py; README); where compute dominates, as on a CPU,
+    the two differ less.
 
     Not counted, as there: higher-order operators (torch.compile's control flow, user Triton kernels)."""
 
