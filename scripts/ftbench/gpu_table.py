@@ -19,9 +19,35 @@ def load_peaks(path: str | Path) -> list[dict]:
     """The ``gpus`` entries of a GPU table (layout of config/gpus.yaml)."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))["gpus"]
+        peaks = yaml.safe_load(path.read_text(encoding="utf-8"))["gpus"]
     except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
-        raise FtbenchError(f"GPU table {path}: cannot read its `gpus` list ({exc})") from None
+        raise FtbenchError(f"GPU table {path}: cannot read its `gpus` list ({' '.join(str(exc).split())})") from None
+    problem = _entries_problem(peaks)
+    if problem:
+        raise FtbenchError(f"GPU table {path}: {problem}")
+    return peaks
+
+
+def _entries_problem(peaks) -> str | None:
+    """What is wrong with a table's ``gpus`` list, in its layout's terms; None when it can be used."""
+    if not isinstance(peaks, list):
+        return f"gpus: expected a list of {{name, match, memory_gb, dense_tflops}}, got {type(peaks).__name__}"
+    for index, entry in enumerate(peaks):
+        where = f"gpus[{index}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("match"), str):
+            return f"{where}: expected a mapping with a name and a match (a regular expression), got {entry!r}"
+        try:
+            re.compile(entry["match"])
+        except re.error as exc:
+            return f"{where}.match: {entry['match']!r} is not a regular expression ({exc})"
+        tflops = entry.get("dense_tflops")
+        if not isinstance(tflops, dict) or not all(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 for value in tflops.values()):
+            return f"{where}.dense_tflops: expected dtype -> peak TFLOP/s > 0 (e.g. {{bf16: 989.4}}), got {tflops!r}"
+        memory = entry.get("memory_gb")
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
+            return f"{where}.memory_gb: expected a size in GB > 0, got {memory!r}"
+    return None
 
 
 def peak_tflops(device_name: str, dtype: str, peaks: list[dict]) -> tuple[float | None, str | None]:

@@ -175,6 +175,7 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
         overrides = dict(source.get("overrides", {}))
+        check_overrides(config_class, overrides, f"models.{spec.model}.source.overrides")
         if task.name == "image_text_retrieval":
             from . import retrieval  # the towers' nested configs: image size, the tokenizer's vocabulary
 
@@ -254,6 +255,21 @@ def apply_liger(model: torch.nn.Module) -> None:
         raise UnsupportedConfiguration(f"kernels: liger has no kernels for model type {model_type!r} (Llama-family "
                                        "models such as llama, mistral, qwen2 are covered)")
     MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model)
+
+
+def check_overrides(config_class, overrides: dict, where: str) -> None:
+    """Every override must be a setting of the config class: transformers keeps an unknown keyword as a
+    stray attribute, so a misspelt ``hidden_sze`` would silently build the default size."""
+    import difflib
+    import inspect
+
+    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class().to_dict())
+    known |= set(getattr(config_class, "attribute_map", {}))
+    unknown = [key for key in overrides if key not in known]
+    if unknown:
+        close = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
+        hints = ", ".join(f"{key!r}" + (f" (did you mean {close[key][0]!r}?)" if close[key] else "") for key in unknown)
+        raise ConfigError(f"config key {where}: {hints} is not a setting of {config_class.__name__}")
 
 
 def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:

@@ -78,6 +78,7 @@ def check_source(source: dict, where: str, role: str) -> None:
     if kind == "config":
         if role != "model":
             raise ConfigError(f"config key {where}.kind: 'config' builds a model; a dataset needs hub, path or package")
+        check_architecture(source["architecture"], f"{where}.architecture")
         # Without a tokenizer a config model can still train on synthetic token data.
         if "tokenizer" in source:
             check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
@@ -98,12 +99,41 @@ def check_source(source: dict, where: str, role: str) -> None:
         if not (location / source["gguf_file"]).is_file():
             raise ConfigError(f"config key {where}.gguf_file: {location / source['gguf_file']} does not exist")
         return
-    if role == "model" and location.is_dir() and not (location / "config.json").is_file():
-        raise ConfigError(f"config key {where}.path: {location} has no config.json; expected a model checkpoint folder")
+    if role in ("model", "tokenizer") and not location.is_dir():
+        raise ConfigError(f"config key {where}.path: {location} is a file; expected a {role} folder (what "
+                          "save_pretrained writes), or gguf_file for a GGUF checkpoint")
+    if role == "model":
+        if not (location / "config.json").is_file():
+            raise ConfigError(f"config key {where}.path: {location} has no config.json; expected a model checkpoint folder")
+        if not any(next(location.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"config key {where}.path: {location} holds no weights ({', '.join(WEIGHT_FILES)}); "
+                              "expected a model checkpoint folder, or kind: config to build the model with random weights")
+    if role == "dataset" and location.is_dir() and not any(location.iterdir()):
+        raise ConfigError(f"config key {where}.path: {location} is an empty folder; expected a data file "
+                          "(csv, json, jsonl, parquet) or a dataset folder")
 
 
-def dataset_format(location: Path, declared: str | None) -> str | None:
-    """csv/json/parquet for a data file; None for a folder (save_to_disk or a hub-style dataset folder)."""
+# What a checkpoint folder's weights are called (transformers' names, sharded or not).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_architecture(architecture: str, where: str) -> None:
+    """A config-built model's architecture must be a transformers config class: a misspelt name would
+    otherwise pass parsing and fail every run. transformers lists its names lazily, without importing torch."""
+    import difflib
+
+    import transformers
+
+    names = [name for name in dir(transformers) if name.endswith("Config")]
+    if architecture not in names:
+        close = difflib.get_close_matches(architecture, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else " (e.g. LlamaConfig, BertConfig, T5Config)"
+        raise ConfigError(f"config key {where}: {architecture!r} is not a transformers config class{hint}")
+
+
+def dataset_format(location: Path, declared: str | None, where: str = "datasets.dataset") -> str | None:
+    """csv/json/parquet for a data file; None for a folder (save_to_disk or a hub-style dataset folder).
+    ``where``: the dataset's config key, named when the format cannot be told."""
     if declared:
         return declared
     if location.is_dir():
@@ -113,7 +143,8 @@ def dataset_format(location: Path, declared: str | None) -> str | None:
         suffixes.pop()
     if suffixes and suffixes[-1] in DATA_SUFFIXES:
         return DATA_SUFFIXES[suffixes[-1]]
-    raise SourceError(f"{location}: cannot tell the data format from its name; set `format` (csv, json or parquet)")
+    raise SourceError(f"config key {where}.format: cannot tell the data format of {location} from its name; "
+                      "set it to csv, json or parquet")
 
 
 def fingerprint(source: dict) -> str:
@@ -194,3 +225,9 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
         raise ConfigError(f"config key {where}.encoding: {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
     except pd.errors.EmptyDataError:
         raise SourceError(f"config key {where}.source: {location} holds no rows and no header; expected a {data_format} file with a header row") from None
+    except (ValueError, pd.errors.ParserError, OSError) as exc:
+        # pandas (a malformed CSV row, broken JSON) and pyarrow (ArrowInvalid is a ValueError: not Parquet) say
+        # what is wrong but not which setting to fix.
+        detail = " ".join(str(exc).split())[:200]
+        raise SourceError(f"config key {where}.source: {location} cannot be read as {data_format} ({detail}); "
+                          f"fix the file, or set {where}.format to its real format (csv, json or parquet)") from None
