@@ -263,8 +263,14 @@ def check_overrides(config_class, overrides: dict, where: str) -> None:
     import difflib
     import inspect
 
-    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class().to_dict())
-    known |= set(getattr(config_class, "attribute_map", {}))
+    from transformers import GenerationConfig, PretrainedConfig
+
+    default = config_class()
+    # A config takes its own settings, the common ones of every config, the names its attribute_map
+    # translates, and generation settings (decoder_start_token_id and the like), which configs still accept.
+    known = set(inspect.signature(config_class.__init__).parameters) | set(inspect.signature(PretrainedConfig.__init__).parameters)
+    known |= set(default.to_dict()) | set(dir(default)) | set(getattr(config_class, "attribute_map", {}))
+    known |= set(GenerationConfig().to_dict())
     unknown = [key for key in overrides if key not in known]
     if unknown:
         close = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
