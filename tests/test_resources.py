@@ -63,9 +63,11 @@ EXPECTED = {
 
 
 def checkpoint(folder: Path, settings: dict) -> Path:
-    """A model folder with only its config.json: all the estimate reads."""
+    """A model folder with its config.json (all the estimate reads) and an empty weights file: parsing
+    refuses a checkpoint folder without weights, and no test here loads them."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(settings))
+    (folder / "model.safetensors").touch()
     return folder
 
 
