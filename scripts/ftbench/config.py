@@ -205,6 +205,10 @@ def check_references(config: dict) -> None:
                 )
     for name, model in models.items():
         sources.check_source(model["source"], f"models.{name}.source", role="model")
+        positions = sources.config_positions(model["source"])
+        if model.get("max_seq_len") is not None and positions is not None and model["max_seq_len"] > positions:
+            raise ConfigError(f"config key models.{name}.max_seq_len: {model['max_seq_len']} exceeds the {positions} "
+                              f"positions the model's config gives; expected a value <= {positions}")
     for name, dataset in datasets.items():
         sources.check_source(dataset["source"], f"datasets.{name}.source", role="dataset")
         if "train_split" in dataset and "train_size" in dataset:
@@ -221,11 +225,6 @@ def check_references(config: dict) -> None:
     for run in runs:
         check_run(run, config)
         limit = sources.model_max_seq_len(models[run.model])
-        declared = models[run.model].get("max_seq_len")
-        positions = sources.model_max_seq_len({"source": models[run.model]["source"]})
-        if declared is not None and positions is not None and declared > positions:
-            raise ConfigError(f"config key models.{run.model}.max_seq_len: {declared} exceeds the {positions} positions "
-                              f"the model's config gives; expected a value <= {positions}")
         if limit is not None and run.seq_len > limit:
             raise ConfigError(
                 f"config key {_setting_key(config, 'seq_len', run.seq_len)}: {run.seq_len} exceeds model "
@@ -427,9 +426,9 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
         location = Path(sources.resolve_location(dataset_def["source"]))
         if not location.is_file():
             continue
-        data_format = sources.dataset_format(location, dataset_def.get("format"), f"datasets.{name}")
-        suffixes = [suffix.lower() for suffix in location.suffixes]
         where = f"datasets.{name}"
+        data_format = sources.dataset_format(location, dataset_def.get("format"), where)
+        suffixes = [suffix.lower() for suffix in location.suffixes]
         encoding = dataset_def.get("encoding", "utf-8")
         if data_format == "parquet":
             try:

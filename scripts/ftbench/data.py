@@ -68,7 +68,7 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
     deduplicate = dataset_def.get("deduplicate", True)
     cleaned = {name: _clean(frame, labels, deduplicate) for name, frame in tables.items()}
     tables = {name: frame for name, (frame, _) in cleaned.items()}
-    counts = {name: counts for name, (_, counts) in cleaned.items()}
+    counts = {name: split_counts for name, (_, split_counts) in cleaned.items()}
     if dropped is not None:
         dropped.update(counts)
     if task == "classification":

@@ -69,6 +69,10 @@ def resolve_location(source: dict) -> str:
 REQUIRED_FIELDS = {"hub": ("name",), "path": ("path",), "package": ("package",), "config": ("architecture",), "synthetic": ()}
 
 
+# What a checkpoint folder's weights are called (transformers' names, sharded or not).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
 def check_source(source: dict, where: str, role: str) -> None:
     """Fail at parse time, naming the config key, if a source cannot possibly be read."""
     kind = source["kind"]
@@ -111,10 +115,6 @@ def check_source(source: dict, where: str, role: str) -> None:
     if role == "dataset" and location.is_dir() and not any(location.iterdir()):
         raise ConfigError(f"config key {where}.path: {location} is an empty folder; expected a data file "
                           "(csv, json, jsonl, parquet) or a dataset folder")
-
-
-# What a checkpoint folder's weights are called (transformers' names, sharded or not).
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def check_architecture(architecture: str, where: str) -> None:
@@ -184,7 +184,12 @@ def model_max_seq_len(model_def: dict) -> int | None:
     """Maximum positions of a model, when it can be read without loading weights; None if unknown."""
     if "max_seq_len" in model_def:
         return model_def["max_seq_len"]
-    config = local_model_config(model_def["source"]) or {}
+    return config_positions(model_def["source"])
+
+
+def config_positions(source: dict) -> int | None:
+    """The positions a model's own config gives (overrides or config.json), ignoring max_seq_len; None if unknown."""
+    config = local_model_config(source) or {}
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(config.get(key), int):
             return config[key]
