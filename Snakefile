@@ -24,8 +24,8 @@ if not workflow.config_settings.configfiles:
 # Snakemake's YAML loader keeps the last of two equal keys silently (a second model of the same name
 # would replace the first): read the experiment files again with ftbench's strict loader, which stops
 # with the file and line.
-from ftbench import config as ftbench_config
-from ftbench import summary as ftbench_summary
+from ftbench.experiment import config as ftbench_config
+from ftbench.report import summary as ftbench_summary
 from ftbench.errors import FtbenchError
 
 try:

@@ -1,9 +1,9 @@
-# Costs are computed here from the measured throughput (scripts/ftbench/cost.py). The price table is an
+# Costs are computed here from the measured throughput (scripts/ftbench/report/cost.py). The price table is an
 # input, so editing a price re-runs collect and report, never training; the experiment's `prices` key
 # (provider, pricing, its own prices) is a param, so editing it does the same. Checked at parse time so a
 # bad provider or model name stops `snakemake -n` with the key that names it.
-from ftbench import cost as ftbench_cost  # noqa: E402
-from ftbench import gpu_table as ftbench_gpu_table  # noqa: E402
+from ftbench.report import cost as ftbench_cost  # noqa: E402
+from ftbench.measure import gpu_table as ftbench_gpu_table  # noqa: E402
 
 PRICE_SETTINGS = {key: value for key, value in config.get("prices", {}).items() if key != "table"}
 PRICES_TABLE = config.get("prices", {}).get("table") or str(Path(workflow.basedir) / "config" / "prices.yaml")
@@ -24,7 +24,7 @@ except FtbenchError as error:
 
 
 rule collect:
-    """One row per run into results/metrics.parquet (columns: scripts/ftbench/columns.py) and a CSV twin,
+    """One row per run into results/metrics.parquet (columns: scripts/ftbench/report/columns.py) and a CSV twin,
     with each run's cost from the price table and its MFU from the GPU peak table."""
     input:
         metrics=all_run_metrics(),

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 # ftbench is installed (pip install -e .): see the README.
-from ftbench import config as ftbench_config
-from ftbench import matrix
-from ftbench import resources as ftbench_resources
-from ftbench import slurm as ftbench_slurm
+from ftbench.experiment import config as ftbench_config
+from ftbench.experiment import matrix
+from ftbench.cluster import resources as ftbench_resources
+from ftbench.cluster import slurm as ftbench_slurm
 from ftbench.errors import FtbenchError
 
 # Validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
@@ -77,7 +77,7 @@ def all_run_steps():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Resources of the train rule: the estimate and the reasons for its numbers are in ftbench/resources.py.
+# Resources of the train rule: the estimate and the reasons for its numbers are in ftbench/cluster/resources.py.
 # `workflow.non_local_exec` is true both where jobs are submitted and inside them, so both sides agree
 # on a job's threads (both read the partition's nodes with sinfo).
 
@@ -156,7 +156,7 @@ onstart:
 
 
 def start_warm_process():
-    """Locally, the warm process that train jobs fork from (ftbench/warmstart.py) starts with the workflow,
+    """Locally, the warm process that train jobs fork from (ftbench/cluster/warmstart.py) starts with the workflow,
     so it has imported torch and transformers by the time the first train job starts. Not for a cluster
     (each job is its own allocation), not with --use-conda (jobs run another Python), not when no train
     job is to run. Started through `python`, as the rules are, so it is the one the jobs look for."""
@@ -165,7 +165,7 @@ def start_warm_process():
     if workflow.non_local_exec or DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
         return
     if any(job.rule.name == "train" for job in workflow.dag.needrun_jobs()):
-        subprocess.run(["python", "-m", "ftbench.warmstart", "start"], check=False)
+        subprocess.run(["python", "-m", "ftbench.cluster.warmstart", "start"], check=False)
 
 
 def get_train_runtime(wildcards, attempt=1):

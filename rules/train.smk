@@ -13,7 +13,7 @@ rule train:
     threads: get_train_threads
     # A dp/ddp/fsdp run gets its N GPUs on one machine and starts torchrun inside the job; a multi-node
     # run (num_nodes, SLURM only) gets num_nodes nodes with gres gpu:N on each, and its job starts one
-    # torchrun per node with srun (ftbench/ddp.py). A CPU run (num_gpus 0 or device cpu) asks for no GPU.
+    # torchrun per node with srun (ftbench/train/ddp.py). A CPU run (num_gpus 0 or device cpu) asks for no GPU.
     # `tasks` stays unset on purpose: on a GPU job the SLURM plugin turns it into --ntasks-per-gpu, which
     # torchrun does not want.
     resources:

@@ -26,9 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftbench import batching, data, flops, matrix, modeling
-from ftbench import config as ftbench_config
-from ftbench.devices import Distributed, autocast_args, choose_device, synchronize
+from ftbench.tasks import batching
+from ftbench.data import prepared
+from ftbench.measure import flops
+from ftbench.experiment import matrix
+from ftbench.train import modeling
+from ftbench.experiment import config as ftbench_config
+from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 
 
 def timed(device: torch.device, work) -> tuple[float, int | None]:
@@ -51,8 +55,8 @@ def main() -> None:
 
     spec = matrix.expand_runs(ftbench_config.load_config(args.config))[args.run]
     with tempfile.TemporaryDirectory(prefix="ftbench-flops-") as data_dir:
-        manifest = data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
-        split = data.load_split(data_dir, "train", manifest)
+        manifest = prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+        split = prepared.load_split(data_dir, "train", manifest)
         device, _ = choose_device(spec, Distributed())
         model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
         model.train()

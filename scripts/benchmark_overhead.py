@@ -30,16 +30,20 @@ from pathlib import Path
 
 import torch
 
-from ftbench import batching, data, gpu_monitor, matrix, modeling, trainer
-from ftbench import config as ftbench_config
-from ftbench.devices import Distributed, choose_device, synchronize
-from ftbench.optimizers import make_optimizer
+from ftbench.tasks import batching
+from ftbench.data import prepared
+from ftbench.measure import gpu_monitor
+from ftbench.experiment import matrix
+from ftbench.train import modeling, trainer
+from ftbench.experiment import config as ftbench_config
+from ftbench.train.devices import Distributed, choose_device, synchronize
+from ftbench.train.optimizers import make_optimizer
 from ftbench.runspec import RunSpec
 
 
 def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
-    manifest = data.verify(data_dir)
-    split = data.load_split(data_dir, "train", manifest)
+    manifest = prepared.verify(data_dir)
+    split = prepared.load_split(data_dir, "train", manifest)
     device, _ = choose_device(spec, Distributed())
     torch.manual_seed(spec.seed)
     model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
@@ -123,7 +127,7 @@ def main() -> None:
     if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
-        data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+        prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
         sides = {
             "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
             "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),

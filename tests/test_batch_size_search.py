@@ -1,9 +1,9 @@
-"""ftbench.batch_size_search: the search on a stand-in for "does this batch fit" (runs that search against
+"""ftbench.train.batch_size_search: the search on a stand-in for "does this batch fit" (runs that search against
 an injected memory limit: tests/test_faults.py)."""
 
 from __future__ import annotations
 
-from ftbench.batch_size_search import search_batch_size
+from ftbench.train.batch_size_search import search_batch_size
 
 
 def test_batch_size_search():

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ftbench import batching, config as ftconfig, modeling, packing, trainer
+from ftbench.tasks import batching
+from ftbench.experiment import config as ftconfig
+from ftbench.train import modeling, packing, trainer
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 from test_families import llama_data, llama_spec  # noqa: F401 - llama_data is a fixture

@@ -83,7 +83,7 @@ def test_trials_that_agree_resolve_the_ratio_and_scattered_ones_do_not():
 @pytest.mark.slow
 def test_parse_benchmark_reports_each_dry_run_and_ftbench_share(tmp_path):
     """scripts/benchmark_parse.py on a 4-run matrix, one dry run each: its table and JSON, not its timings."""
-    from ftbench import config as ftbench_config, matrix
+    from ftbench.experiment import config as ftbench_config, matrix
 
     out = tmp_path / "parse.json"
     process = subprocess.run(

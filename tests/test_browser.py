@@ -1,4 +1,4 @@
-"""The report in a real browser: headless Chromium (Debian's ``chromium``) opens report.html from disk.
+"""The report in a real browser: headless Chromium (Debian's ``chromium``) opens report_page.html from disk.
 
 Checks that every image decoded (naturalWidth > 0), that the runs table has one row per run, that
 sorting works, and that the page logged no console error, threw no exception and asked for no network
@@ -191,12 +191,12 @@ PAGE_FACTS = """(() => {
 
 def test_report_in_chromium(tmp_path, browser):
     """The fixture experiment (normal runs, repeats, OOM / diverged / unsupported rows, two GPU types)."""
-    from ftbench import report
+    from ftbench.report import report_page
 
     runs, steps = fixture_runs("mixed")
     metrics, step_files = write_fixture(tmp_path / "results", runs, steps)
     html = tmp_path / "results" / "report.html"
-    written = report.build_report(metrics, step_files, tmp_path / "results" / "figures", html,
+    written = report_page.build_report(metrics, step_files, tmp_path / "results" / "figures", html,
                                   recommend_settings={"min_accuracy": 0.8, "max_memory_mb": 30000},
                                   captions=CAPTIONS, gpu_table=GPU_TABLE)
     drawn = [name for name, result in written.items() if not isinstance(result, str)]
@@ -218,12 +218,12 @@ def test_report_in_chromium(tmp_path, browser):
 
 
 def test_sorting_a_column_reorders_rows(tmp_path, browser):
-    from ftbench import report
+    from ftbench.report import report_page
 
     runs, steps = fixture_runs("normal")
     metrics, step_files = write_fixture(tmp_path / "results", runs, steps)
     html = tmp_path / "report.html"
-    report.build_report(metrics, step_files, tmp_path / "figures", html)
+    report_page.build_report(metrics, step_files, tmp_path / "figures", html)
     browser.open(html)
     column = browser.evaluate("Array.from(document.querySelectorAll('#runs thead th')).findIndex(th => th.textContent === 'tokens_per_s')")
     assert column >= 0
@@ -238,12 +238,12 @@ def test_sorting_a_column_reorders_rows(tmp_path, browser):
 
 def test_all_oom_report_in_chromium(tmp_path, browser):
     """No figure can be drawn: the page has no image at all, every run is listed, and nothing errors."""
-    from ftbench import report
+    from ftbench.report import report_page
 
     runs, steps = fixture_runs("all_oom")
     metrics, step_files = write_fixture(tmp_path / "results", runs, steps)
     html = tmp_path / "report.html"
-    report.build_report(metrics, step_files, tmp_path / "figures", html)
+    report_page.build_report(metrics, step_files, tmp_path / "figures", html)
     browser.open(html)
     facts = browser.evaluate(PAGE_FACTS)
     assert facts["runRows"] == len(runs)

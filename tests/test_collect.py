@@ -80,7 +80,7 @@ def test_collect_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys; from ftbench import collect, report; print('torch' in sys.modules)"
+    code = "import sys; from ftbench.report import collect, report_page; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -106,7 +106,7 @@ def test_the_summary_counts_outcomes_and_gives_each_reason(tmp_path):
 
 
 def test_the_summary_lists_at_most_a_screen_of_runs():
-    from ftbench import summary
+    from ftbench.report import summary
 
     frame = pd.DataFrame({"run_id": [f"run{i:02d}" for i in range(40)], "status": ["failed"] * 40,
                           "status_reason": ["boom"] * 40})

@@ -1,4 +1,4 @@
-"""Schema and reference errors (scripts/ftbench/config.py): one line, naming the key path and what is allowed."""
+"""Schema and reference errors (scripts/ftbench/experiment/config.py): one line, naming the key path and what is allowed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from conftest import MINILM_SOURCE, ROOT, job_counts, snakemake_failure, tiny_dataset_def
-from ftbench import config as ftbench_config
-from ftbench import data
+from ftbench.experiment import config as ftbench_config
+from ftbench.data import prepared
 from ftbench.errors import ConfigError
 
 
@@ -178,22 +178,22 @@ def test_shipped_default_config_is_valid():
 def test_missing_label_column_names_the_key_and_the_columns(tiny_csv):
     dataset_def = tiny_dataset_def(tiny_csv, label_column="sentiment")
     with pytest.raises(ConfigError) as caught:
-        data.load_raw_splits(dataset_def, "tiny")
+        prepared.load_raw_splits(dataset_def, "tiny")
     assert_one_line(str(caught.value), "datasets.tiny.label_column", "'sentiment'", "text", "label")
 
 
 def test_missing_text_column_stops_prepare(tiny_csv, tmp_path):
     dataset_def = tiny_dataset_def(tiny_csv, text_column="review")
     with pytest.raises(ConfigError) as caught:
-        data.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
+        prepared.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
     assert_one_line(str(caught.value), "datasets.tiny.text_column", "'review'")
-    assert not (tmp_path / "out" / data.MANIFEST_NAME).exists()
+    assert not (tmp_path / "out" / prepared.MANIFEST_NAME).exists()
 
 
 def test_split_sizes_larger_than_the_data(tiny_csv):
     dataset_def = tiny_dataset_def(tiny_csv, train_size=180, eval_size=50)
     with pytest.raises(ConfigError) as caught:
-        data.load_raw_splits(dataset_def, "tiny")
+        prepared.load_raw_splits(dataset_def, "tiny")
     assert_one_line(str(caught.value), "datasets.tiny.train_size", "230", "200")
 
 
@@ -239,7 +239,7 @@ def test_every_run_setting_is_a_schema_key_and_an_axis():
 
 def test_validating_a_config_imports_no_torch():
     """Parsing an experiment (snakemake -n) must not pay for importing torch."""
-    code = ("import sys, yaml; from ftbench import config, matrix; "
+    code = ("import sys, yaml; from ftbench.experiment import config, matrix; "
             "c = yaml.safe_load(open(sys.argv[1])); config.validate_config(c); matrix.expand_runs(c); "
             "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "config.yaml")],

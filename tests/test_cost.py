@@ -1,4 +1,4 @@
-"""Cost (scripts/ftbench/cost.py): the formulas, the price table and its settings, collect's costed table.
+"""Cost (scripts/ftbench/report/cost.py): the formulas, the price table and its settings, collect's costed table.
 
 Price tables are passed in, as the rules and the commands do: the repository's config/prices.yaml unless
 a test writes its own.
@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from ftbench import config as ftbench_config
-from ftbench import cost
-from ftbench.columns import COLUMNS
+from ftbench.experiment import config as ftbench_config
+from ftbench.report import cost
+from ftbench.report.columns import COLUMNS
 from ftbench.errors import ConfigError
 from test_report import CPU_NAME, PRICES_TABLE, ROOT, UNPRICED, fixture_runs, make_run, prices
 

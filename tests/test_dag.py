@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from conftest import copy_workflow, job_counts, snakemake_failure, train_run_ids, write_config
-from ftbench import matrix
+from ftbench.experiment import matrix
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def test_changing_the_dataset_prepares_again_and_retrains_its_runs(snakemake_run
 def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
     """The default experiment's DAG: one preparation shared by every run, then collect and report."""
     from conftest import ROOT
-    from ftbench import config as ftbench_config
+    from ftbench.experiment import config as ftbench_config
 
     configfile = tmp_path / "config.yaml"
     configfile.write_text((ROOT / "config" / "config.yaml").read_text())

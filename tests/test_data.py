@@ -1,4 +1,4 @@
-"""Data preparation: sources, splits, tokenised Parquet shards and the manifest (scripts/ftbench/data.py)."""
+"""Data preparation: sources, splits, tokenised Parquet shards and the manifest (scripts/ftbench/data/prepared.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from conftest import (
     make_rows,
     tiny_dataset_def,
 )
-from ftbench import data, sources
+from ftbench.data import prepared, sources
 from ftbench.errors import ConfigError, ManifestError, SourceError
 
 MINILM = {"source": MINILM_SOURCE}
@@ -51,7 +51,7 @@ def copy_prepared(prepared_data, target: Path) -> Path:
 
 
 def test_stratified_split_sizes_and_label_shares(tiny_csv):
-    train, evaluation = data.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
+    train, evaluation = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
     assert (len(train), len(evaluation)) == (TINY_TRAIN_SIZE, TINY_EVAL_SIZE)
     share = TINY_LABEL_COUNTS["neg"] / TINY_ROWS  # 0.6
     assert Counter(train["label"]) == {"neg": round(share * TINY_TRAIN_SIZE), "pos": round((1 - share) * TINY_TRAIN_SIZE)}
@@ -60,9 +60,9 @@ def test_stratified_split_sizes_and_label_shares(tiny_csv):
 
 
 def test_split_is_seeded(tiny_csv):
-    first = data.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
-    again = data.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
-    other = data.load_raw_splits(tiny_dataset_def(tiny_csv, split_seed=1), "tiny")
+    first = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
+    again = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
+    other = prepared.load_raw_splits(tiny_dataset_def(tiny_csv, split_seed=1), "tiny")
     assert list(first[0]["text"]) == list(again[0]["text"])
     assert list(first[1]["text"]) == list(again[1]["text"])
     assert set(first[1]["text"]) != set(other[1]["text"])
@@ -73,11 +73,11 @@ def test_labels_filter_and_order(tmp_path):
     path = tmp_path / "three.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     dataset_def = tiny_dataset_def(path, labels=["rotten", "fresh"], train_size=30, eval_size=20)
-    train, evaluation = data.load_raw_splits(dataset_def, "three")
+    train, evaluation = prepared.load_raw_splits(dataset_def, "three")
     assert set(train["label"]) | set(evaluation["label"]) == {"fresh", "rotten"}
-    manifest = data.prepare("three", dataset_def, MINILM, 16, tmp_path / "out")
+    manifest = prepared.prepare("three", dataset_def, MINILM, 16, tmp_path / "out")
     assert manifest["label_names"] == ["rotten", "fresh"]  # the configured order defines the class ids
-    labels = data.load_split(tmp_path / "out", "eval", manifest).labels
+    labels = prepared.load_split(tmp_path / "out", "eval", manifest).labels
     assert Counter(labels.tolist()) == {1: 12, 0: 8}  # 30/50 fresh -> id 1
 
 
@@ -90,7 +90,7 @@ def test_deduplicate_keeps_one_copy_and_drops_conflicting_labels(tmp_path):
     dataset_def = tiny_dataset_def(path, train_size=60, eval_size=39)
 
     dropped: dict = {}
-    train, evaluation = data.load_raw_splits(dataset_def, "dups", dropped=dropped)
+    train, evaluation = prepared.load_raw_splits(dataset_def, "dups", dropped=dropped)
     texts = pd.concat([train["text"], evaluation["text"]])
     assert texts.is_unique  # no text can be in both splits
     # 9 exact repeats keep one copy each; the text with two labels is gone in every copy.
@@ -99,8 +99,8 @@ def test_deduplicate_keeps_one_copy_and_drops_conflicting_labels(tmp_path):
     assert dropped["train"] == {"missing_or_empty": 0, "other_labels": 0, "conflicting_labels": 2, "duplicates": 9}
 
     with pytest.raises(ConfigError, match="usable rows"):  # 99 unique rows remain: 60 + 40 > 99
-        data.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=40), "dups")
-    kept = data.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=50, deduplicate=False), "dups")
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=40), "dups")
+    kept = prepared.load_raw_splits(tiny_dataset_def(path, train_size=60, eval_size=50, deduplicate=False), "dups")
     assert len(kept[0]) + len(kept[1]) == 110
 
 
@@ -109,7 +109,7 @@ def test_empty_and_missing_texts_are_dropped(tmp_path):
     rows += [{"text": "   ", "label": "neg"}, {"text": None, "label": "pos"}, {"text": "no label", "label": None}]
     path = tmp_path / "holes.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
-    train, evaluation = data.load_raw_splits(tiny_dataset_def(path, train_size=40, eval_size=20), "holes")
+    train, evaluation = prepared.load_raw_splits(tiny_dataset_def(path, train_size=40, eval_size=20), "holes")
     assert len(train) + len(evaluation) == 60
     assert "no label" not in set(train["text"]) | set(evaluation["text"])
 
@@ -120,7 +120,7 @@ def test_empty_and_missing_texts_are_dropped(tmp_path):
 
 def test_manifest_rows_and_checksums(prepared_data):
     folder, manifest = prepared_data
-    assert json.loads((folder / data.MANIFEST_NAME).read_text()) == manifest
+    assert json.loads((folder / prepared.MANIFEST_NAME).read_text()) == manifest
     assert manifest["seq_len"] == TINY_SEQ_LEN
     assert manifest["label_names"] == ["neg", "pos"]
     assert manifest["tokenizer"] == MINILM_SOURCE
@@ -135,14 +135,14 @@ def test_manifest_rows_and_checksums(prepared_data):
             assert shard["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
             assert shard["bytes"] == path.stat().st_size
             assert shard["rows"] == pq.read_metadata(path).num_rows
-    assert data.verify(folder) == manifest
+    assert prepared.verify(folder) == manifest
 
 
 def test_stored_tokens_are_unpadded_and_match_the_tokenizer(prepared_data, tiny_csv, tokenizer):
     folder, manifest = prepared_data
-    train_frame, eval_frame = data.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
+    train_frame, eval_frame = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
     for split, frame in (("train", train_frame), ("eval", eval_frame)):
-        loaded = data.load_split(folder, split, manifest)
+        loaded = prepared.load_split(folder, split, manifest)
         lengths = [len(ids) for ids in loaded.input_ids]
         expected = tokenizer(frame["text"].tolist(), truncation=True, max_length=TINY_SEQ_LEN)["input_ids"]
         assert [list(ids) for ids in loaded.input_ids] == expected  # same order, same ids, no padding
@@ -158,7 +158,7 @@ def test_stored_tokens_are_unpadded_and_match_the_tokenizer(prepared_data, tiny_
 def test_small_shard_size_gives_several_shards_that_add_up(prepared_data, tiny_csv, tmp_path):
     _, one_shard = prepared_data
     folder = tmp_path / "sharded"
-    manifest = data.prepare("tiny", tiny_dataset_def(tiny_csv), MINILM, TINY_SEQ_LEN, folder, shard_size_mb=0.002)
+    manifest = prepared.prepare("tiny", tiny_dataset_def(tiny_csv), MINILM, TINY_SEQ_LEN, folder, shard_size_mb=0.002)
     for split in ("train", "eval"):
         shards = manifest["splits"][split]["shards"]
         assert len(shards) > 2, shards
@@ -167,18 +167,18 @@ def test_small_shard_size_gives_several_shards_that_add_up(prepared_data, tiny_c
         count = len(shards)
         assert [shard["file"] for shard in shards] == [f"{split}-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
         assert all(shard["bytes"] < 0.002 * 2**20 * 2 for shard in shards)
-    assert data.verify(folder) == manifest
+    assert prepared.verify(folder) == manifest
     # the shards read back as the same examples in the same order as the one-shard preparation
-    sharded = data.load_split(folder, "train", manifest)
-    single = data.load_split(prepared_data[0], "train", one_shard)
+    sharded = prepared.load_split(folder, "train", manifest)
+    single = prepared.load_split(prepared_data[0], "train", one_shard)
     assert [list(ids) for ids in sharded.input_ids] == [list(ids) for ids in single.input_ids]
     assert sharded.labels.tolist() == single.labels.tolist()
     # length-grouped batching reads every row's length: from the shards' length column, without the tokens
-    on_disk = data.load_split(folder, "train", manifest, "disk")
+    on_disk = prepared.load_split(folder, "train", manifest, "disk")
     assert on_disk.lengths().tolist() == single.lengths().tolist() == [len(ids) for ids in single.input_ids]
     files = sorted(path.name for path in folder.iterdir())
     listed = sorted(shard["file"] for split in manifest["splits"].values() for shard in split["shards"])
-    assert files == sorted(listed + [data.MANIFEST_NAME])  # no temporary files left behind
+    assert files == sorted(listed + [prepared.MANIFEST_NAME])  # no temporary files left behind
 
 
 def test_fingerprint_changes_with_the_source_bytes(tmp_path, tiny_csv):
@@ -197,55 +197,55 @@ def test_fingerprint_changes_with_the_source_bytes(tmp_path, tiny_csv):
 
 def test_bit_flip_in_a_shard_is_refused(prepared_data, tmp_path):
     folder = copy_prepared(prepared_data, tmp_path / "flipped")
-    manifest = data.read_manifest(folder)
+    manifest = prepared.read_manifest(folder)
     shard = shard_files(folder, manifest, "train")[0]
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     shard.write_bytes(bytes(raw))
     with pytest.raises(ManifestError) as caught:
-        data.verify(folder)
+        prepared.verify(folder)
     message = str(caught.value)
     assert shard.name in message and "sha256" in message and "\n" not in message
 
 
 def test_truncated_shard_is_refused(prepared_data, tmp_path):
     folder = copy_prepared(prepared_data, tmp_path / "truncated")
-    manifest = data.read_manifest(folder)
+    manifest = prepared.read_manifest(folder)
     shard = shard_files(folder, manifest, "eval")[0]
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(ManifestError) as caught:
-        data.verify(folder)
+        prepared.verify(folder)
     assert shard.name in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_same_size_replacement_is_refused(prepared_data, tmp_path):
     folder = copy_prepared(prepared_data, tmp_path / "replaced")
-    manifest = data.read_manifest(folder)
+    manifest = prepared.read_manifest(folder)
     shard = shard_files(folder, manifest, "train")[0]
     shard.write_bytes(b"\0" * shard.stat().st_size)
     with pytest.raises(ManifestError, match=shard.name):
-        data.verify(folder)
+        prepared.verify(folder)
 
 
 def test_missing_shard_and_missing_manifest_are_refused(prepared_data, tmp_path):
     folder = copy_prepared(prepared_data, tmp_path / "missing")
-    manifest = data.read_manifest(folder)
+    manifest = prepared.read_manifest(folder)
     shard = shard_files(folder, manifest, "eval")[0]
     shard.unlink()
     with pytest.raises(ManifestError, match=shard.name):
-        data.verify(folder)
-    (folder / data.MANIFEST_NAME).unlink()
+        prepared.verify(folder)
+    (folder / prepared.MANIFEST_NAME).unlink()
     with pytest.raises(ManifestError, match="manifest"):
-        data.verify(folder)
+        prepared.verify(folder)
 
 
 def test_manifest_of_another_version_is_refused(prepared_data, tmp_path):
     folder = copy_prepared(prepared_data, tmp_path / "old")
-    manifest = json.loads((folder / data.MANIFEST_NAME).read_text())
+    manifest = json.loads((folder / prepared.MANIFEST_NAME).read_text())
     manifest["manifest_version"] = -1
-    (folder / data.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (folder / prepared.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="version"):
-        data.verify(folder)
+        prepared.verify(folder)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def tiny_frame():
 
 
 def _check_split(dataset_def: dict, train_size: int, eval_size: int, name: str = "ds"):
-    train, evaluation = data.load_raw_splits(dataset_def, name)
+    train, evaluation = prepared.load_raw_splits(dataset_def, name)
     assert (len(train), len(evaluation)) == (train_size, eval_size)
     assert set(train.columns) >= {"text", "label"}
     assert set(train["label"]) == {"neg", "pos"}
@@ -298,7 +298,7 @@ def test_format_can_be_declared_for_an_unusual_suffix(tmp_path, tiny_frame):
     _check_split(dataset_def, 70, 30)
     undeclared = {key: value for key, value in dataset_def.items() if key != "format"}
     with pytest.raises(SourceError, match="format"):
-        data.load_raw_splits(undeclared, "ds")
+        prepared.load_raw_splits(undeclared, "ds")
 
 
 def test_save_to_disk_folder_with_its_own_splits(tmp_path, tiny_frame):
@@ -322,12 +322,12 @@ def test_save_to_disk_folder_with_its_own_splits(tmp_path, tiny_frame):
     assert list(train["text"]) == list(tiny_frame["text"].iloc[:70])  # the source's own split, unshuffled
     assert list(evaluation["text"]) == list(tiny_frame["text"].iloc[70:])
 
-    manifest = data.prepare("saved", dataset_def, MINILM, 16, tmp_path / "prepared")
+    manifest = prepared.prepare("saved", dataset_def, MINILM, 16, tmp_path / "prepared")
     assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (70, 30)
     assert manifest["source_fingerprint"].startswith("sha256:")
 
     with pytest.raises(ConfigError, match="eval_split.*'test'"):
-        data.load_raw_splits({**dataset_def, "eval_split": "test"}, "saved")
+        prepared.load_raw_splits({**dataset_def, "eval_split": "test"}, "saved")
 
 
 def test_save_to_disk_single_split_gets_a_seeded_split(tmp_path, tiny_frame):
@@ -350,7 +350,7 @@ def test_package_source_rotten_tomatoes():
         "train_size": 100,
         "eval_size": 40,
     }
-    train, evaluation = data.load_raw_splits(dataset_def, "rotten_tomatoes")
+    train, evaluation = prepared.load_raw_splits(dataset_def, "rotten_tomatoes")
     assert (len(train), len(evaluation)) == (100, 40)
     assert set(train["label"]) == set(evaluation["label"]) == {"fresh", "rotten"}
     assert sources.fingerprint(dataset_def["source"]).startswith("sha256:")
@@ -364,16 +364,16 @@ def test_package_source_errors():
 @pytest.mark.parametrize("task", ["classification", "seq2seq"])
 def test_disk_source_gives_the_same_rows_as_memory(tmp_path, task):
     """data_source: disk reads a batch's rows from Parquet row groups, in the batch's order."""
-    from ftbench import batching
+    from ftbench.tasks import batching
 
     rows = 3000
     ids = [list(range(i % 7 + 1)) for i in range(rows)]
     labels = [i % 2 for i in range(rows)] if task == "classification" else None
     targets = [[i, i + 1] for i in range(rows)] if task == "seq2seq" else None
     table = batching.to_table(task, ids, labels, targets)
-    shards = data.write_shards(table, tmp_path, "train", 0.01)
+    shards = prepared.write_shards(table, tmp_path, "train", 0.01)
     assert len(shards) > 1  # rows come from several files and row groups
-    disk = data.DiskSplit([tmp_path / shard["file"] for shard in shards])
+    disk = prepared.DiskSplit([tmp_path / shard["file"] for shard in shards])
     memory = batching.from_table(table)
     indices = np.random.default_rng(0).permutation(rows)[:64]
     got, want = disk.take(indices), memory.take(indices)

@@ -1,11 +1,12 @@
-"""ftbench.ddp, launcher side, with torchrun stood in for by hand-written rank results (real DDP runs over
+"""ftbench.train.ddp, launcher side, with torchrun stood in for by hand-written rank results (real DDP runs over
 gloo: tests/test_families.py and tests/test_faults.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftbench import atomic, ddp, trainer
+from ftbench import atomic
+from ftbench.train import ddp, trainer
 from ftbench.runspec import RunSpec
 
 SPEC = RunSpec(run_id="r", parallel="ddp", num_gpus=2, device="cpu")

@@ -1,11 +1,11 @@
-"""ftbench.devices: autocast settings, the device a run gets, a process's place in a DDP group."""
+"""ftbench.train.devices: autocast settings, the device a run gets, a process's place in a DDP group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftbench.devices import Distributed, autocast_args, choose_device
+from ftbench.train.devices import Distributed, autocast_args, choose_device
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 

@@ -13,8 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ftbench import data, matrix, trainer
-from ftbench.columns import COLUMNS
+from ftbench.data import prepared
+from ftbench.experiment import matrix
+from ftbench.train import trainer
+from ftbench.report.columns import COLUMNS
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +91,8 @@ def test_step_tokens_are_the_real_lengths_of_the_stored_sequences(results):
     runs = matrix.expand_runs(config)
     (data_id,) = {run.data_id for run in runs}
     data_dir = folder / "data" / data_id
-    manifest = data.verify(data_dir)
-    lengths = np.array([len(ids) for ids in data.load_split(data_dir, "train", manifest).input_ids])
+    manifest = prepared.verify(data_dir)
+    lengths = np.array([len(ids) for ids in prepared.load_split(data_dir, "train", manifest).input_ids])
     for run in runs:
         steps = pd.read_parquet(folder / "runs" / run.run_id / "steps.parquet")
         order = trainer.batch_order(len(lengths), run.batch_size, len(steps), run.seed)
@@ -103,5 +105,5 @@ def test_one_shared_data_preparation(results):
     folder, config = results
     prepared = [path for path in (folder / "data").iterdir() if path.is_dir()]
     assert [path.name for path in prepared] == [matrix.expand_runs(config)[0].data_id]
-    manifest = data.verify(prepared[0])
+    manifest = prepared.verify(prepared[0])
     assert manifest["splits"]["train"]["rows"] == 100 and manifest["splits"]["eval"]["rows"] == 50

@@ -1,11 +1,11 @@
-"""ftbench.environment: the git commit comes from the job's working directory, not from where ftbench is
+"""ftbench.measure.environment: the git commit comes from the job's working directory, not from where ftbench is
 installed."""
 
 from __future__ import annotations
 
 import subprocess
 
-from ftbench import environment
+from ftbench.measure import environment
 
 
 def test_git_commit_of_the_working_directory(tmp_path, monkeypatch):

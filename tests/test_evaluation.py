@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ftbench import evaluation, trainer
+from ftbench.train import evaluation, trainer
 
 
 class Clock:
@@ -45,14 +45,16 @@ def test_eval_peak_is_reset_and_read_apart_from_trainings():
 @pytest.mark.slow
 def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, prepared_data):
     """evaluate() asks before each batch; a run's metrics say how many examples were scored and why."""
-    from ftbench import data, matrix, modeling
+    from ftbench.data import prepared
+    from ftbench.experiment import matrix
+    from ftbench.train import modeling
     import torch
 
     config = tiny_config_factory(defaults={**tiny_config_factory()["defaults"], "eval_batch_size": 4},
                                  matrix={"model": ["tiny"], "dataset": ["tiny"]})
     (spec,) = matrix.expand_runs(config)
     folder, manifest = prepared_data
-    split = data.load_split(folder, "eval", data.verify(folder))
+    split = prepared.load_split(folder, "eval", prepared.verify(folder))
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
                                  pad_token_id=manifest["pad_token_id"])
     answers = iter([True, True, False])

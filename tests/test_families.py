@@ -31,11 +31,15 @@ import torch
 import yaml
 
 from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
-from ftbench import batching, cli, data, ddp, matrix, modeling, trainer
+from ftbench.tasks import batching
+from ftbench import cli
+from ftbench.data import prepared
+from ftbench.train import ddp, modeling, trainer
+from ftbench.experiment import matrix
 from ftbench.runspec import RunSpec
-from ftbench import config as ftconfig
+from ftbench.experiment import config as ftconfig
 from ftbench.errors import ConfigError
-from ftbench.metrics import STEP_FIELDS
+from ftbench.measure.metrics import STEP_FIELDS
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -107,7 +111,7 @@ def t5_spec(**settings) -> RunSpec:
 
 
 def prepare_for(spec: dict, folder: Path) -> Path:
-    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
+    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -260,7 +264,7 @@ def test_ddp_global_throughput_is_the_sum_over_ranks_per_window(ddp_run):
 def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_data):
     spec, metrics, steps, ranks = ddp_run
     folder, manifest = prepared_data
-    lengths = np.array([len(ids) for ids in data.load_split(folder, "train", manifest).input_ids])
+    lengths = np.array([len(ids) for ids in prepared.load_split(folder, "train", manifest).input_ids])
     batch = spec.batch_size
     order = list(trainer.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec.seed))
     for rank in ranks:
@@ -372,8 +376,8 @@ def test_gradient_accumulation_counts_every_micro_batch(llama_data):
 
 
 def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
-    manifest = data.read_manifest(data_dir)
-    split = data.load_split(data_dir, "eval", manifest)
+    manifest = prepared.read_manifest(data_dir)
+    split = prepared.load_split(data_dir, "eval", manifest)
     return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
 
 
@@ -625,9 +629,9 @@ def test_config_model_without_tokenizer_trains_on_synthetic_data(tmp_path):
     spec = llama_spec()
     assert "tokenizer" not in spec.model_def["source"]
     folder = prepare_for(spec, tmp_path / "data")
-    manifest = data.read_manifest(folder)
+    manifest = prepared.read_manifest(folder)
     assert manifest["tokenizer"] is None and manifest["pad_token_id"] == modeling.SYNTHETIC_PAD_ID
-    split = data.load_split(folder, "train", manifest)
+    split = prepared.load_split(folder, "train", manifest)
     ids = np.stack(split.input_ids)
     assert ids.shape == (SYNTHETIC_TRAIN, SEQ) and ids.max() < LLAMA_OVERRIDES["vocab_size"]
     metrics, steps = trainer.train_run(spec, folder)

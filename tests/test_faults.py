@@ -1,7 +1,7 @@
 """Issue 7: failures become results, nothing is lost or faked, bad input is refused before any job runs.
 
 Out-of-memory errors, NaN losses and crashes are injected on the CPU with the test-only
-``FTBENCH_INJECT_FAULT`` variable (scripts/ftbench/faults.py). Covered here:
+``FTBENCH_INJECT_FAULT`` variable (scripts/ftbench/train/faults.py). Covered here:
 
 - injected OOM -> status=oom row (single process, and on one of two gloo DDP ranks in bounded time,
   also when the other rank is stuck); the report renders it;
@@ -47,11 +47,16 @@ import torch
 from conftest import (
     SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
-from ftbench import analysis, atomic, cli, collect, data, errors, faults, lifeline, matrix, report, trainer
-from ftbench.metrics import STEP_FIELDS
+from ftbench.report import analysis, collect, report_page
+from ftbench import atomic, cli, errors
+from ftbench.data import prepared
+from ftbench.train import faults, trainer
+from ftbench.cluster import lifeline
+from ftbench.experiment import matrix
+from ftbench.measure.metrics import STEP_FIELDS
 from ftbench.runspec import RunSpec
-from ftbench import config as ftbench_config
-from ftbench.columns import COLUMNS
+from ftbench.experiment import config as ftbench_config
+from ftbench.report.columns import COLUMNS
 from ftbench.errors import ConfigError
 
 ENV = faults.ENV
@@ -296,7 +301,7 @@ def test_failed_runs_are_rows_of_the_table_and_left_out_of_throughput(cpu_spec, 
     assert configs["ok"].tolist() == [0, 0, 1]
     assert configs["tokens_per_s"].notna().sum() == 1
 
-    written = report.build_report(tmp_path / "metrics.parquet", [p.with_name("steps.parquet") for p in results],
+    written = report_page.build_report(tmp_path / "metrics.parquet", [p.with_name("steps.parquet") for p in results],
                                   tmp_path / "figures", tmp_path / "report.html")
     html = (tmp_path / "report.html").read_text()
     assert 'class="status-oom"' in html and 'class="status-diverged"' in html
@@ -469,7 +474,7 @@ def test_unknown_exception_is_a_failed_row_with_its_traceback_in_the_log(cpu_spe
 def test_tampered_shard_is_refused_by_the_train_command_naming_it(cpu_spec, prepared_data, tmp_path):
     folder = tmp_path / "data"
     shutil.copytree(prepared_data[0], folder)
-    shard = folder / data.read_manifest(folder)["splits"]["train"]["shards"][0]["file"]
+    shard = folder / prepared.read_manifest(folder)["splits"]["train"]["shards"][0]["file"]
     shard.write_bytes(shard.read_bytes()[:-64])  # truncated
     out = tmp_path / "run" / "metrics.json"
     process, _ = train_command(cpu_spec(), folder, out)
@@ -828,7 +833,7 @@ def test_real_gpu_oom_is_a_row_and_auto_batch_size_finds_the_real_limit(tmp_path
     ftbench_config.validate_config(config)
     oversized, auto = matrix.expand_runs(config)
     data_dir = tmp_path / "data"
-    data.prepare("tokens", oversized["dataset_def"], GPU_MODEL, 1024, data_dir)
+    prepared.prepare("tokens", oversized["dataset_def"], GPU_MODEL, 1024, data_dir)
 
     out = tmp_path / "oversized" / "metrics.json"
     process, _ = train_command(oversized, data_dir, out, timeout=600)

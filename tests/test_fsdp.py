@@ -1,4 +1,4 @@
-"""parallel: fsdp (ftbench.fsdp): FSDP2 over two gloo processes on the CPU, against a one-process run on the
+"""parallel: fsdp (ftbench.train.fsdp): FSDP2 over two gloo processes on the CPU, against a one-process run on the
 same data; what is refused; the per-GPU memory estimate under sharding and offload."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftbench import config as ftconfig
-from ftbench import ddp, fsdp, matrix, memory_estimate, modeling
+from ftbench.experiment import config as ftconfig
+from ftbench.train import ddp, fsdp, modeling
+from ftbench.experiment import matrix
+from ftbench.measure import memory_estimate
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 
@@ -157,7 +159,7 @@ def test_two_node_ranks_meet_at_a_localhost_rendezvous(llama_data, tmp_path, mon
     over both, merged by the launcher like any ddp/fsdp run."""
     import socket
 
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     spec = llama_spec(parallel="fsdp", num_gpus=1, num_nodes=2)
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -197,7 +199,7 @@ def test_multi_node_runs_are_refused_without_a_cluster():
 
 
 def test_multi_node_jobs_ask_per_node():
-    from ftbench import resources
+    from ftbench.cluster import resources
 
     one = llama_spec(parallel="fsdp", num_gpus=4, device="auto")
     two = one.replace(num_nodes=2)
@@ -208,7 +210,7 @@ def test_multi_node_jobs_ask_per_node():
 
 
 def test_offload_asks_for_host_memory_and_time():
-    from ftbench import resources
+    from ftbench.cluster import resources
 
     sharded = llama_spec(parallel="fsdp", num_gpus=4, device="auto", precision="bf16")
     offload = only_spec(lm_config(llama_def(), parallel="fsdp", num_gpus=4, device="auto", fsdp_cpu_offload=True))

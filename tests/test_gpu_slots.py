@@ -1,12 +1,12 @@
-"""ftbench.gpu_slots: distinct GPUs for local jobs running at the same time."""
+"""ftbench.cluster.gpu_slots: distinct GPUs for local jobs running at the same time."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from ftbench.gpu_slots import GpuSlots, assign_gpus
-from ftbench import gpu_slots
+from ftbench.cluster.gpu_slots import GpuSlots, assign_gpus
+from ftbench.cluster import gpu_slots
 
 
 class Acquiring:

@@ -1,4 +1,4 @@
-"""engine: hf_trainer (scripts/ftbench/hf_engine.py): the same run through transformers.Trainer, measured
+"""engine: hf_trainer (scripts/ftbench/train/hf_engine.py): the same run through transformers.Trainer, measured
 by ftbench's own instrumentation. The promise tested: for one spec both engines train on the same batches
 (same tokens, samples, step count, warmup and window), and the Trainer's own settings are recorded."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftbench import matrix, trainer
-from ftbench.columns import COLUMNS
+from ftbench.experiment import matrix
+from ftbench.train import trainer
+from ftbench.report.columns import COLUMNS
 
 from test_measurement import llama_data, llama_spec  # noqa: F401 - the module-scoped tiny-Llama data fixture
 
@@ -109,7 +110,7 @@ def test_diverged_loss_stops_before_the_update(monkeypatch, llama_data):  # noqa
 
 
 def test_data_parallel_is_refused_as_unsupported():
-    from ftbench import hf_engine
+    from ftbench.train import hf_engine
 
     run = type("R", (), {"spec": llama_spec().replace(engine="hf_trainer", parallel="ddp"),
                          "dist": type("D", (), {"active": True})(), "device": torch.device("cpu")})()
@@ -124,7 +125,7 @@ def test_data_parallel_is_refused_as_unsupported():
 ])
 def test_optimizer_mapping_is_recorded(tmp_path, optimizer, device, expected):
     """The loop's optimizers by the Trainer's names (CUDA: adamw -> adamw_torch_fused, as the loop fuses there)."""
-    from ftbench import hf_engine
+    from ftbench.train import hf_engine
 
     args = hf_engine._arguments(llama_spec(optimizer=optimizer, lr_warmup_steps=2), 4, torch.device(device), str(tmp_path))
     settings = hf_engine.trainer_settings(args)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
-from ftbench import lifeline
+from ftbench.cluster import lifeline
 
-WATCHER = "import sys, time; from ftbench import lifeline; lifeline.watch(int(sys.argv[1])); time.sleep(60)"
+WATCHER = "import sys, time; from ftbench.cluster import lifeline; lifeline.watch(int(sys.argv[1])); time.sleep(60)"
 
 
 def start_watcher(pid: int, **env) -> subprocess.Popen:

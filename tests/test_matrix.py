@@ -1,4 +1,4 @@
-"""Matrix expansion and run ids (scripts/ftbench/matrix.py)."""
+"""Matrix expansion and run ids (scripts/ftbench/experiment/matrix.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from ftbench import config as ftbench_config
-from ftbench import matrix
+from ftbench.experiment import config as ftbench_config
+from ftbench.experiment import matrix
 from ftbench.runspec import RunSpec
 
 RUN_ID = re.compile(r"^[a-z0-9_.]+(-[a-z0-9_.]+)+-[0-9a-f]{8}$")
@@ -230,7 +230,7 @@ def test_run_ids_are_stable_across_processes():
     """The hash must not depend on Python's per-process string hashing (it names result folders)."""
     config = base_config(matrix={"model": ["bert"], "dataset": ["rt", "imdb"], "method": ["full", "lora"]})
     code = (
-        "import json, sys; from ftbench import matrix; "
+        "import json, sys; from ftbench.experiment import matrix; "
         "print(json.dumps([r.run_id for r in matrix.expand_runs(json.loads(sys.argv[1]))]))"
     )
     outputs = []

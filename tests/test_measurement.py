@@ -24,10 +24,16 @@ import torch
 
 from conftest import LM_DEFAULTS, ROOT
 from ftbench.runspec import RunSpec
-from ftbench import batching, cli, gpu_table, collect, data, flops, gpu_monitor, matrix, memory_estimate, metrics, model_shape, modeling, trainer
-from ftbench import config as ftconfig
-from ftbench.columns import COLUMNS
-from ftbench.metrics import energy_per_token
+from ftbench.tasks import batching
+from ftbench import cli
+from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
+from ftbench.report import collect
+from ftbench.data import prepared
+from ftbench.experiment import matrix
+from ftbench.train import modeling, trainer
+from ftbench.experiment import config as ftconfig
+from ftbench.report.columns import COLUMNS
+from ftbench.measure.metrics import energy_per_token
 
 LLAMA_OVERRIDES = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -73,7 +79,7 @@ def tiny_llama(**overrides):
 def llama_data(tmp_path_factory) -> Path:
     spec = llama_spec()
     folder = tmp_path_factory.mktemp("llama-tokens")
-    data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
+    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -654,7 +660,7 @@ def test_compiled_run_gets_no_estimate_and_a_reason():
     assert result["memory_estimate_note"].startswith("not modelled for compiled runs")
     eager = memory_estimate.estimate(tiny_llama(), estimate_spec(), "causal_lm", 1000)
     assert eager["memory_estimate_mb"] > 0 and eager["memory_estimate_note"] is None
-    from ftbench.columns import row_from_result
+    from ftbench.report.columns import row_from_result
 
     row = row_from_result({"spec": {**estimate_spec(compile=True).to_dict(), "model_def": {"task": "causal_lm"}},
                            "metrics": {"status": "ok", "peak_rss_mb": 100.0, **result}})
@@ -829,7 +835,7 @@ def test_collected_values_are_the_run_values(real_result):
 @pytest.mark.slow
 def test_memory_estimate_ratio_only_for_a_finished_run(real_result):
     """An OOM run's measured peak is where it failed, not the run's peak: no ratio for it."""
-    from ftbench.columns import row_from_result
+    from ftbench.report.columns import row_from_result
 
     result, _ = real_result
     assert row_from_result(result)["memory_estimate_ratio"] is None  # a CPU run: RSS is not what the estimate models

@@ -1,4 +1,4 @@
-"""ftbench.metrics: the window summary, energy per token, MFU of a collected row, merging DDP ranks and
+"""ftbench.measure.metrics: the window summary, energy per token, MFU of a collected row, merging DDP ranks and
 the statuses, on hand-made numbers (no training)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from conftest import ROOT
-from ftbench import gpu_table
-from ftbench.metrics import STATUSES, energy_per_token, merge_ranks, mfu, summarise, worst_status
+from ftbench.measure import gpu_table
+from ftbench.measure.metrics import STATUSES, energy_per_token, merge_ranks, mfu, summarise, worst_status
 
 PEAKS = gpu_table.load_peaks(ROOT / "config" / "gpus.yaml")
 

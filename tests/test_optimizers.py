@@ -1,4 +1,4 @@
-"""ftbench.optimizers: the learning-rate schedule and fp16 gradient scaling, on tiny tensors (the optimizers
+"""ftbench.train.optimizers: the learning-rate schedule and fp16 gradient scaling, on tiny tensors (the optimizers
 themselves train in tests/test_families.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ftbench.optimizers import make_grad_scaler, make_scheduler, scaler_step
+from ftbench.train.optimizers import make_grad_scaler, make_scheduler, scaler_step
 from ftbench.runspec import RunSpec
 
 

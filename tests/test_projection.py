@@ -1,11 +1,11 @@
-"""Training-budget projections (scripts/ftbench/projection.py), applied at collect time."""
+"""Training-budget projections (scripts/ftbench/report/projection.py), applied at collect time."""
 
 import math
 
 import pandas as pd
 import pytest
 
-from ftbench import projection
+from ftbench.report import projection
 
 RUN = {"tokens_per_s": 2000.0, "samples_per_s": 40.0, "tflops_per_s": 1.2}
 

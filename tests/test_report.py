@@ -1,7 +1,7 @@
 """Figures, the HTML report, Snakemake's report and compare, from fixture result tables.
 
-The fixtures are metrics.parquet files built here with the documented columns (ftbench.columns.COLUMNS,
-so they follow any column added there) and costs filled in by ftbench.cost exactly as collect does:
+The fixtures are metrics.parquet files built here with the documented columns (ftbench.report.columns.COLUMNS,
+so they follow any column added there) and costs filled in by ftbench.report.cost exactly as collect does:
 normal runs, repeats, an all-OOM experiment, a single run, several GPU types (one missing from the
 price table), language-model runs and a GPU-scaling series. test_cost.py, test_analysis.py and
 test_browser.py build on them. The price table, GPU table and captions are the repository's, passed in
@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from ftbench import analysis, collect, compare, cost, figures, report
-from ftbench import gpu_table
-from ftbench.columns import COLUMNS
+from ftbench.report import analysis, collect, compare, cost, figures, report_page
+from ftbench.measure import gpu_table
+from ftbench.report.columns import COLUMNS
 from ftbench.errors import FtbenchError
 
 PRICES_TABLE = ROOT / "config" / "prices.yaml"
@@ -225,7 +225,7 @@ def build(tmp_path: Path, kind: str, **settings):
     runs, steps = fixture_runs(kind)
     metrics, files = write_fixture(tmp_path / kind, runs, steps)
     page = tmp_path / kind / "report.html"
-    written = report.build_report(metrics, files, tmp_path / kind / "figures", page, recommend_settings=settings or None,
+    written = report_page.build_report(metrics, files, tmp_path / kind / "figures", page, recommend_settings=settings or None,
                                   captions=CAPTIONS, gpu_table=GPU_TABLE)
     return runs, written, page.read_text(encoding="utf-8")
 
@@ -251,7 +251,7 @@ def bar_lengths(ax) -> dict[str, float]:
 
 def drawn(name: str, runs: pd.DataFrame, steps: pd.DataFrame | None = None):
     spec = next(spec for spec in figures.FIGURES if spec.name == name)
-    steps = pd.DataFrame(columns=report.STEP_COLUMNS) if steps is None else steps
+    steps = pd.DataFrame(columns=report_page.STEP_COLUMNS) if steps is None else steps
     runs = analysis.add_step_figures(runs, steps)
     return figures.draw(spec, runs, steps, analysis.configurations(runs))
 
@@ -413,7 +413,7 @@ def test_report_only_timed_out_runs(tmp_path):
     assert "No cost for some runs" not in page  # the prices were there
     rows = runs_table_rows(page)
     assert all(">timeout<" in row and ">21 measured + 10 warmup of 60 planned<" in row for row in rows)
-    timed_out = analysis.add_step_figures(analysis.prepare(runs), pd.DataFrame(columns=report.STEP_COLUMNS))
+    timed_out = analysis.add_step_figures(analysis.prepare(runs), pd.DataFrame(columns=report_page.STEP_COLUMNS))
     ax = drawn("throughput", timed_out).axes.flat[0]
     assert bar_lengths(ax) == {"full (timeout)": 15000, "lora-r8 (timeout)": 22000, "qlora-r8 (timeout)": 12000}
     assert [text.get_text() for text in ax.figure.legends[0].texts][-1] == "timed out (its measured steps)"
@@ -442,7 +442,7 @@ def test_report_on_synthetic_data_shows_no_quality(tmp_path):
     runs, steps = fixture_runs("normal")
     runs = runs.assign(data_kind="synthetic", eval_accuracy=0.0)
     metrics, files = write_fixture(tmp_path, runs, steps)
-    written = report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html", captions=CAPTIONS)
+    written = report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html", captions=CAPTIONS)
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert "Most accurate" not in page and "at 0.000" not in page and "eval_accuracy</th>" not in page
     assert written["accuracy_vs_cost"] == written["accuracy_vs_memory"] == (
@@ -455,7 +455,7 @@ def test_report_names_quality_per_task_and_tabulates_both_memory_peaks(tmp_path)
                                                   run_id=lambda t: t["run_id"].str.replace("m-d", "clf-d"))
     runs = pd.concat([fixture_runs("lm")[0], classifier], ignore_index=True)
     metrics, files = write_fixture(tmp_path, runs, {})
-    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
     assert ">accuracy</th>" in configurations and ">token_accuracy</th>" in configurations
@@ -645,16 +645,16 @@ def test_snakemake_report_has_the_figures(priced_workflow):
     from conftest import run_snakemake, snakemake_failure
 
     workdir, _ = priced_workflow
-    process = run_snakemake(workdir, "--report", "snakemake-report.html")
+    process = run_snakemake(workdir, "--report", "snakemake-report_page.html")
     assert process.returncode == 0, snakemake_failure(process)
-    out = workdir / "snakemake-report.html"
+    out = workdir / "snakemake-report_page.html"
     assert out.is_file() and out.stat().st_size > 100_000
     drawn = sorted(p.stem for p in (workdir / "results" / "figures").glob("*.png"))
     assert len(drawn) >= 6
     log = process.stdout + process.stderr
     for name in drawn:
         assert f"Adding {name}.png" in log, name
-    assert "Adding report.html" in log
+    assert "Adding report_page.html" in log
     text = out.read_text(encoding="utf-8")
     for name in drawn:  # each figure's own caption file, rendered through rules/captions/figure.rst
         assert " ".join(CAPTIONS[name].split()[:6]) in text, name

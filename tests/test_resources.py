@@ -1,7 +1,7 @@
 """What each training job asks the scheduler for: GPUs, CPU threads, walltime and host memory.
 
 The requests are pinned for a few representative runs (values computed with the estimate as it stood in
-rules/common.smk before it moved into scripts/ftbench/resources.py): a CPU run, a 1-GPU bf16 run, DDP
+rules/common.smk before it moved into scripts/ftbench/cluster/resources.py): a CPU run, a 1-GPU bf16 run, DDP
 over 4 GPUs, DataParallel, auto_batch_size, QLoRA with checkpointing, epochs against max_steps, a hub
 model whose config cannot be read (1e9 parameters assumed), and config.json shapes with other key names.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import MINILM_SOURCE, snakemake_failure, write_config
-from ftbench import matrix, resources
+from ftbench.experiment import matrix
+from ftbench.cluster import resources
 
 # Llama 3.2 1B's shape: 1.34e9 parameters by the estimate's formula.
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "vocab_size": 128256,

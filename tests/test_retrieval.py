@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
-from ftbench import batching, config as config_module, data, flops, matrix, modeling, retrieval
+from ftbench.tasks import batching, retrieval
+from ftbench.experiment import config as config_module, matrix
+from ftbench.data import prepared
+from ftbench.measure import flops
+from ftbench.train import modeling
 from ftbench.errors import ConfigError
 from test_multimodal import DIGITS_DEF, has_digits
 
@@ -51,7 +55,7 @@ def caption_dataset(folder, **extra) -> dict:
 
 
 def prepare(dataset_def: dict, out, model_def: dict = CLIP_DEF, seq_len: int = 16, image_size: int | None = 16) -> dict:
-    return data.prepare("pairs", dataset_def, model_def, seq_len, out, 128, "clip", image_size)
+    return prepared.prepare("pairs", dataset_def, model_def, seq_len, out, 128, "clip", image_size)
 
 
 def experiment(dataset_def: dict, model_def: dict = CLIP_DEF, **defaults) -> dict:
@@ -72,8 +76,8 @@ def test_captioned_folder_round_trips_through_shards_memory_and_disk(tmp_path, c
     assert (train["rows"], train["images"], train["image_tokens"]) == (16, 16, 16 * 17)
     assert train["tokens"] == train["image_tokens"] + train["text_tokens"]
     indices = np.array([5, 0, 15, 3])
-    memory = batching.collate("image_text_retrieval", data.load_split(tmp_path, "train", manifest), indices, 0)
-    disk = batching.collate("image_text_retrieval", data.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
+    memory = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), indices, 0)
+    disk = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
     assert set(memory.inputs) == {"pixel_values", "input_ids", "attention_mask", "return_loss"}
     memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     for key in ("pixel_values", "input_ids", "attention_mask"):
@@ -91,7 +95,7 @@ def test_captioned_folder_round_trips_through_shards_memory_and_disk(tmp_path, c
 
 def test_rows_with_the_same_caption_share_a_caption_id(tmp_path, caption_folder):
     manifest = prepare(caption_dataset(caption_folder), tmp_path)
-    split = data.load_split(tmp_path, "eval", manifest)
+    split = prepared.load_split(tmp_path, "eval", manifest)
     ids = split.take(np.arange(len(split)))
     texts = [tuple(row) for row in ids.captions.input_ids]
     for a in range(len(texts)):
@@ -109,7 +113,7 @@ def test_parquet_of_image_bytes_and_a_save_to_disk_image_feature(tmp_path, capti
     from_bytes = prepare({**caption_dataset(caption_folder), "source": {"kind": "path", "path": str(tmp_path / "pairs.parquet")}},
                          tmp_path / "bytes")
     from_files = prepare(caption_dataset(caption_folder), tmp_path / "files")
-    a, b = data.load_split(tmp_path / "bytes", "eval", from_bytes), data.load_split(tmp_path / "files", "eval", from_files)
+    a, b = prepared.load_split(tmp_path / "bytes", "eval", from_bytes), prepared.load_split(tmp_path / "files", "eval", from_files)
     assert (a.pictures.pixels == b.pictures.pixels).all() and (a.caption_ids == b.caption_ids).all()
 
     table = datasets.Dataset.from_dict({"img": [str(caption_folder / name) for name in caption_rows()["file"]],
@@ -123,7 +127,7 @@ def test_parquet_of_image_bytes_and_a_save_to_disk_image_feature(tmp_path, capti
 def test_synthetic_pairs_are_full_length_and_end_where_clip_pools(tmp_path):
     manifest = prepare(SYNTHETIC, tmp_path, model_def={"task": "image_text_retrieval", "source": TINY_CLIP})
     assert manifest["tokenizer"] is None and manifest["vocab_size"] == 49408  # CLIP's own vocabulary
-    split = data.load_split(tmp_path, "train", manifest)
+    split = prepared.load_split(tmp_path, "train", manifest)
     assert len(split) == 32 and split.pictures.pixels.shape == (32, 16, 16, 3)
     assert all(len(ids) == 16 and ids[-1] == 49407 for ids in split.captions.input_ids)  # CLIP's end-of-text token
     assert len(set(split.caption_ids)) == 32  # every random caption is its own
@@ -145,7 +149,7 @@ def test_siglip_captions_are_padded_to_seq_len_without_a_mask(tmp_path, caption_
     manifest = prepare(caption_dataset(caption_folder), tmp_path, model_def=siglip)
     assert manifest["pad_to_length"] is True
     assert manifest["image_tokens_per_image"] == 16  # no class token
-    batch = batching.collate("image_text_retrieval", data.load_split(tmp_path, "train", manifest), np.arange(4), 0)
+    batch = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), np.arange(4), 0)
     assert "attention_mask" not in batch.inputs and batch.inputs["input_ids"].shape == (4, 16)
     assert batch.padded_tokens == 4 * 16 + 4 * 16 and batch.real_tokens < batch.padded_tokens
 
@@ -223,7 +227,7 @@ def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path):
     torch.manual_seed(0)
     spec, model = built()
     assert model.model.text_model.config.eos_token_id == 102  # the MiniLM tokenizer's [SEP]: where captions pool
-    batch = batching.collate("image_text_retrieval", data.load_split(tmp_path, "train", manifest), np.arange(16), 0)
+    batch = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), np.arange(16), 0)
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=0.002)
     losses = []
     for _ in range(15):
@@ -346,7 +350,7 @@ def test_other_retrieval_refusals_name_their_key(caption_folder):
 
 
 def test_quality_is_recall_beside_accuracy_in_a_mixed_table():
-    from ftbench import analysis
+    from ftbench.report import analysis
 
     runs = pd.DataFrame({"task": ["classification", "image_text_retrieval"], "eval_accuracy": [0.8, None],
                          "eval_recall_at_1": [None, 0.6]}, dtype=object).astype({"eval_accuracy": "Float64", "eval_recall_at_1": "Float64"})
@@ -378,7 +382,7 @@ def clip_checkpoint(tmp_path_factory, minilm_dir):
 
 @pytest.mark.slow
 def test_lora_on_a_clip_checkpoint_at_another_image_size(tmp_path, caption_folder, clip_checkpoint):
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     model_def = {"task": "image_text_retrieval", "source": {"kind": "path", "path": str(clip_checkpoint)}}
     config = experiment(caption_dataset(caption_folder), model_def, method="lora", image_size=24)
@@ -395,7 +399,7 @@ def test_lora_on_a_clip_checkpoint_at_another_image_size(tmp_path, caption_folde
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 def test_qlora_trains_a_dual_encoder(tmp_path):
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     # bitsandbytes' CPU inference kernel needs rows of at least its 64-value quantisation block
     wide = {**TOWER, "hidden_size": 64}
@@ -412,7 +416,7 @@ def test_qlora_trains_a_dual_encoder(tmp_path):
 
 @pytest.mark.slow
 def test_a_siglip_and_a_lora_clip_train_through_the_loop(tmp_path, caption_folder):
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     siglip = {"task": "image_text_retrieval", "source": {
         "kind": "config", "architecture": "SiglipConfig", "tokenizer": MINILM_SOURCE,
@@ -461,8 +465,9 @@ def test_a_report_of_classifier_and_dual_encoder_runs_names_each_quality_and_dra
     so the peak-memory figure draws a diamond for the classifier only)."""
     import re
 
-    from ftbench import analysis, collect, memory_estimate, report
-    from ftbench.columns import COLUMNS
+    from ftbench.report import analysis, collect, report_page
+    from ftbench.measure import memory_estimate
+    from ftbench.report.columns import COLUMNS
     from test_report import drawn, make_run, write_fixture
 
     classifier = make_run(0, accuracy=0.8)
@@ -477,7 +482,7 @@ def test_a_report_of_classifier_and_dual_encoder_runs_names_each_quality_and_dra
                  and tuple(c.get_facecolor()[0][:3]) == (1.0, 1.0, 1.0) for offset in c.get_offsets()]
     assert estimates == [0.8 * 12000.0]
     metrics, files = write_fixture(tmp_path, runs, {})
-    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
     assert ">accuracy</th>" in configurations and ">recall@1</th>" in configurations
@@ -489,7 +494,7 @@ def test_a_report_of_classifier_and_dual_encoder_runs_names_each_quality_and_dra
 def test_a_clip_learns_to_match_the_digits_to_their_captions(tmp_path):
     """Quality path on real images: a small CLIP from scratch on the digits captioned from their class finds
     the right caption far above chance (0.1) in 150 steps."""
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     wide = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 256}
     model_def = {"task": "image_text_retrieval", "source": {**CLIP_DEF["source"], "overrides": {

@@ -26,7 +26,7 @@ import pytest
 
 import slurm_cluster
 from conftest import ROOT, SNAKEFILE, snakemake_failure, tiny_config, write_config
-from ftbench import matrix
+from ftbench.experiment import matrix
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -307,7 +307,7 @@ def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[i
 
 
 def test_a_multi_node_run_asks_slurm_for_its_nodes(cluster, tmp_path, tiny_model_dir, tiny_csv, config_home):
-    """num_nodes 2: one job of 2 nodes with gres gpu:N on each (ftbench/ddp.py then starts one torchrun per
+    """num_nodes 2: one job of 2 nodes with gres gpu:N on each (ftbench/train/ddp.py then starts one torchrun per
     node with srun). This one-node cluster cannot give it 2 nodes: the job stays pending, as submitted."""
     config = tiny_config(tiny_model_dir, tiny_csv, matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"],
                                                           "parallel": ["ddp"], "num_gpus": [1], "num_nodes": [2]})

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ftbench import resources, slurm
+from ftbench.cluster import resources, slurm
 from ftbench.errors import FtbenchError
 from ftbench.runspec import RunSpec
 

@@ -1,4 +1,4 @@
-"""The training loop on a tiny BERT for a few steps on the CPU (scripts/ftbench/trainer.py train_run).
+"""The training loop on a tiny BERT for a few steps on the CPU (scripts/ftbench/train/trainer.py train_run).
 
 Each run is 6 optimizer steps of 8 examples (2 warmup + 4 measured), then evaluation on 50 examples:
 about a second each. Results are shared per module so every assertion does not retrain.
@@ -14,8 +14,12 @@ import pandas as pd
 import pytest
 import torch
 
-from ftbench import collect, data, environment, matrix, trainer
-from ftbench.columns import COLUMNS
+from ftbench.report import collect
+from ftbench.data import prepared
+from ftbench.measure import environment
+from ftbench.experiment import matrix
+from ftbench.train import trainer
+from ftbench.report.columns import COLUMNS
 from ftbench.errors import ManifestError
 
 TOTAL_STEPS = 6
@@ -93,7 +97,7 @@ def test_run_completes_with_the_planned_steps(trained, method):
 def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     spec, metrics, steps = trained[method]
     folder, manifest = prepared_data
-    train_split = data.load_split(folder, "train", manifest)
+    train_split = prepared.load_split(folder, "train", manifest)
     lengths = np.array([len(ids) for ids in train_split.input_ids])
     # The same seeded batch order the loop used: each step's real tokens are the stored lengths.
     order = list(trainer.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec.seed))
@@ -225,7 +229,7 @@ def test_two_gpu_run_on_a_cpu_machine_is_unsupported(make_spec, prepared_data):
 def test_tampered_data_is_refused_before_training(make_spec, prepared_data, tmp_path):
     folder = tmp_path / "tampered"
     shutil.copytree(prepared_data[0], folder)
-    shard = folder / data.read_manifest(folder)["splits"]["train"]["shards"][0]["file"]
+    shard = folder / prepared.read_manifest(folder)["splits"]["train"]["shards"][0]["file"]
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 3] ^= 0x80
     shard.write_bytes(bytes(raw))

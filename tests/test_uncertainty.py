@@ -1,4 +1,4 @@
-"""The report's intervals (scripts/ftbench/uncertainty.py) on hand-made numbers with known answers."""
+"""The report's intervals (scripts/ftbench/report/uncertainty.py) on hand-made numbers with known answers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ftbench import uncertainty
+from ftbench.report import uncertainty
 
 
 @pytest.mark.parametrize(("proportion", "n", "low", "high"), [

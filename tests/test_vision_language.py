@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
-from ftbench import batching, config as config_module, data, flops, matrix, modeling, task_types
+from ftbench.tasks import batching, task_types
+from ftbench.experiment import config as config_module, matrix
+from ftbench.data import prepared
+from ftbench.measure import flops
+from ftbench.train import modeling
 from ftbench.errors import ConfigError
 
 VISION = {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -61,7 +65,7 @@ def first_run(config: dict):
 
 
 def prepare_run(spec, out):
-    return data.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out, 128, spec.model, spec.image_size)
+    return prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out, 128, spec.model, spec.image_size)
 
 
 def tokenizer():
@@ -80,8 +84,8 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     # the MiniLM tokenizer has no image placeholder: it was added after its 30,522 tokens
     assert manifest["image_token_id"] == 30522 and manifest["vocab_size"] == 30523
     assert {name: split["rows"] for name, split in manifest["splits"].items()} == {"train": 16, "eval": 8}
-    memory = data.load_split(tmp_path, "eval", data.verify(tmp_path))
-    disk = data.load_split(tmp_path, "eval", manifest, "disk")
+    memory = prepared.load_split(tmp_path, "eval", prepared.verify(tmp_path))
+    disk = prepared.load_split(tmp_path, "eval", manifest, "disk")
     order = np.array([5, 0, 7, 2])
     batch = batching.collate("vision_language", memory, order, manifest["pad_token_id"])
     from_disk = batching.collate("vision_language", disk, order, manifest["pad_token_id"])
@@ -121,7 +125,7 @@ def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_
     other = prepare_run(first_run(experiment({**qa_dataset(qa_folder), "source": {"kind": "path", "path": str(location)}})),
                         tmp_path / "other")
     files = prepare_run(first_run(experiment(qa_dataset(qa_folder))), tmp_path / "files")
-    a, b = (data.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
+    a, b = (prepared.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
     assert (a.pixels == b.pixels).all() and all((x == y).all() for x, y in zip(a.input_ids, b.input_ids))
 
 
@@ -129,7 +133,7 @@ def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_
 def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
     spec = first_run(experiment(DIGITS_QA))
     manifest = prepare_run(spec, tmp_path)
-    split = data.load_split(tmp_path, "train", manifest)
+    split = prepared.load_split(tmp_path, "train", manifest)
     words = tokenizer()
     answers = {words.decode(labels[labels != batching.IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
     assert answers == set(DIGIT_WORDS)
@@ -143,7 +147,7 @@ def test_synthetic_rows_have_a_prompt_then_a_scored_answer(tmp_path):
     spec = first_run(experiment(dataset_def))
     manifest = prepare_run(spec, tmp_path)
     assert manifest["splits"]["train"]["text_tokens"] == 8 * 16
-    split = data.load_split(tmp_path, "train", manifest)
+    split = prepared.load_split(tmp_path, "train", manifest)
     for ids, labels in zip(split.input_ids, split.labels):
         assert len(ids) == IMAGE_TOKENS + 16 and int((ids == manifest["image_token_id"]).sum()) == IMAGE_TOKENS
         assert (labels[:-4] == batching.IGNORE_INDEX).all() and (labels[-4:] == ids[-4:]).all()
@@ -176,7 +180,7 @@ def test_image_tokens_are_the_features_the_model_inserts(tmp_path, vision, strat
     # the parse-time reading of the config (resource estimates) agrees
     assert task_types.vision_language_image_tokens(overrides, 24) == per_image
     # and a batch of the prepared rows goes through the model (LLaVA checks the placeholder count)
-    batch = batching.collate("vision_language", data.load_split(tmp_path, "train", manifest), np.arange(2),
+    batch = batching.collate("vision_language", prepared.load_split(tmp_path, "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
 
@@ -238,7 +242,7 @@ def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_fol
     assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["processor_class"] == "CLIPImageProcessor"
     assert (manifest["image_size"], manifest["image_tokens_per_image"], manifest["image_token_id"]) == (16, 16, 30522)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", data.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
+    batch = batching.collate("vision_language", prepared.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
     # its vision tower has position embeddings for 16 x 16 only
@@ -294,7 +298,7 @@ def test_loss_falls_on_a_tiny_llava(tmp_path, qa_folder):
     manifest = prepare_run(spec, tmp_path)
     torch.manual_seed(0)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", data.load_split(tmp_path, "train", manifest), np.arange(4),
+    batch = batching.collate("vision_language", prepared.load_split(tmp_path, "train", manifest), np.arange(4),
                              manifest["pad_token_id"]).to("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
     losses = []
@@ -358,7 +362,7 @@ def test_models_other_than_llava_and_config_models_without_tokenizer_are_refused
 
 
 def train(tmp_path, dataset_def: dict, **defaults):
-    from ftbench import trainer
+    from ftbench.train import trainer
 
     spec = first_run(experiment(dataset_def, **defaults))
     prepare_run(spec, tmp_path)
@@ -431,7 +435,7 @@ def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
     """A language model's and a vision-language model's runs side by side: each quality figure under its own name."""
     import re
 
-    from ftbench import analysis, report
+    from ftbench.report import analysis, report_page
     from test_report import fixture_runs, write_fixture
 
     vlm = fixture_runs("single")[0].assign(task="vision_language", eval_accuracy=pd.NA, eval_token_accuracy=0.7,
@@ -442,7 +446,7 @@ def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
     assert analysis.quality_column(analysis.prepare(runs))[1] == \
         "eval token accuracy (causal_lm) / answer token accuracy (vision_language)"
     metrics, files = write_fixture(tmp_path, runs, {})
-    report.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     configurations = re.search(r'id="configurations-table">.*?</thead>', page, flags=re.S).group(0)
     assert ">answer_token_accuracy</th>" in configurations and ">token_accuracy</th>" in configurations

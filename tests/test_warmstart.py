@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 
 from conftest import e2e_config, run_snakemake, snakemake_failure, write_config
-from ftbench import matrix, warmstart
+from ftbench.experiment import matrix
+from ftbench.cluster import warmstart
 
 CPU_RUN = {"method": "lora", "precision": "fp32", "batch_size": 8, "seq_len": 32, "lora_rank": 4,
            "lora_targets": ["query", "value"], "learning_rate": 0.001, "max_steps": 6, "warmup_steps": 2,
@@ -199,10 +200,10 @@ def test_a_job_waits_for_a_warm_process_still_importing(cpu_spec, prepared_data,
     """The workflow starts the warm process as it starts; the first train job may come before it listens,
     and then waits for it rather than import everything itself."""
     spec = cpu_spec()
-    where = subprocess.run([sys.executable, "-m", "ftbench.warmstart", "where"], env=warm_env, cwd=tmp_path,
+    where = subprocess.run([sys.executable, "-m", "ftbench.cluster.warmstart", "where"], env=warm_env, cwd=tmp_path,
                            capture_output=True, text=True, check=True)
     path = Path(where.stdout.strip())
-    subprocess.run([sys.executable, "-m", "ftbench.warmstart", "start"], env=warm_env, cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "ftbench.cluster.warmstart", "start"], env=warm_env, cwd=tmp_path, check=True)
     deadline = time.monotonic() + 30
     while not warmstart._serving(path) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -229,11 +230,11 @@ def test_a_failing_warm_job_passes_on_its_message_and_exit_status(cpu_spec, prep
 
 def start_warm_process(env: dict, cwd: Path) -> Path:
     """A warm process for train jobs run in ``env`` from ``cwd``, listening: its socket."""
-    where = subprocess.run([sys.executable, "-m", "ftbench.warmstart", "where"], env=env, cwd=cwd, capture_output=True,
+    where = subprocess.run([sys.executable, "-m", "ftbench.cluster.warmstart", "where"], env=env, cwd=cwd, capture_output=True,
                            text=True, check=True)
     path = Path(where.stdout.strip())
     with open(path.with_suffix(".log"), "ab") as log:
-        subprocess.Popen([sys.executable, "-m", "ftbench.warmstart", "serve", str(path)], env=env, cwd=cwd, stdout=log,
+        subprocess.Popen([sys.executable, "-m", "ftbench.cluster.warmstart", "serve", str(path)], env=env, cwd=cwd, stdout=log,
                          stderr=subprocess.STDOUT)
     assert wait_for_socket(env) == path
     return path

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import sys
 
-from . import cli, warmstart
+from ftbench import cli
+from ftbench.cluster import warmstart
 
 def check(argv: list[str]) -> None:
     """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
     ftbench can see the file: this names the file, line and column (and every other config problem)."""
     import argparse
 
-    from . import config, matrix
+    from ftbench.experiment import config, matrix
 
     parser = argparse.ArgumentParser(prog="python -m ftbench check", description=check.__doc__)
     parser.add_argument("experiment", help="experiment YAML file (what you pass to snakemake --configfile)")
@@ -41,12 +42,12 @@ def repair_data(argv: list[str]) -> None:
     on it keep their results."""
     import argparse
 
-    from . import data
+    from ftbench.data import prepared
 
     parser = argparse.ArgumentParser(prog="python -m ftbench repair-data", description=repair_data.__doc__)
     parser.add_argument("data_dir", help="results/data/<data_id> (the folder the error names)")
     args = parser.parse_args(argv)
-    restored = data.repair(args.data_dir)
+    restored = prepared.repair(args.data_dir)
     if not restored:
         print(f"{args.data_dir}: every shard matches its manifest; nothing to repair")
     for path in restored:

@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from . import matrix
-from .errors import FtbenchError
+from ftbench.experiment import matrix
+from ftbench.errors import FtbenchError
 
 
 def prepare_data(argv: list[str] | None = None) -> None:
@@ -21,10 +21,10 @@ def prepare_data(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-size-mb", type=float, default=matrix.DEFAULT_SHARD_SIZE_MB)
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
-    from . import data
+    from ftbench.data import prepared
 
     job = json.loads(args.preparation)
-    manifest = data.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
+    manifest = prepared.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
                             job.get("model", "model"), job.get("image_size"))
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
     print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
@@ -48,8 +48,9 @@ def train(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
-    from . import ddp, job, lifeline
-    from .runspec import RunSpec
+    from ftbench.train import ddp, job
+    from ftbench.cluster import lifeline
+    from ftbench.runspec import RunSpec
 
     lifeline.watch(args.watch_pid)
     spec = RunSpec.from_json(args.spec if args.spec is not None else Path(args.spec_file).read_text(encoding="utf-8"))
@@ -73,8 +74,8 @@ def collect(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", default=None, help="text file for the outcome summary (runs per status, why each is not ok)")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
-    from . import collect as collect_module
-    from . import cost
+    from ftbench.report import collect as collect_module
+    from ftbench.report import cost
 
     settings = json.loads(args.price_settings) or {}
     if args.prices_table:
@@ -98,7 +99,7 @@ def report(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat-scoring", default="median", choices=["median", "trimmed_mean"],
                         help="a configuration's figure from its repeats: their median, or the mean without the fastest and slowest")
     args = parser.parse_args(argv)
-    from . import report as report_module
+    from ftbench.report import report_page as report_module
 
     written = report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title,
                                          recommend_settings=json.loads(args.recommend) or {},
@@ -127,8 +128,8 @@ def compare(argv: list[str] | None = None) -> None:
     parser.add_argument("--captions-dir", default="rules/captions/figures", help="one <figure>.rst caption per figure (default: %(default)s)")
     parser.add_argument("--gpu-peaks", default="config/gpus.yaml", help="GPU table: the memory line of GPUs whose name gives no size (default: %(default)s)")
     args = parser.parse_args(argv)
-    from . import compare as compare_module
-    from . import cost
+    from ftbench.report import compare as compare_module
+    from ftbench.report import cost
 
     # The defaults are relative to the working directory: the repository root.
     needed = {"--prices-table": None if args.keep_prices else args.prices_table, "--captions-dir": args.captions_dir,
@@ -151,7 +152,7 @@ def compare(argv: list[str] | None = None) -> None:
 
 def schema(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(prog="python -m ftbench schema", description="Print the experiment schema as YAML.").parse_args(argv)
-    from . import config
+    from ftbench.experiment import config
 
     sys.stdout.write(config.schema_yaml())
 

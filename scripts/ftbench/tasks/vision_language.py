@@ -1,0 +1,397 @@
+"""Vision-language decoders (task ``vision_language``): a LLaVA-style model (a vision tower, a projector and
+a language model; transformers' LlavaForConditionalGeneration) trained on image + prompt -> answer.
+
+The sequence the decoder sees, stored once at preparation (Parquet shards with the image pixels):
+
+    [bos] <image> x N  prompt tokens  answer tokens [eos]
+
+N is the number of image features the vision tower hands the decoder (``task_types.vision_language_image_tokens``:
+its patches, plus its class token unless vision_feature_select_strategy 'default' drops it); LLaVA replaces
+the N placeholder tokens with them. ``labels`` are -100 everywhere but the answer tokens (and the end
+token), so the loss, eval loss, perplexity and token accuracy are over the answer alone. ``seq_len`` caps
+the text tokens (bos, prompt, answer, end); the image tokens come on top of it.
+
+Token counts (images.py's convention): ``tokens`` is everything the decoder processes, text and image
+tokens; ``image_tokens_per_s`` and ``text_tokens_per_s`` are the two apart (text: real, unpadded). The
+vision tower's own tokens (N, plus the class token 'default' drops) are counted in the FLOPs only
+(flops.py).
+
+Sources of a dataset: those of image classification (images.py: image folder + CSV/JSON, save_to_disk
+folder with an Image feature, csv/parquet with paths or bytes, headerless pixel rows) with a prompt
+(``prompt_column``, or one ``prompt`` for every row) and an answer (``answer_column``; pixel rows: the
+class, or ``answers[class]``), and ``source: {kind: synthetic}`` (random pixels and tokens; prompt of
+seq_len - target_len tokens, answer of target_len, default seq_len / 4).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ftbench.data import images, sources
+from ftbench.tasks import task_types
+from ftbench.tasks.batching import IGNORE_INDEX, _pad
+from ftbench.errors import ConfigError, SourceError
+
+IMAGE_TOKEN = "<image>"  # LLaVA's placeholder, added to a tokenizer that lacks one
+SUPPORTED_MODEL_TYPES = ("llava",)
+MEMORY_NOT_MODELLED = ("not modelled for vision_language: the vision tower's activations and the image tokens "
+                       "in the decoder are not in memory_estimate.py's model yet")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model's facts the data depends on
+
+
+def load_config(model_def: dict, model_name: str, image_size: int | None = None, extra: dict | None = None):
+    """The model's transformers config (a config-built model's as its overrides and ``extra`` make it, at
+    ``image_size``), refused with one line unless it is a LLaVA model."""
+    import transformers
+
+    source = model_def["source"]
+    if source["kind"] == "config":
+        config_class = getattr(transformers, source["architecture"], None)
+        if config_class is None:
+            raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
+        config = config_class(**copy.deepcopy(source.get("overrides", {})), **(extra or {}))
+        if image_size:
+            config.vision_config.image_size = int(image_size)  # a random-init tower is built for the run's size
+    else:
+        from ftbench.train.modeling import _pretrained_args
+
+        location, kwargs = _pretrained_args(source)
+        kwargs.pop("gguf_file", None)
+        config = transformers.AutoConfig.from_pretrained(location, **kwargs)
+    if config.model_type not in SUPPORTED_MODEL_TYPES or config.vision_config.model_type not in task_types.VISION_CLASS_TOKENS:
+        raise ConfigError(f"config key models.{model_name}.source: task vision_language takes LLaVA models (model_type "
+                          f"llava with a vision tower of type {', '.join(task_types.VISION_CLASS_TOKENS)}); this one is "
+                          f"{config.model_type!r} with {getattr(getattr(config, 'vision_config', None), 'model_type', None)!r}")
+    return config
+
+
+@dataclass
+class TextFacts:
+    """The tokenizer side: the same at preparation and when the model is built (one function makes both)."""
+
+    tokenizer: object | None  # None: a config-built model without one (synthetic data only)
+    image_token_id: int
+    vocab_size: int
+    pad_token_id: int
+
+
+def text_facts(model_def: dict, config, model_name: str) -> TextFacts:
+    """The tokenizer with the image placeholder (added if it lacks one) and the ids the model must use.
+    A checkpoint's config must already name its tokenizer's placeholder id."""
+    from ftbench.train.modeling import SYNTHETIC_PAD_ID, load_tokenizer
+
+    tokenizer = load_tokenizer(model_def)
+    source = model_def["source"]
+    text_vocab = config.text_config.vocab_size
+    if tokenizer is None:
+        # Random tokens only: keep the placeholder inside the vocabulary (LlavaConfig's default, 32000, is
+        # just past a default Llama's 32,000 embeddings).
+        image_id = config.image_token_id if config.image_token_id < text_vocab else text_vocab - 1
+        return TextFacts(None, image_id, text_vocab, SYNTHETIC_PAD_ID)
+    token = getattr(tokenizer, "image_token", None) or IMAGE_TOKEN
+    if token not in tokenizer.get_vocab():
+        tokenizer.add_tokens([token], special_tokens=True)
+    image_id = tokenizer.convert_tokens_to_ids(token)
+    overrides = source.get("overrides", {})
+    if source["kind"] != "config" and config.image_token_id != image_id:
+        raise SourceError(f"model source {sources.resolve_location(source)}: its config's image_token_index "
+                          f"{config.image_token_id} is not its tokenizer's {token} id {image_id}")
+    if source["kind"] == "config":
+        for key, value, wanted in (("image_token_index", overrides.get("image_token_index"), image_id),
+                                   ("text_config.vocab_size", (overrides.get("text_config") or {}).get("vocab_size"), len(tokenizer))):
+            if value is not None and value != wanted:
+                raise ConfigError(f"config key models.{model_name}.source.overrides.{key}: {value}, but the tokenizer "
+                                  f"(with {token} added) gives {wanted}; remove it (the model then takes the tokenizer's)")
+        text_vocab = len(tokenizer)
+    return TextFacts(tokenizer, image_id, text_vocab, tokenizer.pad_token_id)
+
+
+def config_for_run(spec, extra: dict):
+    """A config-built model's config for a run: its image size, and its tokenizer's vocabulary, placeholder
+    and pad ids (modeling.build_model builds the model from it)."""
+    config = load_config(spec.model_def, spec.model, spec.image_size, extra)
+    facts = text_facts(spec.model_def, config, spec.model)
+    config.text_config.vocab_size = facts.vocab_size
+    config.image_token_id = facts.image_token_id
+    config.text_config.pad_token_id = facts.pad_token_id
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparation (what prepared.prepare does for this task)
+
+
+def _answer_text(value, answers: list | None, where: str) -> str:
+    """A pixel-row dataset's class as its answer: ``answers[class]``, else the class itself."""
+    if answers is None:
+        return str(value)
+    if not 0 <= int(value) < len(answers):
+        raise ConfigError(f"config key {where}.answers: {len(answers)} answers (classes 0 to {len(answers) - 1}), but "
+                          f"class {value} occurs; give one answer per class")
+    return str(answers[int(value)])
+
+
+def load_rows(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.DataFrame, pd.DataFrame, Path | None]:
+    """(train, eval, image folder): frames with columns image, prompt and answer."""
+    roles = {"image": "image_column", "answer": "answer_column"}
+    if "prompt" not in dataset_def:
+        roles["prompt"] = "prompt_column"
+    train, evaluation, folder = images.load_image_splits(dataset_name, dataset_def, dropped, roles)
+    frames = []
+    for frame in (train, evaluation):
+        if "label" in frame.columns:  # pixel rows: the class is the answer
+            answers = dataset_def.get("answers")
+            frame = frame.assign(answer=[_answer_text(value, answers, f"datasets.{dataset_name}") for value in frame["label"]])
+        if "prompt" in dataset_def:
+            frame = frame.assign(prompt=dataset_def["prompt"])
+        frames.append(frame[["image", "prompt", "answer"]].astype({"prompt": str, "answer": str}))
+    return frames[0], frames[1], folder
+
+
+def encode(facts: TextFacts, prompts: list[str], answers: list[str], seq_len: int, image_tokens: int):
+    """(input ids, labels) per row: [bos] <image> x N prompt answer [end]; labels -100 but on the answer and
+    end. The text (bos, prompt, answer, end) is cut to ``seq_len``: the prompt keeps room for one answer
+    token, the answer is cut at its end. A row whose answer has no token is left out (None)."""
+    tokenizer = facts.tokenizer
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    # The end token teaches the model to stop; a tokenizer without eos (BERT's) ends with its separator.
+    end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    end = [end_id] if end_id is not None else []
+    rows = []
+    for prompt, answer in zip(prompt_ids, answer_ids):
+        if not answer:
+            rows.append(None)
+            continue
+        budget = seq_len - len(bos)
+        prompt = prompt[: budget - 1]
+        answer = (answer + end)[: budget - len(prompt)]
+        head = bos + [facts.image_token_id] * image_tokens + prompt
+        rows.append((head + answer, [IGNORE_INDEX] * len(head) + answer))
+    return rows
+
+
+def to_table(pixels: np.ndarray, input_ids: list, labels: list, image_tokens: int) -> pa.Table:
+    """Pixels (images.to_table's layout), the full token sequence, its labels, and its lengths."""
+    table = images.to_table(pixels, np.zeros(len(pixels), dtype=np.int64)).drop_columns(["label"])
+    lengths = [len(ids) for ids in input_ids]
+    return (table.append_column("input_ids", pa.array(input_ids, type=pa.list_(pa.int32())))
+            .append_column("labels", pa.array(labels, type=pa.list_(pa.int32())))
+            .append_column("length", pa.array(lengths, type=pa.int32()))
+            .append_column("text_length", pa.array([length - image_tokens for length in lengths], type=pa.int32())))
+
+
+def _synthetic_tables(dataset_def: dict, facts: TextFacts, seq_len: int, size: int, image_tokens: int) -> dict:
+    """Random pixels and tokens: a prompt of seq_len - target_len tokens, then an answer of target_len."""
+    rng = np.random.default_rng(dataset_def.get("split_seed", 0))
+    answer_len = min(dataset_def["source"].get("target_len", max(1, seq_len // 4)), seq_len)
+    low = min(100, facts.vocab_size // 2)  # skip the special tokens at the start of most vocabularies
+    tables = {}
+    for split_name, default in sources.SYNTHETIC_SPLIT_ROWS.items():
+        rows = dataset_def.get(f"{split_name}_size", default)
+        text = rng.integers(low, facts.vocab_size, size=(rows, seq_len), dtype=np.int64)
+        text[text == facts.image_token_id] = low  # the placeholder only where the image goes
+        head = np.full((rows, image_tokens), facts.image_token_id, dtype=np.int64)
+        ids = np.concatenate([head, text], axis=1)
+        labels = ids.copy()
+        labels[:, : image_tokens + seq_len - answer_len] = IGNORE_INDEX
+        pixels = rng.integers(0, 256, size=(rows, size, size, images.CHANNELS), dtype=np.uint8)
+        tables[split_name] = to_table(pixels, ids.tolist(), labels.tolist(), image_tokens)
+    return tables
+
+
+def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, image_size: int | None,
+            out_dir: Path, shard_size_mb: float, model_name: str) -> dict:
+    from ftbench.data import prepared
+    from ftbench.train.modeling import tokenizer_source
+
+    config = load_config(model_def, model_name, image_size if model_def["source"]["kind"] == "config" else None)
+    native = int(config.vision_config.image_size)
+    size = int(image_size or native)
+    if size != native:
+        # LLaVA's vision tower has position embeddings for its own size and does not interpolate them.
+        raise ConfigError(f"config key image_size: {size}, but model {model_name!r}'s vision tower is built for {native} "
+                          "(a LLaVA checkpoint does not interpolate its position embeddings); use image_size "
+                          f"{native} or null")
+    facts = text_facts(model_def, config, model_name)
+    config_dict = config.to_dict()
+    per_image = task_types.vision_language_image_tokens(config_dict, size)
+    vision = config_dict["vision_config"]
+    vision_tokens = (size // vision["patch_size"]) ** 2 + task_types.VISION_CLASS_TOKENS[vision["model_type"]]
+    mean, std, processor_class = images.processor_stats(model_def)
+    dropped: dict = {}
+    if dataset_def["source"]["kind"] == "synthetic":
+        tables = _synthetic_tables(dataset_def, facts, seq_len, size, per_image)
+    else:
+        if facts.tokenizer is None:
+            raise ConfigError(f"config key models.{model_name}.source.tokenizer: required to tokenise the prompts and "
+                              f"answers of dataset {dataset_name!r}")
+        train, evaluation, folder = load_rows(dataset_name, dataset_def, dropped)
+        tables = {}
+        for split_name, frame in zip(prepared.SPLITS, (train, evaluation)):
+            encoded = encode(facts, frame["prompt"].tolist(), frame["answer"].tolist(), seq_len, per_image)
+            keep = [index for index, row in enumerate(encoded) if row is not None]
+            dropped.setdefault(split_name, {})["empty_answer"] = len(encoded) - len(keep)
+            pixels = np.stack([images.decode(frame["image"].iloc[index], size, folder) for index in keep]) if keep else \
+                np.zeros((0, size, size, images.CHANNELS), dtype=np.uint8)
+            tables[split_name] = to_table(pixels, [encoded[i][0] for i in keep], [encoded[i][1] for i in keep], per_image)
+
+    manifest = images.image_manifest(
+        "vision_language", dataset_name, dataset_def, model_name, model_def, seq_len, image_size, size,
+        (mean, std, processor_class), per_image, dropped, shard_size_mb,
+        tokenizer=tokenizer_source(model_def),
+        tokenizer_class=type(facts.tokenizer).__name__ if facts.tokenizer is not None else None,
+        pad_token_id=facts.pad_token_id, vocab_size=facts.vocab_size, image_token_id=facts.image_token_id,
+        # image_tokens_per_image: the placeholders in the text, what the decoder sees per image;
+        vision_tokens_per_image=vision_tokens)  # what the vision tower processes per image
+    return images.write_image_shards(manifest, tables, out_dir,
+                                     lambda table: {"text_tokens": int(pc.sum(table["text_length"]).as_py() or 0)})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training side
+
+
+@dataclass(frozen=True)
+class Facts:
+    image: images.ImageFacts
+    vision_tokens_per_image: int
+
+    @classmethod
+    def of(cls, manifest: dict) -> "Facts":
+        return cls(images.ImageFacts.of(manifest), manifest["vision_tokens_per_image"])
+
+
+@dataclass
+class Split:
+    """Rows in memory: uint8 images (N x H x W x 3), token ids and labels of each row."""
+
+    pixels: np.ndarray
+    input_ids: list[np.ndarray]
+    labels: list[np.ndarray]
+    facts: Facts
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def take(self, indices: np.ndarray) -> "Split":
+        return Split(self.pixels[indices], [self.input_ids[i] for i in indices], [self.labels[i] for i in indices], self.facts)
+
+    def lengths(self) -> np.ndarray:
+        """Sequence length of every row, image tokens included (length-grouped batching sorts by it)."""
+        return np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+
+
+def from_table(table: pa.Table, facts: Facts) -> Split:
+    def arrays(column: str) -> list[np.ndarray]:
+        return [np.asarray(row, dtype=np.int64) for row in table[column].to_pylist()]
+
+    return Split(images.pixels_of(table, facts.image.image_size), arrays("input_ids"), arrays("labels"), facts)
+
+
+class DiskSplit:
+    """Rows read from the shards per batch (``data_source: disk``): one row-group read per group touched,
+    a few recently read groups kept (as prepared.DiskSplit)."""
+
+    def __init__(self, shards: list[Path], facts: Facts):
+        from ftbench.data import prepared
+
+        self.rows = prepared.DiskSplit(shards)  # its row-group index; the decoding is this module's
+        self.facts = facts
+        self._cache: dict[int, pa.Table] = {}
+
+    def _group(self, index: int) -> pa.Table:
+        if index not in self._cache:
+            if len(self._cache) >= self.rows.CACHED_GROUPS:
+                self._cache.pop(next(iter(self._cache)))  # oldest first
+            file_index, row_group, _ = self.rows.groups[index]
+            self._cache[index] = self.rows.files[file_index].read_row_group(row_group)
+        return self._cache[index]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lengths(self) -> np.ndarray:
+        return self.rows.lengths()
+
+    def take(self, indices: np.ndarray) -> Split:
+        indices = np.asarray(indices)
+        starts = self.rows.group_starts
+        group_of = np.searchsorted(starts, indices, side="right") - 1
+        pieces, positions = [], []
+        for group in np.unique(group_of):
+            where = np.flatnonzero(group_of == group)
+            pieces.append(self._group(int(group)).take(pa.array(indices[where] - starts[group])))
+            positions.append(where)
+        table = pa.concat_tables(pieces).take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))
+        return from_table(table, self.facts)
+
+
+def load_split(shards: list[Path], manifest: dict, data_source: str):
+    import pyarrow.parquet as pq
+
+    facts = Facts.of(manifest)
+    if data_source == "disk":
+        return DiskSplit(shards, facts)
+    return from_table(pa.concat_tables([pq.read_table(path) for path in shards]), facts)
+
+
+def collate(split, indices: np.ndarray, pad_token_id: int):
+    """A padded batch: uint8 pixels (normalised on the device, images.ImageBatch.to), ids, mask, labels.
+    Real tokens: each row's unpadded length, its image tokens included; image tokens counted apart."""
+    import torch
+
+    rows = split.take(np.asarray(indices))
+    ids, mask = _pad(rows.input_ids, pad_token_id)
+    labels, _ = _pad(rows.labels, IGNORE_INDEX)
+    lengths = mask.sum(axis=1)
+    count = len(rows)
+    facts = rows.facts
+    vision = facts.vision_tokens_per_image
+    inputs = {"pixel_values": torch.from_numpy(np.ascontiguousarray(rows.pixels)), "input_ids": torch.from_numpy(ids),
+              "attention_mask": torch.from_numpy(mask), "labels": torch.from_numpy(labels)}
+    return images.ImageBatch(inputs=inputs, samples=count, real_tokens=int(lengths.sum()), padded_tokens=int(mask.size),
+                             sum_squared_lengths=int((lengths * lengths).sum()), images=count,
+                             image_tokens=count * facts.image.tokens_per_image, vision_tokens=count * vision,
+                             vision_sum_squared_lengths=count * vision * vision, facts=facts.image)
+
+
+def lora_target_modules(model, spec) -> list[str]:
+    """The full names of the Linear layers LoRA adapts: the language model's that ``lora_targets`` names
+    (all-linear: every one; its lm_head never), and the projector's (linear_1, linear_2) when named. The
+    vision tower is never adapted: under LoRA it stays frozen."""
+    import torch
+
+    named = spec.lora_targets != "all-linear"
+    chosen, projector = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        short = name.rsplit(".", 1)[-1]
+        dotted = f".{name}."
+        if ".language_model." in dotted and (not named or short in spec.lora_targets):
+            chosen.append(name)
+        elif ".multi_modal_projector." in dotted:
+            projector.append(short)
+            if named and short in spec.lora_targets:
+                chosen.append(name)
+    if not chosen:
+        raise ConfigError(f"config key lora_targets: {spec.lora_targets} names no Linear layer of model {spec.model!r}'s "
+                          f"language model or projector ({', '.join(sorted(set(projector)))}); its vision tower is not adapted")
+    return chosen
+
+
+def memory_estimate() -> dict:
+    """No estimate rather than a wrong one (memory_estimate_note says why)."""
+    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": MEMORY_NOT_MODELLED}

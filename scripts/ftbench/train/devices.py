@@ -1,0 +1,54 @@
+"""Where a run trains: the device, this process's place in a DDP group, autocast and device syncs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ftbench.train import modeling
+from ftbench.errors import UnsupportedConfiguration
+from ftbench.runspec import RunSpec
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in a torchrun group (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Distributed":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_device(spec: RunSpec, dist: Distributed) -> tuple[torch.device, str | None]:
+    """The device this process trains on and, if it differs from what was asked, why."""
+    wanted = spec.num_gpus
+    if spec.device == "cpu" or wanted == 0:
+        return torch.device("cpu"), None
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available >= wanted:
+        return torch.device("cuda", dist.local_rank), None
+    if wanted == 1 and available == 0 and spec.device == "auto":
+        # The laptop case: a run written for one GPU still gives numbers, clearly marked as CPU numbers.
+        return torch.device("cpu"), "no CUDA device visible; ran on the CPU"
+    raise UnsupportedConfiguration(f"run asks for {wanted} GPUs but {available} are visible")
+
+
+def autocast_args(device: torch.device, precision: str) -> dict:
+    """``torch.autocast(**autocast_args(...))`` for a run's precision: off for fp32 (weights stay fp32
+    masters either way)."""
+    return {"device_type": device.type, "dtype": modeling.DTYPES[precision], "enabled": precision != "fp32"}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,354 @@
+"""Build the model a run asks for: full fine-tuning, LoRA (peft) or QLoRA (bitsandbytes 4-bit + LoRA).
+
+Precision is applied as autocast around the forward pass (weights stay fp32 masters, as mixed-precision
+training does); QLoRA's 4-bit base weights compute in the run's dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ftbench.data import sources
+from ftbench.tasks import task_types
+from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
+from ftbench.runspec import RunSpec
+
+# Pad id for synthetic data of a model without a tokenizer: synthetic sequences are never padded, so
+# any id below the random-token range works.
+SYNTHETIC_PAD_ID = 0
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
+# (its forward pass fails), and quantising the LM head hurts quality for little memory. Naming any
+# skip list replaces transformers' default (which skips lm_head), so lm_head is listed too.
+# transformers matches these against the start or end of a module's name, so BERT's pooler is named by
+# its layer ("pooler.dense").
+OUTPUT_HEADS = ["classifier", "pooler", "pooler.dense", "score", "lm_head"]
+
+
+def tokenizer_source(model_def: dict) -> dict | None:
+    """The tokenizer's source: the checkpoint's own, or for a config-built model the one it names (or none)."""
+    source = model_def["source"]
+    return source.get("tokenizer") if source["kind"] == "config" else source
+
+
+def config_vocab_size(model_def: dict) -> int | None:
+    return model_def["source"].get("overrides", {}).get("vocab_size") if model_def["source"]["kind"] == "config" else None
+
+
+def _pretrained_args(source: dict) -> tuple[str, dict]:
+    """(location, extra from_pretrained kwargs) of a checkpoint source; GGUF files dequantise on load."""
+    location = sources.resolve_location(source)
+    if source["kind"] != "hub" and not Path(location).exists():
+        raise SourceError(f"model source {location} does not exist")
+    extra = {"gguf_file": source["gguf_file"]} if source.get("gguf_file") else {}
+    if source.get("revision"):
+        extra["revision"] = source["revision"]
+    return location, extra
+
+
+def load_tokenizer(model_def: dict):
+    """The model's tokenizer, or None for a config-built model without one (synthetic data only)."""
+    source = tokenizer_source(model_def)
+    if source is None:
+        return None
+    # Imported only now: AutoTokenizer pulls in transformers' Auto model classes and generation (3 s of a
+    # data job on 2 cores), which a config-built model's synthetic data never needs.
+    from transformers import AutoTokenizer
+
+    location, extra = _pretrained_args(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+    except (OSError, ValueError) as exc:
+        raise SourceError(load_failure("tokenizer", source, location, exc)) from None
+    if tokenizer.pad_token_id is None:
+        # Decoder tokenizers ship without a pad token; padded positions are masked out anyway.
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def load_failure(what: str, source: dict, location: str, exc: Exception) -> str:
+    """One line on why a model or tokenizer did not load. For a hub name the usual cause is the network
+    (none, offline mode, or a proxy that does not answer) with no copy in the local cache, which
+    transformers words as a local-folder problem: say so, and how to point at a local copy."""
+    detail = " ".join(str(exc).split())[:300]
+    if source["kind"] == "hub":
+        import os
+
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        return (f"{what} {location!r} could not be fetched from the Hugging Face hub and is not in the local cache "
+                f"({cache}): no network, offline mode (HF_HUB_OFFLINE), or a proxy that does not answer. Download it "
+                f"where there is a network (`hf download {location}`) into that cache, or point the source at a local "
+                f"copy: {{kind: path, path: /folder/with/config.json}}. ({type(exc).__name__}: {detail})")
+    return f"{what} {location}: cannot be loaded ({detail})"
+
+
+def bitsandbytes_available() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module
+    trainable_params: int
+    total_params: int
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total); 4-bit weights are counted as the parameters they stand for, not packed bytes."""
+    trainable = total = 0
+    for param in model.parameters():
+        quant_state = getattr(param, "quant_state", None)
+        count = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else param.numel()
+        total += count
+        if param.requires_grad:
+            trainable += count
+    return trainable, total
+
+
+def check_supported(spec: RunSpec, device: torch.device) -> None:
+    """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run."""
+    if spec.precision == "fp16" and device.type == "cpu":
+        raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
+    needs_bnb = spec.method == "qlora" or spec.optimizer in BNB_OPTIMIZERS
+    if needs_bnb and not bitsandbytes_available():
+        raise UnsupportedConfiguration(f"{spec.method}/{spec.optimizer} needs the bitsandbytes package, which is not installed")
+    if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
+        raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
+    if spec.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
+    if spec.parallel == "dp" and device.type != "cuda":
+        raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
+    if spec.compile and spec.parallel == "dp":
+        raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
+    if spec.kernels == "liger" and device.type != "cuda":
+        raise UnsupportedConfiguration("kernels: liger runs Triton kernels, which need a CUDA GPU")
+    if spec.kernels == "liger" and not package_available("liger_kernel"):
+        raise UnsupportedConfiguration("kernels: liger needs the liger-kernel package (requirements-gpu.txt), which is not installed")
+    if spec.attn_implementation == "flash_attention_2" and device.type != "cuda":
+        raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs a CUDA GPU")
+    if spec.attn_implementation == "flash_attention_2" and not package_available("flash_attn"):
+        raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed")
+    if spec.attn_implementation == "flex_attention" and device.type != "cuda":
+        # flex attention compiles its kernel with Inductor; on a CPU that compile costs more than the run measures.
+        raise UnsupportedConfiguration("attn_implementation: flex_attention is measured on CUDA GPUs only")
+
+
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad_token_id: int | None = None,
+                vocab_size: int | None = None) -> BuiltModel:
+    """The model for one run, on ``device``, with adapters and checkpointing applied.
+
+    ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
+    ``vocab_size``: the tokenizer's (the manifest has it); a config-built model takes it as its vocabulary.
+    """
+    model_def = spec.model_def
+    source = model_def["source"]
+    task = task_types.TASKS[task_types.model_task(model_def)]
+    model_class = task.model_class()
+    kwargs = {"num_labels": num_labels} if task.name in ("classification", "image_classification") else {}
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
+
+    quantised = {}
+    if spec.method == "qlora":
+        # bitsandbytes quantises while loading, onto the device it loads to.
+        quantised = {
+            "quantization_config": _bnb_config(spec),
+            "device_map": {"": device.index if device.type == "cuda" else "cpu"},
+        }
+    if source["kind"] == "config":
+        import transformers
+
+        config_class = getattr(transformers, source["architecture"], None)
+        if config_class is None:
+            raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
+        overrides = dict(source.get("overrides", {}))
+        check_overrides(config_class, overrides, f"models.{spec.model}.source.overrides")
+        if task.name == "image_text_retrieval":
+            from ftbench.tasks import retrieval  # the towers' nested configs: image size, the tokenizer's vocabulary
+
+            overrides = retrieval.config_overrides(overrides, spec, load_tokenizer(model_def))
+        elif task.modality == "image" and spec.image_size:
+            overrides["image_size"] = spec.image_size  # a random-init encoder is built for the run's image size
+        if vocab_size is not None:
+            overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
+        if task.name == "vision_language":  # nested vision and text configs, and the tokenizer's image token
+            from ftbench.tasks import vision_language
+
+            config = vision_language.config_for_run(spec, kwargs)
+        else:
+            config = config_class(**overrides, **kwargs)
+        if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+            # T5's convention: the decoder starts from the pad token. A bare config has no start token and
+            # the first forward pass would fail while shifting the labels right.
+            config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
+        # Random weights are made where they will live: initialising a large model on the CPU and copying
+        # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
+        # autocast.) QLoRA quantises on load, from a CPU copy.
+        with torch.device("cpu" if quantised else device):
+            model = model_class.from_config(config)
+        if quantised:
+            # Quantisation happens on load: save the random weights and load them back quantised, so a
+            # Llama-shaped model with no checkpoint can still be measured under QLoRA.
+            with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
+                model.save_pretrained(folder)
+                del model
+                model = model_class.from_pretrained(folder, **kwargs, **quantised)
+    else:
+        location, extra = _pretrained_args(source)
+        if task.name == "image_classification":
+            # An image checkpoint usually carries its pretraining head (ImageNet's 1,000 classes): a head of
+            # another class count is made new, as for a text encoder without one.
+            extra["ignore_mismatched_sizes"] = True
+        try:
+            model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
+        except OSError as exc:
+            raise SourceError(load_failure("model", source, location, exc)) from None
+    if task.modality == "text" and model.config.pad_token_id is None:
+        if pad_token_id is None:
+            tokenizer = load_tokenizer(model_def)
+            pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
+        model.config.pad_token_id = pad_token_id
+
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if spec.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # Casts norms and the head to fp32 and enables input gradients, which 4-bit training needs.
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=spec.gradient_checkpointing, **checkpointing
+        )
+    elif spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(**checkpointing)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # the KV cache only serves generation and costs memory in training
+    if spec.kernels == "liger":
+        apply_liger(model)  # before LoRA wraps the layers it patches
+
+    if spec.method in ("lora", "qlora"):
+        model = _add_lora(model, spec, task)
+    if spec.method != "qlora":
+        model = model.to(device)
+    trainable, total = count_parameters(model)
+    return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Patch Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) into ``model`` through
+    liger_kernel's per-architecture transformers patching functions."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise UnsupportedConfiguration(f"kernels: liger has no kernels for model type {model_type!r} (Llama-family "
+                                       "models such as llama, mistral, qwen2 are covered)")
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model)
+
+
+def check_overrides(config_class, overrides: dict, where: str) -> None:
+    """Every override must be a setting of the config class: transformers keeps an unknown keyword as a
+    stray attribute, so a misspelt ``hidden_sze`` would silently build the default size."""
+    import difflib
+    import inspect
+
+    from transformers import GenerationConfig, PretrainedConfig
+
+    default = config_class()
+    # A config takes its own settings, the common ones of every config, the names its attribute_map
+    # translates, and generation settings (decoder_start_token_id and the like), which configs still accept.
+    known = set(inspect.signature(config_class.__init__).parameters) | set(inspect.signature(PretrainedConfig.__init__).parameters)
+    known |= set(default.to_dict()) | set(dir(default)) | set(getattr(config_class, "attribute_map", {}))
+    known |= set(GenerationConfig().to_dict())
+    unknown = [key for key in overrides if key not in known]
+    if unknown:
+        close = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
+        hints = ", ".join(f"{key!r}" + (f" (did you mean {close[key][0]!r}?)" if close[key] else "") for key in unknown)
+        raise ConfigError(f"config key {where}: {hints} is not a setting of {config_class.__name__}")
+
+
+def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:
+    """A config-built model's vocabulary is its tokenizer's: an architecture's default (GPT-2's 50,257)
+    beside a tokenizer of 30,522 would train embeddings no token ever reaches, or index past the table.
+    A vocab_size set explicitly must agree with the tokenizer."""
+    explicit = overrides.get("vocab_size")
+    if explicit is not None and explicit != tokenizer_vocab:
+        raise ConfigError(
+            f"config key models.{spec.model}.source.overrides.vocab_size: {explicit}, but the tokenizer the data was "
+            f"prepared with has {tokenizer_vocab} tokens; remove vocab_size (the model then takes the tokenizer's) or "
+            "make them equal"
+        )
+    return tokenizer_vocab
+
+
+def _bnb_config(spec: RunSpec):
+    from transformers import BitsAndBytesConfig
+
+    compute = spec.qlora_compute_dtype or spec.precision
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=spec.qlora_quant_type,
+        bnb_4bit_use_double_quant=spec.qlora_double_quant,
+        bnb_4bit_compute_dtype=DTYPES[compute],
+        llm_int8_skip_modules=OUTPUT_HEADS,
+    )
+
+
+def adaptable_layer_names(model: torch.nn.Module) -> list[str]:
+    """The short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), as lora_targets takes them."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def check_lora_targets(model: torch.nn.Module, spec: RunSpec) -> None:
+    """Every name in lora_targets must name layers of the model: peft fails only when none matches, and
+    silently adapts fewer layers than asked when one of several is misspelt."""
+    if spec.lora_targets == "all-linear":
+        return
+    layers = adaptable_layer_names(model)
+    module_names = [name for name, _ in model.named_modules()]
+    missing = [target for target in spec.lora_targets
+               if not any(name == target or name.endswith(f".{target}") for name in module_names)]
+    if missing:
+        raise ConfigError(
+            f"config key lora_targets: {', '.join(map(repr, missing))} name no layer of model {spec.model!r}; "
+            f"its adaptable layers are: {', '.join(layers)} (or use all-linear)"
+        )
+
+
+def _add_lora(model, spec: RunSpec, task: task_types.Task):
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    check_lora_targets(model, spec)
+    targets = spec.lora_targets
+    if task.name == "vision_language":  # the language model's layers (the projector's when named), not the vision tower's
+        from ftbench.tasks import vision_language
+
+        targets = vision_language.lora_target_modules(model, spec)
+    # The task type makes peft keep a new classification head trainable (modules_to_save); a task peft has
+    # no type for names its head instead.
+    head = {"task_type": getattr(TaskType, task.peft_task_type)} if task.peft_task_type else \
+        {"modules_to_save": list(task.head_modules)}
+    config = LoraConfig(
+        **head,
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=targets,
+    )
+    return get_peft_model(model, config)
