@@ -99,12 +99,13 @@ def test_jobs_differing_only_in_per_job_variables_share_a_warm_process():
 
 def test_an_edited_ftbench_file_needs_a_new_warm_process(tmp_path, monkeypatch):
     """A warm process holds the code it imported: a job of edited code must not run in it."""
-    package = Path(warmstart.__file__).parent
+    package = Path(warmstart.__file__).parents[1]
     copy = tmp_path / "ftbench"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(warmstart, "__file__", str(copy / "warmstart.py"))
+    monkeypatch.setattr(warmstart, "__file__", str(copy / "cluster" / "warmstart.py"))
     before = warmstart.server_key({})
-    (copy / "trainer.py").write_text((copy / "trainer.py").read_text() + "\n# edited\n")
+    loop = copy / "train" / "trainer.py"  # a file of another sub-package: the key covers the whole package
+    loop.write_text(loop.read_text() + "\n# edited\n")
     assert warmstart.server_key({}) != before
 
 
