@@ -8,7 +8,7 @@ import torch
 
 from ftbench.tasks import batching
 from ftbench.experiment import config as ftconfig
-from ftbench.train import modeling, packing, trainer
+from ftbench.train import modeling, packing, run_state, trainer
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 from test_families import llama_data, llama_spec  # noqa: F401 - llama_data is a fixture
@@ -36,7 +36,7 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
     for epoch in range(2):
         seen = np.concatenate(batches[epoch * per_epoch : (epoch + 1) * per_epoch])
         assert len(seen) == len(set(seen.tolist())) == per_epoch * global_batch
-    plain = list(trainer.batch_order(1000, global_batch, per_epoch, seed=3))
+    plain = list(run_state.batch_order(1000, global_batch, per_epoch, seed=3))
 
     def padding(order):
         return 1 - sum(lengths[b].sum() for b in order) / sum(lengths[b].max() * len(b) for b in order)

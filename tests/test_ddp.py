@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ftbench import atomic
-from ftbench.train import ddp, trainer
+from ftbench.train import ddp, run_state, trainer
 from ftbench.runspec import RunSpec
 
 SPEC = RunSpec(run_id="r", parallel="ddp", num_gpus=2, device="cpu")
@@ -33,8 +33,8 @@ def test_a_rank_asked_to_terminate_makes_the_run_terminated(tmp_path, monkeypatc
     reasons = ["another rank stopped at step 2 of 9"] * 2
     reasons[terminated_rank] = "terminated by the scheduler (SIGTERM) at step 2 of 9"
     monkeypatch.setattr(ddp, "run_ddp", torchrun_leaving(*((r, i == terminated_rank) for i, r in enumerate(reasons))))
-    stop = trainer.StopSignal()
-    metrics, _ = ddp.train(SPEC, "data", tmp_path / "ranks", None, None, stop)
+    stop = run_state.StopSignal()
+    metrics, _ = ddp.launch(SPEC, "data", tmp_path / "ranks", None, None, stop)
     assert stop.terminate_requested
     assert metrics["status"] == "timeout" and metrics["status_reason"].startswith("rank 0: ")
 
@@ -42,8 +42,8 @@ def test_a_rank_asked_to_terminate_makes_the_run_terminated(tmp_path, monkeypatc
 def test_a_deadline_stop_is_not_a_termination(tmp_path, monkeypatch):
     monkeypatch.setattr(ddp, "run_ddp", torchrun_leaving(("stopped before the job's time limit at step 2 of 9", False),
                                                          ("another rank stopped at step 2 of 9", False)))
-    stop = trainer.StopSignal()
-    metrics, _ = ddp.train(SPEC, "data", tmp_path / "ranks", None, None, stop)
+    stop = run_state.StopSignal()
+    metrics, _ = ddp.launch(SPEC, "data", tmp_path / "ranks", None, None, stop)
     assert not stop.terminate_requested
     assert metrics["status"] == "timeout"
 

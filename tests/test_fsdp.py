@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ftbench.experiment import config as ftconfig
-from ftbench.train import ddp, fsdp, modeling
+from ftbench.train import ddp, fsdp, modeling, run_state
 from ftbench.experiment import matrix
 from ftbench.measure import memory_estimate
 from ftbench.errors import ConfigError, UnsupportedConfiguration
@@ -173,7 +173,7 @@ def test_two_node_ranks_meet_at_a_localhost_rendezvous(llama_data, tmp_path, mon
         return max(node.wait(timeout=300) for node in nodes)
 
     monkeypatch.setattr(ddp, "run_ddp", two_local_nodes)
-    metrics, steps = ddp.train(spec, str(llama_data), tmp_path / "ranks", 2, None, trainer.StopSignal())
+    metrics, steps = ddp.launch(spec, str(llama_data), tmp_path / "ranks", 2, None, run_state.StopSignal())
     assert metrics["status"] == "ok", metrics.get("status_reason")
     assert metrics["world_size"] == 2 and len(metrics["per_rank"]) == 2
     assert metrics["hosts"] == socket.gethostname()  # both "nodes" ran here

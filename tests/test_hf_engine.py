@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftbench.experiment import matrix
-from ftbench.train import trainer
+from ftbench.train import run_state, trainer
 from ftbench.report.columns import COLUMNS
 
 from test_measurement import llama_data, llama_spec  # noqa: F401 - the module-scoped tiny-Llama data fixture
@@ -95,7 +95,7 @@ def test_both_engines_batch_as_the_run_asks(batching, tiny_config_factory, prepa
 @pytest.mark.slow
 def test_timeout_through_the_callback(llama_data):  # noqa: F811
     """A deadline already past: the callback stops the Trainer after its first step, status timeout."""
-    stop = trainer.StopSignal(deadline=0.0)
+    stop = run_state.StopSignal(deadline=0.0)
     metrics, steps = trainer.train_run(llama_spec(engine="hf_trainer", max_steps=5), llama_data, stop)
     assert metrics["status"] == "timeout" and len(steps) == 1
     assert "at step 1 of 5" in metrics["status_reason"]
@@ -117,7 +117,7 @@ def test_data_parallel_is_refused_as_unsupported():
     from ftbench.errors import UnsupportedConfiguration
 
     with pytest.raises(UnsupportedConfiguration, match="parallel 'single' only"):
-        hf_engine.train(run, None)
+        hf_engine.train_steps(run, None)
 
 
 @pytest.mark.parametrize("optimizer, device, expected", [

@@ -1,4 +1,13 @@
-"""Command-line entry points that the Snakemake rules call (``python -m ftbench <command>``).
+"""The commands of ``python -m ftbench <command>``: the ones the Snakemake rules run, and a few for users.
+
+    python -m ftbench prepare-data ...   tokenise one dataset into Parquet shards (rule prepare_data)
+    python -m ftbench train ...          train and measure one run (rule train)
+    python -m ftbench collect ...        gather runs into results/metrics.parquet (rule collect)
+    python -m ftbench report ...         figures and results/report.html (rule report)
+    python -m ftbench compare ...        merge result sets from several machines into one report
+    python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
+    python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
+    python -m ftbench schema             print the experiment schema (config/schema.yaml)
 
 Each command prints a one-line ``ftbench: ...`` message and exits 1 on a known error, so a rule's log
 ends with the sentence a user needs instead of a traceback; unknown errors keep their traceback.
@@ -11,8 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-from ftbench.experiment import matrix
 from ftbench.errors import FtbenchError
+from ftbench.experiment import matrix
+from ftbench.runspec import RunSpec
+
+# Each command imports its own stage when it runs (torch for train, matplotlib for report, pandas for
+# collect): a job pays only for what it uses, and parse-time commands stay torch-free.
 
 
 def prepare_data(argv: list[str] | None = None) -> None:
@@ -48,17 +61,14 @@ def train(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.out or args.rank_dir):
         parser.error("one of --out or --rank-dir is required")
-    from ftbench.train import ddp, job
-    from ftbench.cluster import lifeline
-    from ftbench.runspec import RunSpec
+    from ftbench.train import job  # torch deferred: the other commands (collect, report, check) run without it
 
-    lifeline.watch(args.watch_pid)
     spec = RunSpec.from_json(args.spec if args.spec is not None else Path(args.spec_file).read_text(encoding="utf-8"))
-    stop = job.stop_signal(args.time_limit_s)
-    if args.rank_dir:
-        ddp.train_rank(spec, args.data, Path(args.rank_dir), args.threads, stop)
-        return
-    metrics = job.train(spec, args.data, Path(args.out), args.threads, args.time_limit_s, stop)
+    metrics = job.run_job(spec, args.data, out=Path(args.out) if args.out else None,
+                          rank_dir=Path(args.rank_dir) if args.rank_dir else None, threads=args.threads,
+                          time_limit_s=args.time_limit_s, watch_pid=args.watch_pid)
+    if metrics is None:
+        return  # a rank: the launcher reports the run
     summary = {key: metrics.get(key) for key in ("status", "status_reason", "tokens_per_s", "eval_accuracy")}
     print(f"{spec.run_id}: {summary}")
 
@@ -155,6 +165,59 @@ def schema(argv: list[str] | None = None) -> None:
     from ftbench.experiment import config
 
     sys.stdout.write(config.schema_yaml())
+
+
+def check(argv: list[str]) -> None:
+    """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
+    ftbench can see the file: this names the file, line and column (and every other config problem)."""
+    from ftbench.experiment import config
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench check", description=check.__doc__)
+    parser.add_argument("experiment", help="experiment YAML file (what you pass to snakemake --configfile)")
+    args = parser.parse_args(argv)
+    experiment = config.load_config(args.experiment)
+    for message in config.experiment_warnings(experiment):
+        print(f"ftbench: warning: {message}", file=sys.stderr)
+    runs = matrix.expand_runs(experiment)
+    print(f"{args.experiment}: valid; {len(runs)} runs")
+    for run in runs:
+        print(f"  {run.run_id}")
+
+
+def repair_data(argv: list[str]) -> None:
+    """A prepared data folder whose shards were damaged (a tampered or truncated file, a lost shard) is
+    prepared again; if the source still gives the same data, the shards are put back and the runs trained
+    on it keep their results."""
+    from ftbench.data import prepared
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench repair-data", description=repair_data.__doc__)
+    parser.add_argument("data_dir", help="results/data/<data_id> (the folder the error names)")
+    args = parser.parse_args(argv)
+    restored = prepared.repair(args.data_dir)
+    if not restored:
+        print(f"{args.data_dir}: every shard matches its manifest; nothing to repair")
+    for path in restored:
+        print(f"restored {path} (same sha256 as the manifest)")
+
+
+COMMANDS = {
+    "prepare-data": prepare_data,
+    "train": train,
+    "collect": collect,
+    "report": report,
+    "compare": compare,
+    "check": check,
+    "repair-data": repair_data,
+    "schema": schema,
+}
+
+
+def main(argv: list[str]) -> None:
+    """Run the command ``argv`` names (usage on stderr when it names none)."""
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    run(COMMANDS[argv[0]], argv[1:])
 
 
 def run(command, argv: list[str] | None = None) -> None:

@@ -30,18 +30,31 @@ starts them), off Linux, or with ``FTBENCH_WARM_START=0``. A job forked this way
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import hashlib
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
+
+from ftbench.cluster import lifeline
+from ftbench.measure import environment
+
+# torch is imported only inside the warm process's own functions (serve and its fork checks): the client
+# side runs in every train job and at Snakemake parse time, and must stay light and torch-free.
 
 IDLE_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # from connecting to the child's pid: the warm process only accepts and forks
@@ -77,13 +90,9 @@ PRELOAD_IF_FORK_SAFE = ("peft",)
 # Signals the client passes on to the job it stands for (SIGTERM: stop and save; SIGUSR1: dump stacks).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
-# Set in a job forked from the warm process: when its client process started (for overhead_s).
-job_started_at: float | None = None
-
-
 def wanted(argv: list[str], environ=os.environ) -> bool:
     """Whether this command should run warm: a train job (not a DDP rank), locally, on Linux."""
-    return (bool(argv) and argv[0] == "train" and "--rank-dir" not in argv and job_started_at is None
+    return (bool(argv) and argv[0] == "train" and "--rank-dir" not in argv and environment.job_started_at is None
             and environ.get("FTBENCH_WARM_START", "1").lower() not in ("0", "false", "no", "off")
             and not environ.get("SLURM_JOB_ID") and sys.platform.startswith("linux") and hasattr(socket, "send_fds"))
 
@@ -161,7 +170,6 @@ def run_warm(argv: list[str]) -> int | None:
     if line.startswith("exit "):
         return int(line.split()[1])
     # The warm process itself ended during the job (killed): the job lives on without it. Wait for it.
-    from ftbench.cluster import lifeline
 
     while lifeline.alive(child):
         time.sleep(0.5)
@@ -191,8 +199,6 @@ def start_server(path: Path) -> None:
     """Start a warm process in the background, in its own session (so stopping this job's process group
     leaves it alone); it exits by itself when idle. Not where one for this key failed before: it would
     fail again (its reason is in the .failed file)."""
-    import subprocess
-
     if path.with_suffix(".failed").exists() or _serving(path):
         return
 
@@ -227,8 +233,6 @@ def start_ahead() -> None:
 
 def _serving(path: Path) -> bool:
     """Whether a warm process holds ``path``'s lock (serving, or still importing)."""
-    import fcntl
-
     try:
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -259,7 +263,6 @@ def _umask() -> int:
 def _process_start_time() -> float:
     """When this process started (the operating system's record), so a warm job's overhead counts the
     client's own start-up too."""
-    from ftbench.cluster import lifeline
 
     try:
         ticks = int(lifeline.start_ticks(os.getpid()))
@@ -274,41 +277,12 @@ def _process_start_time() -> float:
 def serve(path: Path, idle_s: float | None = None) -> int:
     """Import the stack, then fork a child per connecting job until idle for ``idle_s``. Returns an exit
     status (0 also when another warm process already serves ``path``)."""
-    import fcntl
-    import importlib
-    import warnings
-
     idle_s = float(os.environ.get("FTBENCH_WARM_IDLE_S", IDLE_S)) if idle_s is None else idle_s
-    lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for the process's life
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock = _take_lock(path)  # held for the process's life
+    if lock is None:
         return 0  # two jobs started one each at once: the other one serves
-    lock.seek(0)
-    lock.truncate()
-    lock.write(str(os.getpid()))
-    lock.flush()
-    # The libraries' idle pool threads (OpenBLAS, jemalloc) have fork handlers, as in a DataLoader worker.
-    warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
     started = time.perf_counter()
-    import torch
-
-    gpu_visible = _in_forked_child(_sees_gpu)  # asked before anything else is imported
-    # Whether each optional module imports leaving CUDA alone: asked of forked children, which answer
-    # while this process imports the rest.
-    optional = {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            print(f"warm start: {name} not preloaded ({exc})", flush=True)
-    imported = time.perf_counter()
-    for name, probe in optional.items():
-        if _check_result(probe):
-            importlib.import_module(name)
-        else:
-            print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
-    reason = _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
+    reason = _preload()
     if reason:
         return _give_up(path, reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop_server: clean up the socket on the way out
@@ -322,53 +296,102 @@ def serve(path: Path, idle_s: float | None = None) -> int:
         return _give_up(path, f"cannot listen at {path}: {exc}")
     os.chmod(path, 0o600)
     listener.listen(64)
-    print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path} (imports "
-          f"{imported - started:.1f} s, then fork checks and optional imports)", flush=True)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes select() through wake_read
-    children: dict[int, socket.socket] = {}
-    idle_since = time.monotonic()
+    print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path}", flush=True)
     try:
-        while True:
-            _reap(children)
-            if children:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > idle_s:
-                break
-            ready, _, _ = select.select([listener, wake_read], [], [], 1.0)
-            if wake_read in ready:
-                os.read(wake_read, 4096)
-            if listener not in ready:
-                continue
-            connection, _ = listener.accept()
-            try:
-                request, fds = _receive(connection)
-            except (OSError, ValueError) as exc:
-                print(f"warm start: a bad request ({exc})", flush=True)
-                connection.close()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                os.close(wake_read)
-                os.close(wake_write)
-                _become_job(request, fds)  # never returns
-            for fd in fds:
-                os.close(fd)
-            children[pid] = connection
-            print(f"warm start: job {pid} started in {request['cwd']}", flush=True)
-            with contextlib.suppress(OSError):
-                connection.sendall(f"pid {pid}\n".encode())
+        _fork_jobs(listener, idle_s)
     finally:
         listener.close()  # from here a connecting client is refused and runs inline
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     print(f"warm start: idle for {idle_s:.0f} s; exiting", flush=True)
     return 0
+
+
+def _take_lock(path: Path):
+    """The lock file of ``path``, locked and holding this pid; None when another process holds it."""
+    lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def _preload() -> str | None:
+    """Import what every job needs (PRELOAD, and PRELOAD_IF_FORK_SAFE where that leaves CUDA alone);
+    why forked jobs could not use the GPU afterwards, or None."""
+    # The libraries' idle pool threads (OpenBLAS, jemalloc) have fork handlers, as in a DataLoader worker.
+    warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+    started = time.perf_counter()
+    import torch  # deferred on purpose: importing it is this process's job, not its importers'
+
+    gpu_visible = _in_forked_child(_sees_gpu)  # asked before anything else is imported
+    # Whether each optional module imports leaving CUDA alone: asked of forked children, which answer
+    # while this process imports the rest.
+    optional = {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            print(f"warm start: {name} not preloaded ({exc})", flush=True)
+    print(f"warm start: imports took {time.perf_counter() - started:.1f} s", flush=True)
+    for name, probe in optional.items():
+        if _check_result(probe):
+            importlib.import_module(name)
+        else:
+            print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
+    return _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
+
+
+def _fork_jobs(listener: socket.socket, idle_s: float) -> None:
+    """Accept jobs and fork a child for each until no child has run for ``idle_s``."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes select() through wake_read
+    children: dict[int, socket.socket] = {}
+    idle_since = time.monotonic()
+    while True:
+        _reap(children)
+        if children:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > idle_s:
+            return
+        ready, _, _ = select.select([listener, wake_read], [], [], 1.0)
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+        if listener in ready:
+            _start_job(listener, children, (wake_read, wake_write))
+
+
+def _start_job(listener: socket.socket, children: dict[int, socket.socket], wake_fds: tuple[int, int]) -> None:
+    """Accept one job's request and fork the child that becomes it."""
+    connection, _ = listener.accept()
+    try:
+        request, fds = _receive(connection)
+    except (OSError, ValueError) as exc:
+        print(f"warm start: a bad request ({exc})", flush=True)
+        connection.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for fd in wake_fds:
+            os.close(fd)
+        _become_job(request, fds)  # never returns
+    for fd in fds:
+        os.close(fd)
+    children[pid] = connection
+    print(f"warm start: job {pid} started in {request['cwd']}", flush=True)
+    with contextlib.suppress(OSError):
+        connection.sendall(f"pid {pid}\n".encode())
 
 
 def _why_not_fork_safe(cuda_initialised: bool, gpu_visible: bool, gpu_usable: bool) -> str | None:
@@ -434,7 +457,6 @@ def _imports_leaving_cuda_alone(name: str, gpu_visible: bool):
     """A check for a forked child: whether ``name`` imports leaving CUDA alone: torch's flag unset and,
     where there is a GPU, the driver too (a grandchild can still use the GPU)."""
     def check() -> bool:
-        import importlib
 
         import torch
 
@@ -491,7 +513,6 @@ def _reap(children: dict[int, socket.socket]) -> None:
 def _become_job(request: dict, fds: list[int]) -> None:
     """In the forked child: become the job's process (streams, directory, environment, arguments), run
     its command and exit with its status."""
-    global job_started_at
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -509,26 +530,21 @@ def _become_job(request: dict, fds: list[int]) -> None:
             sys.stdout.reconfigure(write_through=True)
             sys.stderr.reconfigure(write_through=True)
         _apply_per_job_settings()
-        job_started_at = float(request["client_started"])
-        from ftbench.cluster import lifeline
-        from ftbench.__main__ import main
+        environment.job_started_at = float(request["client_started"])
 
         # The client is what Snakemake started and will stop: if it disappears, so does this job.
         lifeline.watch(int(request["client_pid"]), what="the job's command")
         sys.argv = [sys.argv[0], *request["argv"]]
-        main(request["argv"])
+        # As `python -m ftbench <argv>` would run it: the package's entry point, already imported here.
+        runpy.run_module("ftbench", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - the job's traceback goes to its log, as in a process of its own
-        import traceback
-
         traceback.print_exc()
     finally:
-        import atexit
-
         atexit._run_exitfuncs()  # what the job registered (and the libraries), as at a normal exit
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -570,7 +586,7 @@ USAGE = """python -m ftbench.cluster.warmstart where | start | stop | serve SOCK
 
 
 def main(argv: list[str]) -> int:
-    # Through the package's module, not a __main__ copy: the forked jobs read ftbench.cluster.warmstart's state.
+    # Through the package's module, not this __main__ copy (python -m runs the file as __main__).
     from ftbench.cluster import warmstart
 
     if argv[:1] == ["serve"] and len(argv) == 2:

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 from ftbench.measure import gpu_monitor
-from ftbench.cluster import warmstart
+
+# Set in a job forked from the warm process (cluster/warmstart.py): when its client process started, the
+# moment Snakemake started the job, so overhead_s counts from there.
+job_started_at: float | None = None
 
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "snakemake", "pandas", "pyarrow")
 
@@ -73,8 +76,8 @@ def capture() -> dict:
 def process_age_s() -> float:
     """Seconds since this job's process started (the operating system's start time, so imports count
     too); for a job forked from a warm process, since its client process started (warmstart.py)."""
-    if warmstart.job_started_at is not None:
-        return time.time() - warmstart.job_started_at
+    if job_started_at is not None:
+        return time.time() - job_started_at
     import psutil
 
     return time.time() - psutil.Process().create_time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ftbench.errors import FtbenchError
 from ftbench.measure import gpu_table
 
 # How a run ended and what that means, worst first: when DDP ranks disagree, the run is only as good
@@ -35,6 +36,17 @@ def describe_statuses() -> str:
 def worst_status(statuses) -> str:
     order = list(STATUSES)
     return min(statuses, key=order.index)
+
+
+def failed_metrics(run_id: str, exc: BaseException) -> dict:
+    """The figures of a run that ended in an error: its status and the error in one line (an unknown
+    error's traceback is in the job log)."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, FtbenchError):
+        reason = message[:400]
+    else:
+        reason = (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:300] + " (traceback in the job log)"
+    return {"run_id": run_id, "status": "failed", "status_reason": reason}
 
 
 def summarise(steps: list[dict], window_s: float | None, devices: int) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,9 +11,7 @@ import torch
 from ftbench.tasks import batching
 from ftbench.train.devices import autocast_args, synchronize
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer
-
-if TYPE_CHECKING:
-    from ftbench.train.trainer import Run
+from ftbench.train.run_state import Run
 
 
 def search_batch_size(fits, start: int, cap: int) -> tuple[int | None, int | None, list[list]]:

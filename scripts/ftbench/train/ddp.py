@@ -32,12 +32,13 @@ from ftbench.cluster import lifeline
 from ftbench.train.devices import Distributed, choose_device
 from ftbench.errors import ManifestError, UnsupportedConfiguration
 from ftbench.cluster.lifeline import alive
-from ftbench.measure.metrics import merge_ranks
+from ftbench.measure.metrics import failed_metrics, merge_ranks
 from ftbench.runspec import RunSpec
+from ftbench.train.run_state import StopSignal
 
 
-def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None,
-          stop: trainer.StopSignal) -> tuple[dict, list[dict]]:
+def launch(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, time_limit_s: float | None,
+           stop: StopSignal) -> tuple[dict, list[dict]]:
     """Launcher side of a DDP run: check it can run, start torchrun, merge the ranks' results.
 
     A termination request that reached any rank counts as the run's (``stop.terminate_requested``).
@@ -71,7 +72,7 @@ def train(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, tim
     return metrics, steps
 
 
-def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, stop: trainer.StopSignal) -> None:
+def run_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, stop: StopSignal) -> None:
     """One DDP rank (started by torchrun): train, then write ``rank_dir/rank<R>.json``."""
     if threads:
         torch.set_num_threads(threads)
@@ -94,10 +95,8 @@ def train_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None
         # then the consequence (gloo: connection closed by peer), and the run's row is the peer's.
         peer_stopped = any(r["metrics"]["status"] != "ok" for r in read_rank_results(rank_dir))
         if isinstance(exc, Exception) and not isinstance(exc, ManifestError) and not peer_stopped:
-            from ftbench.train.job import failed_metrics
-
             atomic.write_json(rank_dir / f"rank{dist.rank}.json", {
-                "rank": dist.rank, "metrics": {**failed_metrics(spec, exc), "rank": dist.rank}, "steps": [],
+                "rank": dist.rank, "metrics": {**failed_metrics(spec.run_id, exc), "rank": dist.rank}, "steps": [],
                 "terminated": stop.terminate_requested})
         os._exit(1)
     metrics["rank"] = dist.rank

@@ -32,6 +32,7 @@ import torch
 from ftbench.measure import flops, gpu_monitor
 from ftbench.train import packing
 from ftbench.train.devices import synchronize
+from ftbench.train.run_state import Run, steps_and_peaks, training_order
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
 
@@ -145,15 +146,15 @@ def make_callback(meter: Meter):
     return FtbenchCallback()
 
 
-def train(run, shape: flops.ModelShape) -> tuple[dict, list[dict]]:
-    """The run's training through transformers.Trainer: (figures, step records) as trainer._train gives."""
+def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None) -> tuple[dict, list[dict]]:
+    """The run's training through transformers.Trainer: (figures, step records) as trainer.train_steps gives.
+    ``loop_times`` (the loop's first and last step, for overhead_s) is left empty: the Trainer's steps are
+    timed by its callbacks, not at the loop's edges."""
     from transformers import Trainer
 
     spec, device = run.spec, run.device
     if spec.parallel != "single" or run.dist.active:
         raise UnsupportedConfiguration(f"engine hf_trainer runs parallel 'single' only in this version (not {spec.parallel!r})")
-    from ftbench.train.trainer import training_order
-
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
@@ -217,7 +218,6 @@ def _figures(meter: Meter, spec, args, total_steps: int) -> dict:
     figures.update(image_throughput(steps, window_s, 1))
     figures["energy_j_per_token"] = energy_per_token(figures)
     figures.update(trainer_settings(args))
-    from ftbench.train.trainer import steps_and_peaks
 
     figures.update(steps_and_peaks(steps, figures, spec, meter.local_gpus))
     return figures

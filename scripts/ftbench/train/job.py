@@ -1,5 +1,13 @@
-"""One training job (rule train): GPUs assigned, the run trained (one process, or DDP through torchrun),
-its result written: steps.parquet, then metrics.json, each atomically."""
+"""One training job (rule train): the one way in from the command line to the training loop.
+
+``run_job`` is what ``python -m ftbench train`` calls, for the job Snakemake starts and for each rank that
+job's torchrun starts. The job: GPUs assigned, the run trained (this process, or ddp.launch's torchrun for
+ddp and fsdp), its result written: steps.parquet, then metrics.json, each atomically. A rank (``rank_dir``):
+ddp.run_rank trains this process's part and writes it for the launcher to merge.
+
+    cli.train -> job.run_job -> trainer.train_run (this process)          -> trainer.train_steps | hf_engine.train_steps
+                             -> ddp.launch -> torchrun -> cli.train -> job.run_job -> ddp.run_rank -> trainer.train_run
+"""
 
 from __future__ import annotations
 
@@ -15,17 +23,31 @@ import pandas as pd
 import torch
 
 from ftbench import atomic
-from ftbench.train import ddp, trainer
-from ftbench.measure import environment
-from ftbench.errors import FtbenchError, ManifestError, TerminatedError
+from ftbench.cluster import lifeline
 from ftbench.cluster.gpu_slots import GpuSlots, assign_gpus
-from ftbench.measure.metrics import STEP_FIELDS
+from ftbench.errors import FtbenchError, ManifestError, TerminatedError
+from ftbench.measure import environment
+from ftbench.measure.metrics import STEP_FIELDS, failed_metrics
 from ftbench.runspec import RunSpec
+from ftbench.train import ddp, trainer
+from ftbench.train.run_state import StopSignal
 
 
-def stop_signal(time_limit_s: float | None) -> trainer.StopSignal:
+def run_job(spec: RunSpec, data_dir: str, out: Path | None = None, rank_dir: Path | None = None,
+            threads: int | None = None, time_limit_s: float | None = None, watch_pid: int | None = None) -> dict | None:
+    """Train one run as a job (``out``: its metrics.json) or as one rank of it (``rank_dir``); the job's
+    metrics, None for a rank."""
+    lifeline.watch(watch_pid)
+    stop = stop_signal(time_limit_s)
+    if rank_dir is not None:
+        ddp.run_rank(spec, data_dir, rank_dir, threads, stop)
+        return None
+    return train(spec, data_dir, out, threads, time_limit_s, stop)
+
+
+def stop_signal(time_limit_s: float | None) -> StopSignal:
     """The job's StopSignal: its deadline from the time limit, and SIGTERM as a termination request."""
-    stop = trainer.StopSignal()
+    stop = StopSignal()
     if time_limit_s:
         # Keep 10% (at least 60 s, at most half) for evaluation and writing, so a run near its
         # walltime still records what it measured instead of being killed with nothing.
@@ -40,7 +62,7 @@ def stop_signal(time_limit_s: float | None) -> trainer.StopSignal:
 
 
 def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
-          stop: trainer.StopSignal) -> dict:
+          stop: StopSignal) -> dict:
     """Train and measure one run; write ``out`` (metrics.json) and steps.parquet beside it; return the
     metrics. A run terminated from outside writes nothing and raises TerminatedError; damaged data
     (ManifestError) fails the job, to be trained again once repaired (python -m ftbench repair-data).
@@ -59,26 +81,15 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
             print(f"ftbench: {exc}", file=sys.stderr, flush=True)  # a known error: its message says it all
         else:
             traceback.print_exc()
-        metrics, steps = failed_metrics(spec, exc), []
+        metrics, steps = failed_metrics(spec.run_id, exc), []
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=STEP_FIELDS))
     # metrics.json is written last: its presence means the run's results are complete.
     atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": environment.capture()})
     return metrics
 
 
-def failed_metrics(spec: RunSpec, exc: BaseException) -> dict:
-    """The figures of a run that ended in an error: its status and the error in one line (an unknown
-    error's traceback is in the job log)."""
-    message = " ".join(str(exc).split())
-    if isinstance(exc, FtbenchError):
-        reason = message[:400]
-    else:
-        reason = (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:300] + " (traceback in the job log)"
-    return {"run_id": spec.run_id, "status": "failed", "status_reason": reason}
-
-
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
-             stop: trainer.StopSignal) -> tuple[dict, list[dict]]:
+             stop: StopSignal) -> tuple[dict, list[dict]]:
     slots = GpuSlots()
     assigned = assign_gpus(spec.num_gpus if spec.device != "cpu" else 0, slots)
     if assigned is not None:
@@ -86,7 +97,7 @@ def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_
     if threads:
         torch.set_num_threads(threads)
     if spec.distributed:  # ddp and fsdp: torchrun, one process per device
-        metrics, steps = ddp.train(spec, data_dir, out.parent / "ranks", threads, time_limit_s, stop)
+        metrics, steps = ddp.launch(spec, data_dir, out.parent / "ranks", threads, time_limit_s, stop)
     else:
         metrics, steps = trainer.train_run(spec, data_dir, stop)
     slots.release()

@@ -17,87 +17,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from ftbench.train import batch_size_search, evaluation, faults, fsdp, modeling, packing
-from ftbench.tasks import batching, vision_language
+from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine, modeling, packing
+from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, training_order
+from ftbench.tasks import batching, retrieval, vision_language
 from ftbench.data import prepared, images
 from ftbench.measure import environment, flops, gpu_monitor, memory_estimate
-from ftbench.cluster import warmstart
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from ftbench.runspec import RunSpec
 from ftbench.tasks.task_types import IMAGE_TASKS
-
-
-@dataclass
-class StopSignal:
-    """When the loop must stop early: a wall-clock deadline (the job's time limit minus a margin for
-    evaluation and writing results) or a termination request (SIGTERM from the scheduler)."""
-
-    deadline: float | None = None  # time.monotonic() value
-    terminate_requested: bool = False
-    # When the job's time limit ends it (time.monotonic()), and the seconds kept between the deadline and
-    # then: evaluation and writing results happen there (evaluation.py).
-    limit: float | None = None
-    margin: float = 0.0
-
-    def reason(self, typical_step_s: float) -> str | None:
-        if self.terminate_requested:
-            return "terminated by the scheduler (SIGTERM)"
-        # Stop if another step might not finish before the deadline.
-        if self.deadline is not None and time.monotonic() + 2 * typical_step_s >= self.deadline:
-            return "stopped before the job's time limit"
-        return None
-
-
-@dataclass
-class Run:
-    """One run as this process trains it: its settings, where, on what data and model, and what may
-    stop it early."""
-
-    spec: RunSpec  # with auto_batch_size, its batch_size becomes the batch found
-    device: torch.device
-    dist: Distributed
-    stop: StopSignal
-    injector: faults.Injector
-    task: str
-    pad_id: int
-    train_split: batching.TokenisedSplit | prepared.DiskSplit
-    eval_split: batching.TokenisedSplit
-    model: torch.nn.Module  # as built, before DataParallel / DDP / torch.compile wrap it
-    last_step: int | None = None  # kept current so an OOM or a stop says how far the run got
-
-
-def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
-    """Yield ``count`` index arrays of ``global_batch`` examples, reshuffled each epoch (seeded, so every
-    DDP rank sees the same order and takes its own slice).
-
-    The last incomplete batch of an epoch is dropped so every measured step has the same shape.
-    """
-    rng = np.random.default_rng(seed)
-    produced = 0
-    while produced < count:
-        order = rng.permutation(num_examples)
-        for start in range(0, num_examples - global_batch + 1, global_batch):
-            yield order[start : start + global_batch]
-            produced += 1
-            if produced == count:
-                return
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = None,
@@ -111,68 +49,13 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     stop = stop or StopSignal()
     dist = dist or Distributed()
     started = time.perf_counter()
-    loop: dict = {}  # when the training loop's first step started and its last step ended (overhead_s)
+    loop_times: dict = {}  # when the training loop's first step started and its last step ended (overhead_s)
     metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None}
     steps: list[dict] = []
     run = None
-    # Test-only fault injection (faults.py), read once per run; without FTBENCH_INJECT_FAULT it does nothing.
-    injector = faults.Injector.from_env(spec.run_id, dist.rank)
     try:
-        device, note = choose_device(spec, dist)
-        metrics.update(status_reason=note, device=device.type,
-                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else environment.cpu_model(),
-                       world_size=spec.devices if (device.type == "cuda" or dist.active) else 1)
-        modeling.check_supported(spec, device)
-        manifest = prepared.verify(data_dir)
-        set_seed(spec.seed)
-        load_started = time.perf_counter()
-        train_split = prepared.load_split(data_dir, "train", manifest, spec.data_source)
-        eval_split = prepared.load_split(data_dir, "eval", manifest)
-        built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
-                                     device=fsdp.build_device(spec, device),
-                                     pad_token_id=manifest["pad_token_id"])
-        run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
-                  eval_split, built.model)
-        if spec.batching in packing.PACKED:
-            packing.check_isolation(built.model, device)
-        metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
-                       load_time_s=time.perf_counter() - load_started)
-        if spec.auto_batch_size:
-            # Measure at the largest batch that fits: from here on the run is that batch's run.
-            # fork_rng: the trials' random numbers (dropout) are given back, so training starts as without them.
-            with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
-                search = batch_size_search.find_largest_batch(run)
-            metrics.update(search.figures())
-            if search.found is None:
-                raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
-            run.spec = spec.replace(batch_size=search.found)
-            metrics["batch_size"] = search.found
-        if run.task == "vision_language":
-            metrics.update(vision_language.memory_estimate())
-        elif run.task == "image_text_retrieval":
-            from ftbench.tasks import retrieval
-
-            metrics.update(retrieval.memory_estimate(run.model, run.spec, manifest))
-        elif run.task in IMAGE_TASKS:
-            metrics.update(images.memory_estimate(run.model, run.spec, manifest))
-        else:
-            metrics.update(memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None)))
-        shape = flops.ModelShape.of(run.model)
-        if dist.rank == 0 and spec.parallel == "fsdp":
-            # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
-            metrics["flops_counted_error"] = "not counted under fsdp (the model is sharded over the ranks)"
-        elif dist.rank == 0:
-            metrics.update(_count_flops(run, shape))
-        engine = _engine(run.spec)
-        # ftbench's loop also notes its first and last step times, for overhead_s.
-        figures, trained_steps = engine(run, shape, loop) if engine is _train else engine(run, shape)
-        metrics.update(figures)
-        metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
-        # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
-        sharded = spec.parallel == "fsdp"
-        if metrics["status"] in evaluation.EVALUATED and not stop.terminate_requested and (dist.rank == 0 or sharded):
-            evaluation.evaluate_run(run, evaluate, metrics, may_stop_early=not sharded)
-        steps = trained_steps
+        run, manifest = _prepare(spec, data_dir, stop, dist, metrics)
+        steps = _measure(run, manifest, metrics, loop_times)
     except UnsupportedConfiguration as exc:
         metrics.update(status="unsupported", status_reason=str(exc))
     except torch.OutOfMemoryError as exc:
@@ -184,22 +67,85 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     if run is not None and run.last_step is not None:
         metrics["last_step"] = run.last_step
     metrics["wall_time_s"] = time.perf_counter() - started
-    if loop:
+    if loop_times:
         # Process start to the first step, plus the last step to here less evaluation (a column of its own).
-        metrics["overhead_s"] = (environment.process_age_s() - (time.perf_counter() - loop["first"])
-                                 + time.perf_counter() - loop.get("last", loop["first"]) - (metrics.get("eval_time_s") or 0.0))
-    metrics["warm_start"] = warmstart.job_started_at is not None
+        now = time.perf_counter()
+        metrics["overhead_s"] = (environment.process_age_s() - (now - loop_times["first"])
+                                 + now - loop_times.get("last", loop_times["first"]) - (metrics.get("eval_time_s") or 0.0))
+    metrics["warm_start"] = environment.job_started_at is not None
     metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
 
 
-def _engine(spec: RunSpec):
-    """What takes the steps: ftbench's loop, or transformers.Trainer with the same instrumentation (hf_engine.py)."""
-    if spec.engine == "hf_trainer":
-        from ftbench.train import hf_engine
+def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distributed, metrics: dict) -> tuple[Run, dict]:
+    """The run before its first step: its device, verified data, the model as built; (run, manifest)."""
+    # Test-only fault injection (faults.py), read once per run; without FTBENCH_INJECT_FAULT it does nothing.
+    injector = faults.Injector.from_env(spec.run_id, dist.rank)
+    device, note = choose_device(spec, dist)
+    metrics.update(status_reason=note, device=device.type,
+                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else environment.cpu_model(),
+                   world_size=spec.devices if (device.type == "cuda" or dist.active) else 1)
+    modeling.check_supported(spec, device)
+    manifest = prepared.verify(data_dir)
+    set_seed(spec.seed)
+    load_started = time.perf_counter()
+    train_split = prepared.load_split(data_dir, "train", manifest, spec.data_source)
+    eval_split = prepared.load_split(data_dir, "eval", manifest)
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
+                                 device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"])
+    run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
+              eval_split, built.model)
+    if spec.batching in packing.PACKED:
+        packing.check_isolation(built.model, device)
+    metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
+                   load_time_s=time.perf_counter() - load_started)
+    return run, manifest
 
-        return hf_engine.train
-    return _train
+
+def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[dict]:
+    """Estimate, cross-check, train and evaluate the prepared run into ``metrics``; its step records."""
+    if run.spec.auto_batch_size:
+        _use_largest_batch(run, metrics)
+    metrics.update(_memory_estimate(run, manifest))
+    shape = flops.ModelShape.of(run.model)
+    if run.dist.rank == 0 and run.spec.parallel == "fsdp":
+        # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
+        metrics["flops_counted_error"] = "not counted under fsdp (the model is sharded over the ranks)"
+    elif run.dist.rank == 0:
+        metrics.update(_count_flops(run, shape))
+    engine = hf_engine.train_steps if run.spec.engine == "hf_trainer" else train_steps
+    figures, steps = engine(run, shape, loop_times)
+    metrics.update(figures)
+    metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
+    # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
+    sharded = run.spec.parallel == "fsdp"
+    if (metrics["status"] in evaluation.EVALUATED and not run.stop.terminate_requested
+            and (run.dist.rank == 0 or sharded)):
+        evaluation.evaluate_run(run, evaluate, metrics, may_stop_early=not sharded)
+    return steps
+
+
+def _use_largest_batch(run: Run, metrics: dict) -> None:
+    """auto_batch_size: from here on the run is the run of the largest batch that fits."""
+    # fork_rng: the trials' random numbers (dropout) are given back, so training starts as without them.
+    with torch.random.fork_rng(devices=[run.device.index] if run.device.type == "cuda" else []):
+        search = batch_size_search.find_largest_batch(run)
+    metrics.update(search.figures())
+    if search.found is None:
+        raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
+    run.spec = run.spec.replace(batch_size=search.found)
+    metrics["batch_size"] = search.found
+
+
+def _memory_estimate(run: Run, manifest: dict) -> dict:
+    """The memory predicted for the run as it will train (after any batch search)."""
+    if run.task == "vision_language":
+        return vision_language.memory_estimate()
+    if run.task == "image_text_retrieval":
+        return retrieval.memory_estimate(run.model, run.spec, manifest)
+    if run.task in IMAGE_TASKS:
+        return images.memory_estimate(run.model, run.spec, manifest)
+    return memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None))
 
 
 def _wrap_model(run: Run) -> torch.nn.Module:
@@ -210,26 +156,14 @@ def _wrap_model(run: Run) -> torch.nn.Module:
     if spec.parallel == "fsdp":
         model = fsdp.shard(model, spec, device)  # in place: run.model is the sharded model from here on
     elif run.dist.active:
-        from torch.nn.parallel import DistributedDataParallel
-
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if spec.compile:
         model = torch.compile(model)
     return model
 
 
-def _stop_reason(run: Run, typical_step_s: float) -> str | None:
-    """Every rank must stop at the same step, or the others would wait forever in the next all-reduce."""
-    reason = run.stop.reason(typical_step_s)
-    if not run.dist.active:
-        return reason
-    flag = torch.tensor([1.0 if reason else 0.0], device=run.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return reason or ("another rank stopped" if flag.item() > 0 else None)
-
-
 def _any_rank(run: Run, flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank: DDP ranks must begin the measured window at the same step."""
+    """Whether ``flag`` holds on any rank: DDP ranks must begin the measured window, and stop, at the same step."""
     if not run.dist.active:
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=run.device)
@@ -237,42 +171,79 @@ def _any_rank(run: Run, flag: bool) -> bool:
     return value.item() > 0
 
 
-def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple[dict, list[dict]]:
-    """The training loop: (its figures, step records). A stop (deadline, divergence) is a status in the
-    figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
-    spec, device, dist, injector = run.spec, run.device, run.dist, run.injector
-    model = _wrap_model(run)
-    figures: dict = {}
-    full_finetune = spec.method == "full"
-    devices = spec.devices
-    accum = spec.grad_accum_steps
+def _stop_reason(run: Run, typical_step_s: float) -> str | None:
+    """Every rank must stop at the same step, or the others would wait forever in the next all-reduce."""
+    reason = run.stop.reason(typical_step_s)
+    stopping = _any_rank(run, reason is not None)
+    return reason or ("another rank stopped" if stopping else None)
+
+
+@dataclass
+class _Loop:
+    """What the loop's steps use: the wrapped model, its optimizer and schedule, the batch order."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object
+    autocast: dict
+    order: object  # iterator over the global batches of every micro-step
+    share: int  # this process's share of each global micro-batch: DataParallel takes all, a DDP rank a slice
+    total_steps: int
+    local_gpus: list[int]  # the GPUs this process drives (peaks, sampling)
+
+
+def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None) -> tuple[dict, list[dict]]:
+    """ftbench's training loop: (its figures, step records). A stop (deadline, divergence) is a status in
+    the figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
+    spec, device, dist = run.spec, run.device, run.dist
+    loop_times = {} if loop_times is None else loop_times
+    loop = _set_up_loop(run)
+    warmup = Warmup.of(spec, loop.total_steps)
+    sampler = gpu_monitor.GpuSampler(loop.local_gpus, spec.gpu_sample_interval_s)
+    loop.model.train()
+    train_started = time.perf_counter()
+    synchronize(device)
+    figures, steps, window = _take_steps(run, loop, shape, warmup, sampler, loop_times)
+    figures.update(sampler.stop())
+    figures["train_time_s"] = time.perf_counter() - train_started
+    figures.update(total_steps=loop.total_steps, grad_accum_steps=spec.grad_accum_steps, **warmup.figures(len(steps)))
+    window_s = (window[1] - window[0]) if window[0] is not None and window[1] is not None else None
+    figures["window_s"] = window_s
+    # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
+    counted_devices = spec.devices if dist.world_size == 1 else 1
+    figures.update(summarise(steps, window_s, counted_devices))
+    figures.update(image_throughput(steps, window_s, counted_devices))
+    if not dist.active:
+        figures["energy_j_per_token"] = energy_per_token(figures)
+    figures.update(steps_and_peaks(steps, figures, spec, loop.local_gpus))
+    return figures, steps
+
+
+def _set_up_loop(run: Run) -> _Loop:
+    spec, device = run.spec, run.device
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
+    model = _wrap_model(run)
     optimizer = make_optimizer(spec, model, device)
-    scheduler = make_scheduler(optimizer, spec, total_steps)
-    autocast = autocast_args(device, spec.precision)
-    scaler = make_grad_scaler(spec, device)
-    # This process's share of each global micro-batch: DataParallel takes all of it, a DDP rank a slice.
-    share = spec.batch_size * (devices // dist.world_size)
-    order = training_order(run, total_steps)
-    warmup = Warmup.of(spec, total_steps)
-    loop = {} if loop is None else loop
-
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
-    local_gpus = [] if device.type != "cuda" else list(range(devices)) if spec.parallel == "dp" else [device.index]
+    local_gpus = [] if device.type != "cuda" else list(range(spec.devices)) if spec.parallel == "dp" else [device.index]
     for index in local_gpus:
         torch.cuda.reset_peak_memory_stats(index)
-    sampler = gpu_monitor.GpuSampler(local_gpus, spec.gpu_sample_interval_s)
+    return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), make_grad_scaler(spec, device),
+                 autocast_args(device, spec.precision), training_order(run, total_steps),
+                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, local_gpus)
+
+
+def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict):
+    """The optimizer steps until done or stopped: (figures, step records, (window start, window end))."""
+    figures: dict = {"grad_scaler_skipped_steps": 0 if loop.scaler.is_enabled() else None}
     steps: list[dict] = []
-    skipped_steps = 0
     window_start = window_end = None
-    model.train()
-    train_started = time.perf_counter()
-    synchronize(device)
-    step_start = loop["first"] = time.perf_counter()
-    for step in range(total_steps):
+    step_start = loop_times["first"] = time.perf_counter()
+    for step in range(loop.total_steps):
         # Step times are gathered only while the window has not begun: nothing more on the measured steps.
         if window_start is None and warmup.window_begins(step, [s["step_time_s"] for s in steps],
                                                          agree=lambda flag: _any_rank(run, flag)):
@@ -280,99 +251,71 @@ def _train(run: Run, shape: flops.ModelShape, loop: dict | None = None) -> tuple
             sampler.start()
         stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
         if stop_reason:
-            figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {total_steps}")
+            figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
         run.last_step = step
-        record = {"step": step, "measured": window_start is not None, "samples": 0, "tokens": 0,
-                  "padded_tokens": 0, "capacity_tokens": 0, "flops": 0, "loader_s": 0.0}
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            fetch_start = time.perf_counter()
-            indices = next(order)[dist.rank * share : (dist.rank + 1) * share]
-            batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(device)
-            record["loader_s"] += time.perf_counter() - fetch_start
-            record["flops"] += flops.batch_flops(shape, full_finetune, batch)
-            if injector:
-                if micro == 0:
-                    injector.before_step(step)
-                injector.check_batch(spec.batch_size)
-            # DDP all-reduces gradients only on the last micro-batch of a step. FSDP reduce-scatters every
-            # micro-batch's: skipping it would keep whole unsharded gradients, the memory fsdp saves.
-            ddp_accumulating = spec.parallel == "ddp" and dist.active and micro < accum - 1
-            no_sync = model.no_sync() if ddp_accumulating else contextlib.nullcontext()
-            with no_sync:
-                with torch.autocast(**autocast):
-                    # Only the loss is kept: holding the whole output would keep the logits (batch x S x
-                    # vocab) alive through backward, memory a usual training loop frees at this point.
-                    loss = model(**batch.inputs).loss.mean() / accum  # mean: DataParallel returns one loss per GPU
-                if injector:
-                    loss = injector.loss(step, loss)
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-            record["samples"] += batch.samples
-            if batch.images:
-                record["images"] = record.get("images", 0) + batch.images
-                record["image_tokens"] = record.get("image_tokens", 0) + batch.image_tokens
-            record["tokens"] += batch.real_tokens
-            record["padded_tokens"] += batch.padded_tokens
-            record["capacity_tokens"] += batch.capacity_tokens
-        loss_value = loss_sum.item()  # synchronises; needed to stop before a NaN reaches the weights
+        record, loss_value = _forward_backward(run, loop, shape, step, measured=window_start is not None)
         if not math.isfinite(loss_value):
             figures.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
-            optimizer.zero_grad(set_to_none=True)
+            loop.optimizer.zero_grad(set_to_none=True)
             break
-        if scaler_step(scaler, optimizer):
-            skipped_steps += 1
-        record["lr"] = scheduler.get_last_lr()[0]
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
+        # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
+        # steps (timed, tokens counted) but did not update the weights.
+        if scaler_step(loop.scaler, loop.optimizer):
+            figures["grad_scaler_skipped_steps"] += 1
+        record["lr"] = loop.scheduler.get_last_lr()[0]
+        loop.scheduler.step()
+        loop.optimizer.zero_grad(set_to_none=True)
+        synchronize(run.device)
         step_end = time.perf_counter()
         record.update(step_time_s=step_end - step_start, loss=loss_value)
         steps.append(record)
-        window_end = loop["last"] = step_end
+        window_end = loop_times["last"] = step_end
         step_start = step_end
-
-    figures.update(sampler.stop())
-    figures["train_time_s"] = time.perf_counter() - train_started
-    # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
-    # steps (timed, tokens counted) but did not update the weights.
-    figures["grad_scaler_skipped_steps"] = skipped_steps if scaler.is_enabled() else None
-    figures.update(total_steps=total_steps, grad_accum_steps=accum, **warmup.figures(len(steps)))
-    window_s = (window_end - window_start) if window_start is not None and window_end is not None else None
-    figures["window_s"] = window_s
-    # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
-    figures.update(summarise(steps, window_s, devices if dist.world_size == 1 else 1))
-    figures.update(image_throughput(steps, window_s, devices if dist.world_size == 1 else 1))
-    if not dist.active:
-        figures["energy_j_per_token"] = energy_per_token(figures)
-    figures.update(steps_and_peaks(steps, figures, spec, local_gpus))
-    return figures, steps
+    return figures, steps, (window_start, window_end)
 
 
-def training_order(run: Run, total_steps: int):
-    """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it)."""
-    spec = run.spec
-    global_batch, count = spec.batch_size * spec.devices, total_steps * spec.grad_accum_steps
-    if spec.batching == "group_by_length":
-        return packing.grouped_order(packing.lengths_of(run.train_split), global_batch, count, spec.seed)
-    return batch_order(len(run.train_split), global_batch, count, spec.seed)
+def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int, measured: bool) -> tuple[dict, float]:
+    """One optimizer step's micro-batches, forward and backward: (the step's record so far, its loss)."""
+    spec, dist, injector = run.spec, run.dist, run.injector
+    accum = spec.grad_accum_steps
+    record = {"step": step, "measured": measured, "samples": 0, "tokens": 0,
+              "padded_tokens": 0, "capacity_tokens": 0, "flops": 0, "loader_s": 0.0}
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(accum):
+        fetch_start = time.perf_counter()
+        indices = next(loop.order)[dist.rank * loop.share : (dist.rank + 1) * loop.share]
+        batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(run.device)
+        record["loader_s"] += time.perf_counter() - fetch_start
+        record["flops"] += flops.batch_flops(shape, spec.method == "full", batch)
+        if injector:
+            if micro == 0:
+                injector.before_step(step)
+            injector.check_batch(spec.batch_size)
+        # DDP all-reduces gradients only on the last micro-batch of a step. FSDP reduce-scatters every
+        # micro-batch's: skipping it would keep whole unsharded gradients, the memory fsdp saves.
+        ddp_accumulating = spec.parallel == "ddp" and dist.active and micro < accum - 1
+        with loop.model.no_sync() if ddp_accumulating else contextlib.nullcontext():
+            with torch.autocast(**loop.autocast):
+                # Only the loss is kept: holding the whole output would keep the logits (batch x S x
+                # vocab) alive through backward, memory a usual training loop frees at this point.
+                loss = loop.model(**batch.inputs).loss.mean() / accum  # mean: DataParallel returns one loss per GPU
+            if injector:
+                loss = injector.loss(step, loss)
+            loop.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+        _count_batch(record, batch)
+    return record, loss_sum.item()  # .item() synchronises; needed to stop before a NaN reaches the weights
 
 
-def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:
-    """What either engine reports from its step records and its GPUs once training ends: final loss, the
-    first step, the compilation estimate, packing efficiency and the CUDA peaks."""
-    result = {"packing_efficiency": packing.packing_efficiency(steps)}
-    if steps:
-        result["final_train_loss"] = steps[-1]["loss"]
-        result["first_step_s"] = steps[0]["step_time_s"]
-        if spec.compile and figures.get("step_time_median_s"):
-            # Compilation happens inside the first step; its excess over a normal step estimates it.
-            result["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - figures["step_time_median_s"])
-    if local_gpus:
-        result["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
-        result["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in local_gpus) / 2**20
-    return result
+def _count_batch(record: dict, batch: batching.Batch) -> None:
+    record["samples"] += batch.samples
+    if batch.images:
+        record["images"] = record.get("images", 0) + batch.images
+        record["image_tokens"] = record.get("image_tokens", 0) + batch.image_tokens
+    record["tokens"] += batch.real_tokens
+    record["padded_tokens"] += batch.padded_tokens
+    record["capacity_tokens"] += batch.capacity_tokens
 
 
 def _count_flops(run: Run, shape: flops.ModelShape) -> dict:

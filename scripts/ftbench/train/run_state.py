@@ -1,0 +1,104 @@
+"""A run as this process trains it, and what both engines (ftbench's loop in trainer.py, transformers'
+Trainer in hf_engine.py) share: the stop signal, the seeded batch order, and what a run's steps report."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ftbench.data import prepared
+from ftbench.runspec import RunSpec
+from ftbench.tasks import batching
+from ftbench.train import faults, packing
+from ftbench.train.devices import Distributed
+
+
+@dataclass
+class StopSignal:
+    """When the loop must stop early: a wall-clock deadline (the job's time limit minus a margin for
+    evaluation and writing results) or a termination request (SIGTERM from the scheduler)."""
+
+    deadline: float | None = None  # time.monotonic() value
+    terminate_requested: bool = False
+    # When the job's time limit ends it (time.monotonic()), and the seconds kept between the deadline and
+    # then: evaluation and writing results happen there (evaluation.py).
+    limit: float | None = None
+    margin: float = 0.0
+
+    def reason(self, typical_step_s: float) -> str | None:
+        if self.terminate_requested:
+            return "terminated by the scheduler (SIGTERM)"
+        # Stop if another step might not finish before the deadline.
+        if self.deadline is not None and time.monotonic() + 2 * typical_step_s >= self.deadline:
+            return "stopped before the job's time limit"
+        return None
+
+
+@dataclass
+class Run:
+    """One run as this process trains it: its settings, where, on what data and model, and what may
+    stop it early."""
+
+    spec: RunSpec  # with auto_batch_size, its batch_size becomes the batch found
+    device: torch.device
+    dist: Distributed
+    stop: StopSignal
+    injector: faults.Injector
+    task: str
+    pad_id: int
+    train_split: batching.TokenisedSplit | prepared.DiskSplit
+    eval_split: batching.TokenisedSplit
+    model: torch.nn.Module  # as built, before DataParallel / DDP / torch.compile wrap it
+    last_step: int | None = None  # kept current so an OOM or a stop says how far the run got
+
+
+def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
+    """Yield ``count`` index arrays of ``global_batch`` examples, reshuffled each epoch (seeded, so every
+    DDP rank sees the same order and takes its own slice).
+
+    The last incomplete batch of an epoch is dropped so every measured step has the same shape.
+    """
+    rng = np.random.default_rng(seed)
+    produced = 0
+    while produced < count:
+        order = rng.permutation(num_examples)
+        for start in range(0, num_examples - global_batch + 1, global_batch):
+            yield order[start : start + global_batch]
+            produced += 1
+            if produced == count:
+                return
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def training_order(run: Run, total_steps: int):
+    """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it)."""
+    spec = run.spec
+    global_batch, count = spec.batch_size * spec.devices, total_steps * spec.grad_accum_steps
+    if spec.batching == "group_by_length":
+        return packing.grouped_order(packing.lengths_of(run.train_split), global_batch, count, spec.seed)
+    return batch_order(len(run.train_split), global_batch, count, spec.seed)
+
+
+def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:
+    """What either engine reports from its step records and its GPUs once training ends: final loss, the
+    first step, the compilation estimate, packing efficiency and the CUDA peaks."""
+    result = {"packing_efficiency": packing.packing_efficiency(steps)}
+    if steps:
+        result["final_train_loss"] = steps[-1]["loss"]
+        result["first_step_s"] = steps[0]["step_time_s"]
+        if spec.compile and figures.get("step_time_median_s"):
+            # Compilation happens inside the first step; its excess over a normal step estimates it.
+            result["compile_time_s"] = max(0.0, steps[0]["step_time_s"] - figures["step_time_median_s"])
+    if local_gpus:
+        result["peak_memory_allocated_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
+        result["peak_memory_reserved_mb"] = max(torch.cuda.max_memory_reserved(i) for i in local_gpus) / 2**20
+    return result
