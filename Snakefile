@@ -21,21 +21,10 @@ if not workflow.config_settings.configfiles:
     configfile: "config/config.yaml"
 
 
-# Snakemake's YAML loader keeps the last of two equal keys silently (a second model of the same name
-# would replace the first): read the experiment files again with ftbench's strict loader, which stops
-# with the file and line.
-from ftbench.experiment import config as ftbench_config
 from ftbench.report import summary as ftbench_summary
-from ftbench.errors import FtbenchError
-
-try:
-    for _path in workflow.config_settings.configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]:
-        ftbench_config.load_yaml(_path)
-except FtbenchError as error:
-    sys.stderr.write(f"ftbench: {error}\n")
-    sys.exit(1)
 
 
+# Checks the experiment (rules/common.smk) before anything else is read.
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/train.smk"

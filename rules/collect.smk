@@ -7,20 +7,11 @@ from ftbench.measure import gpu_table as ftbench_gpu_table  # noqa: E402
 
 PRICE_SETTINGS = {key: value for key, value in config.get("prices", {}).items() if key != "table"}
 PRICES_TABLE = config.get("prices", {}).get("table") or str(Path(workflow.basedir) / "config" / "prices.yaml")
-try:
+# MFU is computed here too, from the GPU peak table (GPU_TABLE): editing a peak re-runs collect and report,
+# never training. Read at parse time too, so a broken table stops the workflow before training rather than at collect.
+with stop_on_ftbench_error():
     ftbench_cost.resolve({**PRICE_SETTINGS, "table": PRICES_TABLE})
-except FtbenchError as error:
-    sys.stderr.write(f"ftbench: {error}\n")
-    sys.exit(1)
-
-# MFU is computed here too, from the GPU peak table: editing a peak re-runs collect and report, never training.
-# Read at parse time too, so a broken table stops the workflow before training rather than at collect.
-GPU_PEAKS = str(Path(workflow.basedir) / "config" / "gpus.yaml")
-try:
-    ftbench_gpu_table.load_peaks(GPU_PEAKS)
-except FtbenchError as error:
-    sys.stderr.write(f"ftbench: {error}\n")
-    sys.exit(1)
+    ftbench_gpu_table.load_peaks(GPU_TABLE)
 
 
 rule collect:
@@ -29,7 +20,7 @@ rule collect:
     input:
         metrics=all_run_metrics(),
         prices=PRICES_TABLE,
-        gpu_peaks=GPU_PEAKS,
+        gpu_peaks=GPU_TABLE,
     output:
         parquet="results/metrics.parquet",
         csv="results/metrics.csv",

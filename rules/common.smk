@@ -1,5 +1,6 @@
 # Shared helpers: config validation, the run table, and get_* input functions. No rules here.
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,16 +15,33 @@ from ftbench.cluster import resources as ftbench_resources
 from ftbench.cluster import slurm as ftbench_slurm
 from ftbench.errors import FtbenchError
 
-# Validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
+
+@contextlib.contextmanager
+def stop_on_ftbench_error():
+    """ftbench's checks raise FtbenchError with one line naming the key or file: Snakemake stops with that
+    line (exit 1) instead of a traceback. Used by every check of the workflow's files."""
+    try:
+        yield
+    except FtbenchError as error:
+        sys.stderr.write(f"ftbench: {error}\n")
+        sys.exit(1)
+
+
+# Snakemake's YAML loader keeps the last of two equal keys silently (a second model of the same name
+# would replace the first): read the experiment files again with ftbench's strict loader, which stops
+# with the file and line.
+# Then validate before the DAG is built: a bad key stops `snakemake -n` with one line and no job starts.
 # The GPU limit (--resources gpu=N, on the command line or from a profile) too: Snakemake would
 # silently shrink a larger request to N.
-try:
+with stop_on_ftbench_error():
+    for _path in workflow.config_settings.configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]:
+        ftbench_config.load_yaml(_path)
     ftbench_config.validate_config(config)
     _gpu_limit = workflow.global_resources.get("gpu")
     ftbench_config.check_gpu_limit(config, getattr(_gpu_limit, "value", _gpu_limit))
-except FtbenchError as error:
-    sys.stderr.write(f"ftbench: {error}\n")
-    sys.exit(1)
+
+# The GPU table (each GPU's dense peaks and memory): read by collect (MFU) and report (the memory line).
+GPU_TABLE = str(Path(workflow.basedir) / "config" / "gpus.yaml")
 
 # The repository, for the conda environments' post-deploy scripts (envs/*.post-deploy.sh), which run
 # from copies under .snakemake/conda/ and install ftbench from here (`--use-conda`).
@@ -97,11 +115,8 @@ def get_train_nodes(wildcards):
     use_threads, which Snakemake turns on for every non-local executor (and for --use-threads)."""
     cluster = workflow.non_local_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
     run = RUNS[wildcards.run_id]
-    try:
+    with stop_on_ftbench_error():
         ftbench_config.check_nodes(run, config, cluster)
-    except FtbenchError as error:
-        sys.stderr.write(f"ftbench: {error}\n")
-        sys.exit(1)
     return ftbench_resources.train_nodes(run)
 
 
@@ -126,7 +141,7 @@ _SAID = set()
 def _say_once(line):
     if line not in _SAID:
         _SAID.add(line)
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(f"{line}\n")
 
 
 def get_train_partition(wildcards):

@@ -4,8 +4,6 @@ FIGURE_CAPTIONS = {
     path.stem: " ".join(path.read_text(encoding="utf-8").split())
     for path in sorted((Path(workflow.basedir) / "rules" / "captions" / "figures").glob("*.rst"))
 }
-# The GPU table: each GPU's memory, drawn as a line on the memory figure.
-GPU_TABLE = str(Path(workflow.basedir) / "config" / "gpus.yaml")
 
 
 rule report:
@@ -15,7 +13,7 @@ rule report:
     input:
         metrics="results/metrics.parquet",
         steps=all_run_steps(),
-        gpu_table=GPU_TABLE,
+        gpu_table=GPU_TABLE,  # each GPU's memory, drawn as a line on the memory figure
     output:
         html=report("results/report.html", caption="captions/report.rst", category="Report"),
         # A figure with no data is not drawn (report.html says why), so the folder holds what exists.

@@ -52,13 +52,45 @@ def test_multi_gpu_run_pays_for_every_gpu_with_global_throughput():
     assert values["cost_per_1k_samples"] == pytest.approx(4 * 2.99 / (100 * 3600) * 1e3)
 
 
+def billed(device, world_size, num_gpus, parallel, num_nodes=None) -> int:
+    return cost.billed_devices(dict(device=device, world_size=world_size, num_gpus=num_gpus, parallel=parallel,
+                                    num_nodes=num_nodes))
+
+
 def test_billed_devices():
-    assert cost.billed_devices("cpu", 1, 1, "single") == 1
-    assert cost.billed_devices("cpu", 1, 4, "ddp") == 1
-    assert cost.billed_devices("cuda", 1, 1, "single") == 1
-    assert cost.billed_devices("cuda", 2, 2, "dp") == 2
-    assert cost.billed_devices("cuda", None, 4, "ddp") == 4
-    assert cost.billed_devices("cuda", None, 4, "single") == 1
+    assert billed("cpu", 1, 1, "single") == 1
+    assert billed("cpu", 1, 4, "ddp") == 1  # a CPU run pays for the machine
+    assert billed("cuda", 1, 1, "single") == 1
+    assert billed("cuda", 2, 2, "dp") == 2
+    assert billed("cuda", None, 4, "ddp") == 4
+    assert billed("cuda", None, 4, "single") == 1  # trains on one of them
+    assert billed("cuda", None, None, None) == 1  # nothing recorded: a single-GPU run
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_multi_node_run_pays_for_every_gpu_of_every_node(parallel):
+    # 2 nodes x 4 GPUs: 8 GPUs held, with or without the recorded world size
+    assert billed("cuda", None, 4, parallel, num_nodes=2) == 8
+    assert billed("cuda", 8, 4, parallel, num_nodes=2) == 8
+    assert billed("cuda", None, 4, parallel, num_nodes=1) == 4
+    assert billed("cuda", None, 1, parallel, num_nodes=4) == 4  # one GPU on each of 4 nodes
+    assert billed("cuda", pd.NA, 4, parallel, num_nodes=pd.NA) == 4  # nulls of the parquet table: one node
+
+
+def test_fsdp_without_a_recorded_world_size_pays_for_all_its_gpus():
+    assert billed("cuda", None, 4, "fsdp") == 4
+    assert billed("cuda", None, 2, "dp", num_nodes=1) == 2
+
+
+def test_a_two_node_fsdp_run_is_priced_for_8_gpus():
+    cloud = prices({"provider": "gpu_cloud", "pricing": "on_demand"})
+    row = make_run(1, "full", parallel="fsdp", num_gpus=4, num_nodes=2, tokens_per_s=80000.0)
+    row["world_size"] = None  # the settings alone say what it held
+    values, warning = cost.run_costs(row, cloud)
+    assert warning is None and values["billed_devices"] == 8
+    assert values["price_per_hour"] == pytest.approx(8 * 2.99)  # H100 SXM on demand, $2.99 per GPU-hour
+    # 8 x $2.99 = $23.92 an hour over 80,000 tokens/s (288M tokens an hour): $0.08306 per 1M tokens
+    assert values["cost_per_1m_tokens"] == pytest.approx(23.92 / 288.0)
 
 
 def test_cpu_runs_are_priced_per_machine_hour():

@@ -296,10 +296,6 @@ def settings_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(RunSpec) if "setting" in f.metadata]
 
 
-def setting_of(name: str) -> Setting:
-    return next(f.metadata["setting"] for f in settings_fields() if f.name == name)
-
-
 # Settings a run has when neither `defaults` nor the matrix gives them (model and dataset have none).
 RUN_DEFAULTS: dict[str, Any] = {
     f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)

@@ -187,12 +187,11 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
 
 
 def largest_batch_run(run: RunSpec, train_examples: int) -> RunSpec:
-    """The run at the largest batch it may measure at: with auto_batch_size, up to auto_batch_size_max,
-    which the trainer's search lowers until one global batch fits in the training split."""
+    """The run at the largest batch it may measure at: with auto_batch_size, the cap of the trainer's search
+    (RunSpec.auto_batch_size_cap: auto_batch_size_max, lowered until one global batch fits in the training split)."""
     if not run.auto_batch_size:
         return run
-    data_cap = train_examples // (run.devices * run.grad_accum_steps)
-    return run.replace(batch_size=max(1, min(run.auto_batch_size_max, data_cap)))
+    return run.replace(batch_size=run.auto_batch_size_cap(train_examples))
 
 
 def train_steps(run: RunSpec, train_examples: int) -> int:

@@ -4,8 +4,8 @@ Computed at ``collect`` time, so editing a price re-runs collect and report and 
 conventions, stated once:
 
 - A run pays for the devices it holds: the GPUs that trained together (``world_size``; every GPU of a
-  dp/ddp run), one GPU for a single-GPU run, and the whole machine (one "device", priced per hour in the
-  table's ``cpu`` entry) for a CPU run. ``price_per_hour`` = $ per device-hour x billed devices.
+  dp/ddp/fsdp run, on every node of a multi-node one), one GPU for a single-GPU run, and the whole machine
+  (one "device", priced per hour in the table's ``cpu`` entry) for a CPU run. ``price_per_hour`` = $ per device-hour x billed devices.
 - $ per 1M tokens = price_per_hour / (tokens_per_s x 3600) x 1e6, with the global (all devices)
   throughput of the measured window in real, unpadded tokens. $ per 1k samples likewise from samples_per_s.
 - Training budget: projected wall hours (``projected_hours``, from the measurement issue's projection
@@ -23,12 +23,13 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pandas as pd
 
 from ftbench.report.analysis import is_missing
 from ftbench.errors import ConfigError
+from ftbench.runspec import RunSpec
 
 # The price table when a caller names none: relative to the working directory, the repository root where
 # Snakemake and `python -m ftbench` run.
@@ -159,15 +160,17 @@ def resolve(settings: dict | None = None, default_table: str | Path = DEFAULT_PR
 # Formulas (one per quantity, each pinned by a unit test)
 
 
-def billed_devices(device: str | None, world_size: Any, num_gpus: Any, parallel: str | None) -> int:
-    """Devices a run pays for: its GPUs that trained together; 1 for a CPU machine."""
-    if device == "cpu":
+def billed_devices(row: Mapping[str, Any]) -> int:
+    """Devices a run (one row of the run table) pays for: its GPUs that trained together, as RunSpec.devices
+    counts them (every GPU of a dp/ddp/fsdp run, on every node of a multi-node one; one otherwise); 1 for a
+    CPU machine. The run's recorded world_size where it has one, else the same count from its settings."""
+    if row.get("device") == "cpu":
         return 1
+    world_size = row.get("world_size")
     if not is_missing(world_size) and int(world_size) >= 1:
         return int(world_size)
-    if parallel in ("dp", "ddp") and not is_missing(num_gpus):
-        return max(1, int(num_gpus))
-    return 1
+    given = {name: row.get(name) for name in ("parallel", "num_gpus", "num_nodes")}
+    return int(RunSpec().replace(**{name: value for name, value in given.items() if not is_missing(value)}).devices)
 
 
 def cost_per_1m_tokens(price_per_hour: float | None, tokens_per_s: float | None) -> float | None:
@@ -217,7 +220,7 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
     device = row.get("device")
     if is_missing(device):
         return out, None  # never started (unsupported before choosing a device): nothing to price
-    devices = billed_devices(device, row.get("world_size"), row.get("num_gpus"), row.get("parallel"))
+    devices = billed_devices(row)
     out["billed_devices"] = devices
     model = prices.model_for(device, row.get("device_name"))
     out["gpu_model"] = model

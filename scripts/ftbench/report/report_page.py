@@ -256,34 +256,58 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
     """Counts, what the runs cover, one fact per question (fastest, cheapest, ...) - a tie where the
     intervals overlap - and notes to read first."""
     counts = runs["status"].value_counts().to_dict()
-    scope = []
+    ok, measured = configs[configs["ok"] > 0], configs[configs["measured"] > 0]
+    notes = list(warnings)
+    facts = summary_facts(configs, ok, measured, notes)
+    notes += run_notes(runs, configs)
+    return {
+        "runs": len(runs), "configurations": len(configs), "scope": scope(runs), "facts": [f for f in facts if f],
+        "notes": notes, "statuses": ", ".join(f"{count} {status}" for status, count in sorted(counts.items())),
+        "nothing_finished": ok.empty, "measured_only": len(measured) if ok.empty else 0,
+    }
+
+
+def scope(runs: pd.DataFrame) -> list[tuple[str, str]]:
+    """What the runs cover: (models, "a, b"), (datasets, ...), ... for the columns that have values."""
+    covered = []
     for column, name in (("model", "models"), ("dataset", "datasets"), ("method", "methods"), ("device_name", "devices")):
         values = sorted(runs[column].dropna().astype(str).unique()) if column in runs else []
         if values:
-            scope.append((name, ", ".join(values)))
-    ok, measured = configs[configs["ok"] > 0], configs[configs["measured"] > 0]
-    notes = list(warnings)
+            covered.append((name, ", ".join(values)))
+    return covered
 
-    def with_span(value: str, row: pd.Series, column: str) -> str:
-        low, high = analysis.INTERVALS[column]
-        text = span(row[low], row[high], column)
-        return f"{value} (95% interval {text})" if text else value
 
-    def memory(row: pd.Series) -> str:
-        if is_missing(row["peak_memory_reserved_mb"]):
-            return f"{fmt(row['peak_memory_mb'])} MiB peak RSS"
-        return f"{fmt(row['peak_memory_mb'])} MiB CUDA reserved, {fmt(row['peak_memory_allocated_mb'])} MiB allocated"
+def _with_span(value: str, row: pd.Series, column: str) -> str:
+    low, high = analysis.INTERVALS[column]
+    text = span(row[low], row[high], column)
+    return f"{value} (95% interval {text})" if text else value
 
-    def quality(row: pd.Series) -> str:
-        counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
-        rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
-        return with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
 
+def _memory(row: pd.Series) -> str:
+    if is_missing(row["peak_memory_reserved_mb"]):
+        return f"{fmt(row['peak_memory_mb'])} MiB peak RSS"
+    return f"{fmt(row['peak_memory_mb'])} MiB CUDA reserved, {fmt(row['peak_memory_allocated_mb'])} MiB allocated"
+
+
+def _quality(row: pd.Series) -> str:
+    counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
+    rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
+    return _with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
+
+
+def _budget(row: pd.Series) -> str:
+    hours = f" ({row['projected_hours']:.3g} h)" if not is_missing(row["projected_hours"]) else ""
+    return _with_span(money(row["projected_cost"]), row, "projected_cost") + hours
+
+
+def summary_facts(configs: pd.DataFrame, ok: pd.DataFrame, measured: pd.DataFrame, notes: list[str]) -> list:
+    """One ranked fact per question (None where nothing answers it); a quality metric every configuration
+    scored 0 gets a note in ``notes`` instead of a fact."""
     facts = [
         ranked_fact("Fastest", measured, "tokens_per_s", True,
-                    lambda row: with_span(f"{fmt(row['tokens_per_s'])} tokens/s", row, "tokens_per_s")),
+                    lambda row: _with_span(f"{fmt(row['tokens_per_s'])} tokens/s", row, "tokens_per_s")),
         ranked_fact("Cheapest", measured, "cost_per_1m_tokens", False,
-                    lambda row: with_span(f"{money(row['cost_per_1m_tokens'])} per 1M tokens", row, "cost_per_1m_tokens")),
+                    lambda row: _with_span(f"{money(row['cost_per_1m_tokens'])} per 1M tokens", row, "cost_per_1m_tokens")),
     ]
     metrics = ok["quality_metric"].dropna().unique()
     for metric in metrics:
@@ -291,11 +315,15 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
         if scored["accuracy"].max() == 0:
             notes.append(f"Every evaluated configuration scored {metric} 0: there is no most accurate one.")
             continue
-        facts.append(ranked_fact("Most accurate" + (f" ({metric})" if len(metrics) > 1 else ""), scored, "accuracy", True, quality))
-    facts.append(ranked_fact("Smallest memory", configs, "peak_memory_mb", False, memory))
-    facts.append(ranked_fact("Cheapest training budget", measured, "projected_cost", False, lambda row: with_span(
-        money(row["projected_cost"]), row, "projected_cost") + (f" ({row['projected_hours']:.3g} h)" if not is_missing(row["projected_hours"]) else "")))
+        facts.append(ranked_fact("Most accurate" + (f" ({metric})" if len(metrics) > 1 else ""), scored, "accuracy", True, _quality))
+    facts.append(ranked_fact("Smallest memory", configs, "peak_memory_mb", False, _memory))
+    facts.append(ranked_fact("Cheapest training budget", measured, "projected_cost", False, _budget))
+    return facts
 
+
+def run_notes(runs: pd.DataFrame, configs: pd.DataFrame) -> list[str]:
+    """Notes to read before the figures: runs cut short, not finished, on synthetic data, or unstable."""
+    notes = []
     timed_out = runs[runs["status"].eq("timeout")]
     if not timed_out.empty:
         with_steps = int(timed_out["tokens_per_s"].notna().sum())
@@ -315,11 +343,7 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
     for _, row in configs[configs["unstable"].eq(True)].iterrows():
         notes.append(f"Unstable: {row['configuration']} varies by {row['tokens_per_s_cv']:.1%} (CV of tokens/s over "
                      f"{row['measured']} repeats, threshold {CV_THRESHOLD:.0%}); compare it with care.")
-    return {
-        "runs": len(runs), "configurations": len(configs), "scope": scope, "facts": [f for f in facts if f], "notes": notes,
-        "statuses": ", ".join(f"{count} {status}" for status, count in sorted(counts.items())),
-        "nothing_finished": ok.empty, "measured_only": len(measured) if ok.empty else 0,
-    }
+    return notes
 
 
 def recommendation(configs: pd.DataFrame, settings: dict) -> dict:
