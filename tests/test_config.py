@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import MINILM_SOURCE, ROOT, job_counts, snakemake_failure, tiny_dataset_def
+from ftbench.tasks import registry
 from ftbench.experiment import config as ftbench_config
 from ftbench.data import prepared
 from ftbench.errors import ConfigError
@@ -185,7 +186,7 @@ def test_missing_label_column_names_the_key_and_the_columns(tiny_csv):
 def test_missing_text_column_stops_prepare(tiny_csv, tmp_path):
     dataset_def = tiny_dataset_def(tiny_csv, text_column="review")
     with pytest.raises(ConfigError) as caught:
-        prepared.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
     assert_one_line(str(caught.value), "datasets.tiny.text_column", "'review'")
     assert not (tmp_path / "out" / prepared.MANIFEST_NAME).exists()
 

@@ -42,12 +42,12 @@ def repair_data(argv: list[str]) -> None:
     on it keep their results."""
     import argparse
 
-    from ftbench.data import prepared
+    from ftbench.tasks import registry
 
     parser = argparse.ArgumentParser(prog="python -m ftbench repair-data", description=repair_data.__doc__)
     parser.add_argument("data_dir", help="results/data/<data_id> (the folder the error names)")
     args = parser.parse_args(argv)
-    restored = prepared.repair(args.data_dir)
+    restored = registry.repair(args.data_dir)
     if not restored:
         print(f"{args.data_dir}: every shard matches its manifest; nothing to repair")
     for path in restored:
