@@ -29,7 +29,6 @@ from ftbench.tasks import batching
 from ftbench import cli
 from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
 from ftbench.report import collect
-from ftbench.data import prepared
 from ftbench.experiment import matrix
 from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftconfig

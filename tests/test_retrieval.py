@@ -21,7 +21,6 @@ from ftbench.tasks import registry
 from ftbench.tasks import batching
 from ftbench.tasks import image_text_retrieval as retrieval
 from ftbench.experiment import config as config_module, matrix
-from ftbench.data import prepared
 from ftbench.measure import flops
 from ftbench.train import modeling
 from ftbench.errors import ConfigError

@@ -325,7 +325,7 @@ class RetrievalBatch(ImageBatch):
 
 
 def collate(split, indices: np.ndarray) -> RetrievalBatch:
-    """A batch of pairs: images as images.collate makes them, captions padded (to the batch's longest, or
+    """A batch of pairs: images as image_classification.collate_images makes them, captions padded (to the batch's longest, or
     to seq_len for SigLIP). Real tokens are the image tokens plus the unpadded caption tokens."""
     import torch  # deferred: the registry is read at parse time, torch-free
 
