@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ftbench.tasks import batching
-from ftbench.data import prepared
+from ftbench.tasks import registry
 from ftbench.measure import flops
 from ftbench.experiment import matrix
 from ftbench.train import modeling
@@ -55,8 +55,8 @@ def main() -> None:
 
     spec = matrix.expand_runs(ftbench_config.load_config(args.config))[args.run]
     with tempfile.TemporaryDirectory(prefix="ftbench-flops-") as data_dir:
-        manifest = prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
-        split = prepared.load_split(data_dir, "train", manifest)
+        manifest = registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+        split = registry.load_split(data_dir, "train", manifest)
         device, _ = choose_device(spec, Distributed())
         model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
         model.train()

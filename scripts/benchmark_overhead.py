@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ftbench.tasks import batching
+from ftbench.tasks import registry
 from ftbench.data import prepared
 from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix
@@ -43,7 +44,7 @@ from ftbench.runspec import RunSpec
 
 def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
     manifest = prepared.verify(data_dir)
-    split = prepared.load_split(data_dir, "train", manifest)
+    split = registry.load_split(data_dir, "train", manifest)
     device, _ = choose_device(spec, Distributed())
     torch.manual_seed(spec.seed)
     model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
@@ -127,7 +128,7 @@ def main() -> None:
     if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
-        prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+        registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
         sides = {
             "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
             "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),

@@ -6,6 +6,7 @@ repository (snakemake runs use ``--directory <tmp>``) and needs no network.
 
 from __future__ import annotations
 
+from ftbench.tasks import registry
 import copy
 import os
 import random
@@ -168,7 +169,7 @@ def prepared_data(tmp_path_factory, tiny_csv):
     from ftbench.data import prepared
 
     folder = tmp_path_factory.mktemp("prepared") / "tiny-s32"
-    manifest = prepared.prepare("tiny", tiny_dataset_def(tiny_csv), {"source": MINILM_SOURCE}, TINY_SEQ_LEN, folder)
+    manifest = registry.prepare("tiny", tiny_dataset_def(tiny_csv), {"source": MINILM_SOURCE}, TINY_SEQ_LEN, folder)
     return folder, manifest
 
 

@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 
 from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
+from ftbench.tasks import registry
+from ftbench.data import tokenizers
 from ftbench.experiment import config as ftbench_config
 from ftbench.data import prepared
 from ftbench.errors import FtbenchError
@@ -140,7 +142,7 @@ def test_labels_that_leave_no_real_choice_are_refused_with_the_counts(tmp_path, 
     extra = {"labels": labels} if labels else {}
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, counts), train_size=40, eval_size=20, **extra)
     with pytest.raises(FtbenchError, match=message):
-        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -150,7 +152,7 @@ def test_manifest_records_the_rows_dropped(tmp_path):
     path = tmp_path / "dropped.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     dataset_def = tiny_dataset_def(path, train_size=60, eval_size=30, labels=["neg", "pos"])
-    manifest = prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+    manifest = registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
     assert manifest["rows_dropped"] == {"train": {"missing_or_empty": 1, "other_labels": 1, "conflicting_labels": 0,
                                                   "duplicates": 1}}
 
@@ -190,7 +192,7 @@ def test_hub_source_without_network_says_it_is_the_network(what, tmp_path, monke
             modeling.build_model(RunSpec(method="full", model_def={"source": hub, "task": "causal_lm"}), None,
                                  torch.device("cpu"), pad_token_id=0)
         elif what == "tokenizer":
-            modeling.load_tokenizer({"source": hub})
+            tokenizers.load_tokenizer({"source": hub})
         else:
             prepared.load_raw_splits({"source": hub, "text_column": "text", "label_column": "label"}, "hubdata")
     message = str(caught.value)
@@ -242,12 +244,12 @@ def test_repair_refuses_when_the_source_now_gives_other_data(tmp_path):
     path = labelled_csv(tmp_path, {"neg": 50, "pos": 50})
     dataset_def = tiny_dataset_def(path, train_size=40, eval_size=20)
     folder = tmp_path / "prepared"
-    manifest = prepared.prepare("tiny", dataset_def, MINILM, 32, folder)
+    manifest = registry.prepare("tiny", dataset_def, MINILM, 32, folder)
     shard = folder / manifest["splits"]["train"]["shards"][0]["file"]
     shard.write_bytes(b"tampered")
     pd.DataFrame(make_rows({"neg": 50, "pos": 50}, seed=7)).to_csv(path, index=False)  # the source was edited
     with pytest.raises(FtbenchError, match="gives other data than the manifest records"):
-        prepared.repair(folder)
+        registry.repair(folder)
 
 
 def test_dry_run_under_a_stale_lock_fails_and_says_how_to_unlock(tmp_path, tiny_config_factory, snakemake_runner):
@@ -279,7 +281,7 @@ def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
     from ftbench.runspec import RunSpec
 
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    manifest = prepared.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    manifest = registry.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
     assert manifest["vocab_size"] == 30522
     spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
@@ -290,7 +292,7 @@ def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
     with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
                                            r"tokenizer the data was prepared with has 30522 tokens"):
-        prepared.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
+        registry.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -446,7 +448,7 @@ def test_eval_labels_that_training_never_sees_are_refused(tmp_path):
     dataset_def = _split_folder(tmp_path, [r for r in rows[:50] if r["label"] != "c"], rows[50:])
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.labels: the eval split has labels the train split "
                                            r"lacks \('c': \d+ rows\)"):
-        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_a_class_left_with_no_usable_rows_is_refused_after_cleaning(tmp_path):
@@ -454,14 +456,14 @@ def test_a_class_left_with_no_usable_rows_is_refused_after_cleaning(tmp_path):
     rows = make_rows({"a": 40}) + [{"text": "  ", "label": "b"}] * 5
     dataset_def = tiny_dataset_def(labelled_csv_rows(tmp_path, rows), train_size=30, eval_size=10)
     with pytest.raises(FtbenchError, match=r"label_column: column 'label' holds one class only \('a': 40\)"):
-        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_an_eval_split_with_no_usable_rows_names_the_split(tmp_path):
     dataset_def = _split_folder(tmp_path, make_rows({"a": 20, "b": 20}), [{"text": f"t{i}", "label": None} for i in range(5)])
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.eval_split: split 'test' has no usable rows "
                                            r"\(rows dropped: missing_or_empty 5\)"):
-        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_a_column_of_lists_is_refused_naming_the_key(tmp_path):
@@ -469,14 +471,14 @@ def test_a_column_of_lists_is_refused_naming_the_key(tmp_path):
     dataset_def = _split_folder(tmp_path, rows[:30], rows[30:], suffix="parquet")
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.text_column: column 'text' of split 'train' holds "
                                            r"ndarray values; expected one string"):
-        prepared.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
 
 
 def test_eval_texts_also_in_train_are_dropped_and_counted(tmp_path):
     """An official test split that repeats training texts: deduplicate keeps eval to unseen texts."""
     train = make_rows({"a": 20, "b": 20})
     test = train[:6] + make_rows({"a": 5, "b": 5}, seed=1)
-    manifest = prepared.prepare("tiny", _split_folder(tmp_path, train, test), MINILM, 32, tmp_path / "out")
+    manifest = registry.prepare("tiny", _split_folder(tmp_path, train, test), MINILM, 32, tmp_path / "out")
     assert manifest["rows_dropped"]["test"]["also_in_train"] == 6
     assert manifest["splits"]["eval"]["rows"] == 10
 

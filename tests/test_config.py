@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import MINILM_SOURCE, ROOT, job_counts, snakemake_failure, tiny_dataset_def
+from ftbench.tasks import registry
 from ftbench.experiment import config as ftbench_config
 from ftbench.data import prepared
 from ftbench.errors import ConfigError
@@ -185,7 +186,7 @@ def test_missing_label_column_names_the_key_and_the_columns(tiny_csv):
 def test_missing_text_column_stops_prepare(tiny_csv, tmp_path):
     dataset_def = tiny_dataset_def(tiny_csv, text_column="review")
     with pytest.raises(ConfigError) as caught:
-        prepared.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
+        registry.prepare("tiny", dataset_def, {"source": MINILM_SOURCE}, 32, tmp_path / "out")
     assert_one_line(str(caught.value), "datasets.tiny.text_column", "'review'")
     assert not (tmp_path / "out" / prepared.MANIFEST_NAME).exists()
 
@@ -245,3 +246,29 @@ def test_validating_a_config_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "config.yaml")],
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_every_example_config_validates_with_torch_blocked():
+    """The task-family registry is torch-free at import: every example config, multimodal included, validates
+    (schema, references, each run's family rules, resource estimates) in a process where torch cannot load."""
+    code = ("import sys, glob; sys.modules['torch'] = None\n"
+            "from ftbench.experiment import config, matrix\n"
+            "from ftbench.cluster import resources\n"
+            "for path in sorted(glob.glob(sys.argv[1] + '/*.yaml')):\n"
+            "    c = config.load_config(path)\n"
+            "    for run in matrix.expand_runs(c): resources.train_compute_seconds(run)\n"
+            "print('ok')")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "examples")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_the_registry_names_every_family_and_refuses_an_unknown_one():
+    assert registry.NAMES == ("classification", "causal_lm", "seq2seq", "image_classification",
+                              "image_text_retrieval", "vision_language")
+    assert registry.IMAGE_FAMILIES == ("image_classification", "image_text_retrieval", "vision_language")
+    assert registry.model_family({}).name == "classification"
+    assert [registry.family(name).packable for name in registry.NAMES] == [False, True, False, False, False, False]
+    with pytest.raises(ConfigError, match="not a task family"):
+        registry.family("regression")

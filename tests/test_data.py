@@ -23,6 +23,7 @@ from conftest import (
     make_rows,
     tiny_dataset_def,
 )
+from ftbench.tasks import registry
 from ftbench.data import prepared, sources
 from ftbench.errors import ConfigError, ManifestError, SourceError
 
@@ -75,9 +76,9 @@ def test_labels_filter_and_order(tmp_path):
     dataset_def = tiny_dataset_def(path, labels=["rotten", "fresh"], train_size=30, eval_size=20)
     train, evaluation = prepared.load_raw_splits(dataset_def, "three")
     assert set(train["label"]) | set(evaluation["label"]) == {"fresh", "rotten"}
-    manifest = prepared.prepare("three", dataset_def, MINILM, 16, tmp_path / "out")
+    manifest = registry.prepare("three", dataset_def, MINILM, 16, tmp_path / "out")
     assert manifest["label_names"] == ["rotten", "fresh"]  # the configured order defines the class ids
-    labels = prepared.load_split(tmp_path / "out", "eval", manifest).labels
+    labels = registry.load_split(tmp_path / "out", "eval", manifest).labels
     assert Counter(labels.tolist()) == {1: 12, 0: 8}  # 30/50 fresh -> id 1
 
 
@@ -142,7 +143,7 @@ def test_stored_tokens_are_unpadded_and_match_the_tokenizer(prepared_data, tiny_
     folder, manifest = prepared_data
     train_frame, eval_frame = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
     for split, frame in (("train", train_frame), ("eval", eval_frame)):
-        loaded = prepared.load_split(folder, split, manifest)
+        loaded = registry.load_split(folder, split, manifest)
         lengths = [len(ids) for ids in loaded.input_ids]
         expected = tokenizer(frame["text"].tolist(), truncation=True, max_length=TINY_SEQ_LEN)["input_ids"]
         assert [list(ids) for ids in loaded.input_ids] == expected  # same order, same ids, no padding
@@ -158,7 +159,7 @@ def test_stored_tokens_are_unpadded_and_match_the_tokenizer(prepared_data, tiny_
 def test_small_shard_size_gives_several_shards_that_add_up(prepared_data, tiny_csv, tmp_path):
     _, one_shard = prepared_data
     folder = tmp_path / "sharded"
-    manifest = prepared.prepare("tiny", tiny_dataset_def(tiny_csv), MINILM, TINY_SEQ_LEN, folder, shard_size_mb=0.002)
+    manifest = registry.prepare("tiny", tiny_dataset_def(tiny_csv), MINILM, TINY_SEQ_LEN, folder, shard_size_mb=0.002)
     for split in ("train", "eval"):
         shards = manifest["splits"][split]["shards"]
         assert len(shards) > 2, shards
@@ -169,12 +170,12 @@ def test_small_shard_size_gives_several_shards_that_add_up(prepared_data, tiny_c
         assert all(shard["bytes"] < 0.002 * 2**20 * 2 for shard in shards)
     assert prepared.verify(folder) == manifest
     # the shards read back as the same examples in the same order as the one-shard preparation
-    sharded = prepared.load_split(folder, "train", manifest)
-    single = prepared.load_split(prepared_data[0], "train", one_shard)
+    sharded = registry.load_split(folder, "train", manifest)
+    single = registry.load_split(prepared_data[0], "train", one_shard)
     assert [list(ids) for ids in sharded.input_ids] == [list(ids) for ids in single.input_ids]
     assert sharded.labels.tolist() == single.labels.tolist()
     # length-grouped batching reads every row's length: from the shards' length column, without the tokens
-    on_disk = prepared.load_split(folder, "train", manifest, "disk")
+    on_disk = registry.load_split(folder, "train", manifest, "disk")
     assert on_disk.lengths().tolist() == single.lengths().tolist() == [len(ids) for ids in single.input_ids]
     files = sorted(path.name for path in folder.iterdir())
     listed = sorted(shard["file"] for split in manifest["splits"].values() for shard in split["shards"])
@@ -322,7 +323,7 @@ def test_save_to_disk_folder_with_its_own_splits(tmp_path, tiny_frame):
     assert list(train["text"]) == list(tiny_frame["text"].iloc[:70])  # the source's own split, unshuffled
     assert list(evaluation["text"]) == list(tiny_frame["text"].iloc[70:])
 
-    manifest = prepared.prepare("saved", dataset_def, MINILM, 16, tmp_path / "prepared")
+    manifest = registry.prepare("saved", dataset_def, MINILM, 16, tmp_path / "prepared")
     assert (manifest["splits"]["train"]["rows"], manifest["splits"]["eval"]["rows"]) == (70, 30)
     assert manifest["source_fingerprint"].startswith("sha256:")
 
@@ -364,17 +365,17 @@ def test_package_source_errors():
 @pytest.mark.parametrize("task", ["classification", "seq2seq"])
 def test_disk_source_gives_the_same_rows_as_memory(tmp_path, task):
     """data_source: disk reads a batch's rows from Parquet row groups, in the batch's order."""
-    from ftbench.tasks import batching
+    from ftbench.tasks import text
 
     rows = 3000
     ids = [list(range(i % 7 + 1)) for i in range(rows)]
     labels = [i % 2 for i in range(rows)] if task == "classification" else None
     targets = [[i, i + 1] for i in range(rows)] if task == "seq2seq" else None
-    table = batching.to_table(task, ids, labels, targets)
+    table = text.to_table(ids, labels, targets)
     shards = prepared.write_shards(table, tmp_path, "train", 0.01)
     assert len(shards) > 1  # rows come from several files and row groups
-    disk = prepared.DiskSplit([tmp_path / shard["file"] for shard in shards])
-    memory = batching.from_table(table)
+    disk = prepared.DiskSplit([tmp_path / shard["file"] for shard in shards], text.from_table)
+    memory = text.from_table(table)
     indices = np.random.default_rng(0).permutation(rows)[:64]
     got, want = disk.take(indices), memory.take(indices)
     assert [list(x) for x in got.input_ids] == [list(x) for x in want.input_ids]

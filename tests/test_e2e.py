@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ftbench.tasks import registry
 from ftbench.data import prepared
 from ftbench.experiment import matrix
 from ftbench.train import run_state, trainer
@@ -92,7 +93,7 @@ def test_step_tokens_are_the_real_lengths_of_the_stored_sequences(results):
     (data_id,) = {run.data_id for run in runs}
     data_dir = folder / "data" / data_id
     manifest = prepared.verify(data_dir)
-    lengths = np.array([len(ids) for ids in prepared.load_split(data_dir, "train", manifest).input_ids])
+    lengths = np.array([len(ids) for ids in registry.load_split(data_dir, "train", manifest).input_ids])
     for run in runs:
         steps = pd.read_parquet(folder / "runs" / run.run_id / "steps.parquet")
         order = run_state.batch_order(len(lengths), run.batch_size, len(steps), run.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ftbench.tasks import registry
 from ftbench.train import evaluation, trainer
 
 
@@ -54,7 +55,7 @@ def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, pre
                                  matrix={"model": ["tiny"], "dataset": ["tiny"]})
     (spec,) = matrix.expand_runs(config)
     folder, manifest = prepared_data
-    split = prepared.load_split(folder, "eval", prepared.verify(folder))
+    split = registry.load_split(folder, "eval", prepared.verify(folder))
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
                                  pad_token_id=manifest["pad_token_id"])
     answers = iter([True, True, False])

@@ -31,6 +31,8 @@ import torch
 import yaml
 
 from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
+from ftbench.tasks import registry
+from ftbench.data import tokenizers
 from ftbench.tasks import batching
 from ftbench import cli
 from ftbench.data import prepared
@@ -111,7 +113,7 @@ def t5_spec(**settings) -> RunSpec:
 
 
 def prepare_for(spec: dict, folder: Path) -> Path:
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -264,7 +266,7 @@ def test_ddp_global_throughput_is_the_sum_over_ranks_per_window(ddp_run):
 def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_data):
     spec, metrics, steps, ranks = ddp_run
     folder, manifest = prepared_data
-    lengths = np.array([len(ids) for ids in prepared.load_split(folder, "train", manifest).input_ids])
+    lengths = np.array([len(ids) for ids in registry.load_split(folder, "train", manifest).input_ids])
     batch = spec.batch_size
     order = list(run_state.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec.seed))
     for rank in ranks:
@@ -377,7 +379,7 @@ def test_gradient_accumulation_counts_every_micro_batch(llama_data):
 
 def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
     manifest = prepared.read_manifest(data_dir)
-    split = prepared.load_split(data_dir, "eval", manifest)
+    split = registry.load_split(data_dir, "eval", manifest)
     return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
 
 
@@ -485,7 +487,7 @@ def test_eval_accumulator_shifts_causal_labels_and_skips_padding():
             target = int(ids[row, t + 1])
             logits[row, t, target] = 10.0 if mask[row, t + 1] else -10.0
     batch = batching.Batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, 2, 6, 8, 20)
-    scores = batching.EvalAccumulator("causal_lm")
+    scores = batching.eval_accumulator("causal_lm")
     scores.add(type("Output", (), {"logits": logits})(), batch)
     result = scores.result()
     assert scores.count == 4  # 3 predictions in row 0, 1 in row 1 (its padding is not scored)
@@ -630,8 +632,8 @@ def test_config_model_without_tokenizer_trains_on_synthetic_data(tmp_path):
     assert "tokenizer" not in spec.model_def["source"]
     folder = prepare_for(spec, tmp_path / "data")
     manifest = prepared.read_manifest(folder)
-    assert manifest["tokenizer"] is None and manifest["pad_token_id"] == modeling.SYNTHETIC_PAD_ID
-    split = prepared.load_split(folder, "train", manifest)
+    assert manifest["tokenizer"] is None and manifest["pad_token_id"] == tokenizers.SYNTHETIC_PAD_ID
+    split = registry.load_split(folder, "train", manifest)
     ids = np.stack(split.input_ids)
     assert ids.shape == (SYNTHETIC_TRAIN, SEQ) and ids.max() < LLAMA_OVERRIDES["vocab_size"]
     metrics, steps = trainer.train_run(spec, folder)

@@ -47,6 +47,7 @@ import torch
 from conftest import (
     SNAKEFILE, _snakemake_command, job_counts, snakemake_failure, train_run_ids, write_config,
 )
+from ftbench.tasks import registry
 from ftbench.report import analysis, collect, report_page
 from ftbench import atomic, cli, errors
 from ftbench.data import prepared
@@ -833,7 +834,7 @@ def test_real_gpu_oom_is_a_row_and_auto_batch_size_finds_the_real_limit(tmp_path
     ftbench_config.validate_config(config)
     oversized, auto = matrix.expand_runs(config)
     data_dir = tmp_path / "data"
-    prepared.prepare("tokens", oversized["dataset_def"], GPU_MODEL, 1024, data_dir)
+    registry.prepare("tokens", oversized["dataset_def"], GPU_MODEL, 1024, data_dir)
 
     out = tmp_path / "oversized" / "metrics.json"
     process, _ = train_command(oversized, data_dir, out, timeout=600)

@@ -100,22 +100,22 @@ def test_estimate_shards_states_and_moves_them_to_the_host_with_offload():
     model_def["source"]["overrides"]["num_hidden_layers"] = 4  # more blocks than the two gathered at a time
     single = only_spec(lm_config(model_def, precision="bf16"))
     model = tiny_llama(single)
-    base = memory_estimate.estimate(model, single, "causal_lm", model.config.vocab_size)["memory_estimate_parts_mb"]
+    base = memory_estimate.estimate(model, single, model.config.vocab_size)["memory_estimate_parts_mb"]
     four = only_spec(lm_config(model_def, precision="bf16", parallel="fsdp", num_gpus=4))
-    sharded = memory_estimate.estimate(model, four, "causal_lm", model.config.vocab_size)
+    sharded = memory_estimate.estimate(model, four, model.config.vocab_size)
     parts = sharded["memory_estimate_parts_mb"]
     assert parts["weights"] == pytest.approx(base["weights"] / 4)
     assert parts["optimizer"] == pytest.approx(base["optimizer"] / 4)
     assert parts["gradients"] > base["gradients"] / 4  # plus the gradients awaiting their reduce-scatter
     assert parts["activations"] == base["activations"]  # a per-device batch either way
     assert sharded["memory_estimate_host_mb"] is None
-    kept = memory_estimate.estimate(model, four.replace(fsdp_reshard_after_forward=False), "causal_lm", model.config.vocab_size)
+    kept = memory_estimate.estimate(model, four.replace(fsdp_reshard_after_forward=False), model.config.vocab_size)
     assert kept["memory_estimate_parts_mb"]["weight_copies"] > parts["weight_copies"]  # every block stays gathered
-    offload = memory_estimate.estimate(model, four.replace(fsdp_cpu_offload=True), "causal_lm", model.config.vocab_size)
+    offload = memory_estimate.estimate(model, four.replace(fsdp_cpu_offload=True), model.config.vocab_size)
     assert offload["memory_estimate_parts_mb"]["weights"] == offload["memory_estimate_parts_mb"]["optimizer"] == 0
     assert offload["memory_estimate_host_mb"] == pytest.approx((base["weights"] + base["gradients"] + base["optimizer"]) / 4)
     assert offload["memory_estimate_mb"] < sharded["memory_estimate_mb"] < memory_estimate.estimate(
-        model, single, "causal_lm", model.config.vocab_size)["memory_estimate_mb"]
+        model, single, model.config.vocab_size)["memory_estimate_mb"]
 
 
 # ---------------------------------------------------------------------------------------------------

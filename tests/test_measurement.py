@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from conftest import LM_DEFAULTS, ROOT
+from ftbench.tasks import registry
 from ftbench.runspec import RunSpec
 from ftbench.tasks import batching
 from ftbench import cli
 from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
 from ftbench.report import collect
-from ftbench.data import prepared
 from ftbench.experiment import matrix
 from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftconfig
@@ -79,7 +79,7 @@ def tiny_llama(**overrides):
 def llama_data(tmp_path_factory) -> Path:
     spec = llama_spec()
     folder = tmp_path_factory.mktemp("llama-tokens")
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, folder)
     return folder
 
 
@@ -497,7 +497,7 @@ def estimate_spec(**settings) -> RunSpec:
 
 def parts(model, **settings) -> dict:
     """The estimate's parts in bytes."""
-    result = memory_estimate.estimate(model, estimate_spec(**settings), "causal_lm", LLAMA_OVERRIDES["vocab_size"])
+    result = memory_estimate.estimate(model, estimate_spec(**settings), LLAMA_OVERRIDES["vocab_size"])
     return {name: value * memory_estimate.MIB for name, value in result["memory_estimate_parts_mb"].items()}
 
 
@@ -517,7 +517,7 @@ def test_optimizer_state_bytes_per_trainable_parameter(optimizer, bytes_per_para
 def test_weights_are_fp32_masters_and_estimate_sums_its_parts():
     model = tiny_llama()
     params = sum(p.numel() for p in model.parameters())
-    result = memory_estimate.estimate(model, estimate_spec(batch_size=8, seq_len=64), "causal_lm", 1000)
+    result = memory_estimate.estimate(model, estimate_spec(batch_size=8, seq_len=64), 1000)
     assert result["memory_estimate_parts_mb"]["weights"] * memory_estimate.MIB == pytest.approx(4 * params)
     # 512 tokens of a decoder: its peak is the start of the backward pass, everything but the gradients.
     expected = sum(value for name, value in result["memory_estimate_parts_mb"].items() if name != "gradients")
@@ -560,7 +560,7 @@ def test_peak_is_the_larger_moment_of_the_backward_pass():
     assert memory_estimate.peak_bytes({**checkpointed, "gradients": 60}) == 100 + 200 + 60 + 50 + 20
     # A full fine-tune of a classifier with short sequences: the gradients are the peak.
     model = tiny_llama()
-    small = memory_estimate.estimate(model, estimate_spec(batch_size=1, seq_len=2), "classification", None)
+    small = memory_estimate.estimate(model, estimate_spec(batch_size=1, seq_len=2), None)
     parts_mb = small["memory_estimate_parts_mb"]
     assert small["memory_estimate_mb"] == pytest.approx(parts_mb["weights"] + parts_mb["optimizer"] + parts_mb["gradients"])
 
@@ -608,7 +608,7 @@ def test_activation_model_matches_what_autograd_keeps(family, precision):
     traced = traced_activation_bytes_per_layer(make_model, precision, batch, seq)
     model = make_model(1)
     spec = estimate_spec(precision=precision, batch_size=batch, seq_len=seq)
-    estimated = memory_estimate.estimate(model, spec, "classification", None)["memory_estimate_parts_mb"]["activations"]
+    estimated = memory_estimate.estimate(model, spec, None)["memory_estimate_parts_mb"]["activations"]
     assert estimated * memory_estimate.MIB == pytest.approx(traced, rel=0.10)
 
 
@@ -644,7 +644,7 @@ def test_adapter_activation_model_matches_what_autograd_keeps(family, precision,
     spec = adapter_spec(family, 1, method=method, precision=precision, lora_dropout=0.0).replace(batch_size=batch, seq_len=seq)
 
     def estimated_activations(method_as: str) -> float:
-        parts_mb = memory_estimate.estimate(model, spec.replace(method=method_as), "classification", None)["memory_estimate_parts_mb"]
+        parts_mb = memory_estimate.estimate(model, spec.replace(method=method_as), None)["memory_estimate_parts_mb"]
         return parts_mb["activations"] * memory_estimate.MIB
 
     assert estimated_activations(method) == pytest.approx(traced, rel=0.10)
@@ -655,10 +655,10 @@ def test_adapter_activation_model_matches_what_autograd_keeps(family, precision,
 
 def test_compiled_run_gets_no_estimate_and_a_reason():
     """torch.compile keeps fewer activations than eager autograd: no estimate rather than a wrong one."""
-    result = memory_estimate.estimate(tiny_llama(), estimate_spec(compile=True), "causal_lm", 1000)
+    result = memory_estimate.estimate(tiny_llama(), estimate_spec(compile=True), 1000)
     assert result["memory_estimate_mb"] is None and result["memory_estimate_parts_mb"] is None
     assert result["memory_estimate_note"].startswith("not modelled for compiled runs")
-    eager = memory_estimate.estimate(tiny_llama(), estimate_spec(), "causal_lm", 1000)
+    eager = memory_estimate.estimate(tiny_llama(), estimate_spec(), 1000)
     assert eager["memory_estimate_mb"] > 0 and eager["memory_estimate_note"] is None
     from ftbench.report.columns import row_from_result
 
@@ -673,8 +673,8 @@ def test_lora_dropout_adds_a_one_byte_mask_per_adapted_input():
     an intermediate-wide one)."""
     spec = adapter_spec("llama", 2, method="lora", precision="bf16", lora_dropout=0.0)
     model = modeling.build_model(spec, None, torch.device("cpu")).model
-    without = memory_estimate.estimate(model, spec, "causal_lm", 1000)["memory_estimate_parts_mb"]["activations"]
-    with_dropout = memory_estimate.estimate(model, spec.replace(lora_dropout=0.05), "causal_lm", 1000)["memory_estimate_parts_mb"]["activations"]
+    without = memory_estimate.estimate(model, spec, 1000)["memory_estimate_parts_mb"]["activations"]
+    with_dropout = memory_estimate.estimate(model, spec.replace(lora_dropout=0.05), 1000)["memory_estimate_parts_mb"]["activations"]
     tokens = spec.batch_size * spec.seq_len
     assert (with_dropout - without) * memory_estimate.MIB == pytest.approx(tokens * 2 * (6 * 96 + 256))
 

@@ -1,4 +1,4 @@
-"""Image tasks (images.py, task_types.IMAGE_TASKS): data preparation from every supported source, batching,
+"""Image tasks (data/images.py, tasks/image_classification.py): data preparation from every supported source, batching,
 the run checks, throughput counts, and one tiny image experiment end to end through snakemake.
 
 Models are ViTs built from a config (no pip package ships vision weights); the real images are the UCI
@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from ftbench.tasks import registry
 from ftbench.tasks import batching
 from ftbench.experiment import config as config_module, matrix
 from ftbench.report import cost
@@ -53,7 +54,7 @@ def image_dataset(folder, **extra) -> dict:
 
 
 def prepare(dataset_def: dict, out, image_size: int | None = 16, **model) -> dict:
-    return prepared.prepare("imgs", dataset_def, {**VIT_DEF, **model}, 32, out, 128, "vit", image_size)
+    return registry.prepare("imgs", dataset_def, {**VIT_DEF, **model}, 32, out, 128, "vit", image_size)
 
 
 def experiment(dataset_def: dict, **defaults) -> dict:
@@ -85,7 +86,7 @@ def test_folder_of_images_with_a_label_csv(tmp_path, image_folder):
     # ViT patch 4 at 16 pixels: 16 patches + the class token
     assert manifest["image_tokens_per_image"] == 17
     assert manifest["splits"]["train"]["tokens"] == 16 * 17
-    split = prepared.load_split(tmp_path, "train", prepared.verify(tmp_path))
+    split = registry.load_split(tmp_path, "train", prepared.verify(tmp_path))
     assert split.pixels.shape == (16, 16, 16, 3) and split.pixels.dtype == np.uint8
 
 
@@ -106,8 +107,8 @@ def test_parquet_with_image_bytes_gives_the_pixels_of_the_files(tmp_path, image_
     from_bytes = prepare({**image_dataset(image_folder), "source": {"kind": "path", "path": str(tmp_path / "imgs.parquet")}},
                          tmp_path / "bytes")
     from_files = prepare(image_dataset(image_folder), tmp_path / "files")
-    a = prepared.load_split(tmp_path / "bytes", "eval", from_bytes)
-    b = prepared.load_split(tmp_path / "files", "eval", from_files)
+    a = registry.load_split(tmp_path / "bytes", "eval", from_bytes)
+    b = registry.load_split(tmp_path / "files", "eval", from_files)
     assert (a.pixels == b.pixels).all() and (a.labels == b.labels).all()
 
 
@@ -130,7 +131,7 @@ def test_synthetic_images_have_the_run_size_and_random_classes(tmp_path):
                        image_size=32)
     assert manifest["image_size"] == 32 and manifest["label_names"] == ["0", "1", "2"]
     assert manifest["image_tokens_per_image"] == (32 // 4) ** 2 + 1
-    split = prepared.load_split(tmp_path, "train", manifest)
+    split = registry.load_split(tmp_path, "train", manifest)
     assert split.pixels.shape == (20, 32, 32, 3)
 
 
@@ -172,7 +173,7 @@ def test_pixel_rows_csv(tmp_path):
                    "pixels": {"height": 4, "width": 4, "max_value": 16}, "train_size": 21, "eval_size": 9}
     manifest = prepare(dataset_def, tmp_path / "out", image_size=4)
     assert manifest["label_names"] == ["0", "1", "2"]
-    split = prepared.load_split(tmp_path / "out", "train", manifest)
+    split = registry.load_split(tmp_path / "out", "train", manifest)
     # 16 is the brightest: scaled to 255; every channel equal (grey)
     assert split.pixels.max() <= 255 and (split.pixels[..., 0] == split.pixels[..., 2]).all()
     wrong = {**dataset_def, "pixels": {"height": 5, "width": 4}}
@@ -196,8 +197,8 @@ def test_the_digits_scikit_learn_ships(tmp_path):
 def test_disk_and_memory_splits_give_the_same_batches(tmp_path, image_folder):
     manifest = prepare(image_dataset(image_folder), tmp_path)
     indices = np.array([5, 0, 15, 3])
-    memory = batching.collate("image_classification", prepared.load_split(tmp_path, "train", manifest), indices, None)
-    disk = batching.collate("image_classification", prepared.load_split(tmp_path, "train", manifest, "disk"), indices, None)
+    memory = batching.collate("image_classification", registry.load_split(tmp_path, "train", manifest), indices, None)
+    disk = batching.collate("image_classification", registry.load_split(tmp_path, "train", manifest, "disk"), indices, None)
     assert memory.inputs["pixel_values"].dtype == torch.uint8  # bytes until the batch reaches its device
     memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     assert (memory.inputs["pixel_values"] == disk.inputs["pixel_values"]).all()
@@ -322,7 +323,7 @@ def train(tmp_path, dataset_def: dict, **defaults):
     config = experiment(dataset_def, **defaults)
     spec = matrix.expand_runs(config)[0]
     config_module.check_run(spec, config)
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
     return trainer.train_run(spec, tmp_path)
 
 
@@ -363,7 +364,7 @@ def test_lora_on_a_checkpoint_at_another_image_size(tmp_path, image_folder, vit_
     config = experiment(image_dataset(image_folder), method="lora", image_size=24)
     config["models"]["vit"] = {"task": "image_classification", "source": {"kind": "path", "path": str(vit_checkpoint)}}
     spec = matrix.expand_runs(config)[0]
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
     metrics, steps = trainer.train_run(spec, tmp_path)
     assert metrics["status"] == "ok", metrics["status_reason"]
     assert steps[0]["image_tokens"] == 8 * ((24 // 4) ** 2 + 1)
@@ -379,7 +380,7 @@ def test_qlora_trains_a_vision_encoder(tmp_path):
     config = experiment(dataset_def, method="qlora", max_steps=3)
     config["models"]["vit"] = {**VIT_DEF, "source": {**TINY_VIT, "overrides": overrides}}
     spec = matrix.expand_runs(config)[0]
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path, 128, spec.model, spec.image_size)
     metrics, _ = trainer.train_run(spec, tmp_path)
     assert metrics["status"] == "ok", metrics["status_reason"]
 
@@ -425,7 +426,7 @@ def test_ddp_image_run_sums_the_ranks_images(tmp_path, image_folder):
     spec = matrix.expand_runs(config)[0]
     config_module.check_run(spec, config)
     data_dir = tmp_path / "data"
-    prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir, 128, spec.model, spec.image_size)
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir, 128, spec.model, spec.image_size)
     out = tmp_path / "run" / "metrics.json"
     out.parent.mkdir()
     process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data_dir),

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
-from ftbench.tasks import batching, retrieval
+from ftbench.tasks import registry
+from ftbench.tasks import batching
+from ftbench.tasks import image_text_retrieval as retrieval
 from ftbench.experiment import config as config_module, matrix
-from ftbench.data import prepared
 from ftbench.measure import flops
 from ftbench.train import modeling
 from ftbench.errors import ConfigError
@@ -55,7 +56,7 @@ def caption_dataset(folder, **extra) -> dict:
 
 
 def prepare(dataset_def: dict, out, model_def: dict = CLIP_DEF, seq_len: int = 16, image_size: int | None = 16) -> dict:
-    return prepared.prepare("pairs", dataset_def, model_def, seq_len, out, 128, "clip", image_size)
+    return registry.prepare("pairs", dataset_def, model_def, seq_len, out, 128, "clip", image_size)
 
 
 def experiment(dataset_def: dict, model_def: dict = CLIP_DEF, **defaults) -> dict:
@@ -76,8 +77,8 @@ def test_captioned_folder_round_trips_through_shards_memory_and_disk(tmp_path, c
     assert (train["rows"], train["images"], train["image_tokens"]) == (16, 16, 16 * 17)
     assert train["tokens"] == train["image_tokens"] + train["text_tokens"]
     indices = np.array([5, 0, 15, 3])
-    memory = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), indices, 0)
-    disk = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
+    memory = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), indices, 0)
+    disk = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
     assert set(memory.inputs) == {"pixel_values", "input_ids", "attention_mask", "return_loss"}
     memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     for key in ("pixel_values", "input_ids", "attention_mask"):
@@ -95,7 +96,7 @@ def test_captioned_folder_round_trips_through_shards_memory_and_disk(tmp_path, c
 
 def test_rows_with_the_same_caption_share_a_caption_id(tmp_path, caption_folder):
     manifest = prepare(caption_dataset(caption_folder), tmp_path)
-    split = prepared.load_split(tmp_path, "eval", manifest)
+    split = registry.load_split(tmp_path, "eval", manifest)
     ids = split.take(np.arange(len(split)))
     texts = [tuple(row) for row in ids.captions.input_ids]
     for a in range(len(texts)):
@@ -113,7 +114,7 @@ def test_parquet_of_image_bytes_and_a_save_to_disk_image_feature(tmp_path, capti
     from_bytes = prepare({**caption_dataset(caption_folder), "source": {"kind": "path", "path": str(tmp_path / "pairs.parquet")}},
                          tmp_path / "bytes")
     from_files = prepare(caption_dataset(caption_folder), tmp_path / "files")
-    a, b = prepared.load_split(tmp_path / "bytes", "eval", from_bytes), prepared.load_split(tmp_path / "files", "eval", from_files)
+    a, b = registry.load_split(tmp_path / "bytes", "eval", from_bytes), registry.load_split(tmp_path / "files", "eval", from_files)
     assert (a.pictures.pixels == b.pictures.pixels).all() and (a.caption_ids == b.caption_ids).all()
 
     table = datasets.Dataset.from_dict({"img": [str(caption_folder / name) for name in caption_rows()["file"]],
@@ -127,7 +128,7 @@ def test_parquet_of_image_bytes_and_a_save_to_disk_image_feature(tmp_path, capti
 def test_synthetic_pairs_are_full_length_and_end_where_clip_pools(tmp_path):
     manifest = prepare(SYNTHETIC, tmp_path, model_def={"task": "image_text_retrieval", "source": TINY_CLIP})
     assert manifest["tokenizer"] is None and manifest["vocab_size"] == 49408  # CLIP's own vocabulary
-    split = prepared.load_split(tmp_path, "train", manifest)
+    split = registry.load_split(tmp_path, "train", manifest)
     assert len(split) == 32 and split.pictures.pixels.shape == (32, 16, 16, 3)
     assert all(len(ids) == 16 and ids[-1] == 49407 for ids in split.captions.input_ids)  # CLIP's end-of-text token
     assert len(set(split.caption_ids)) == 32  # every random caption is its own
@@ -149,7 +150,7 @@ def test_siglip_captions_are_padded_to_seq_len_without_a_mask(tmp_path, caption_
     manifest = prepare(caption_dataset(caption_folder), tmp_path, model_def=siglip)
     assert manifest["pad_to_length"] is True
     assert manifest["image_tokens_per_image"] == 16  # no class token
-    batch = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), np.arange(4), 0)
+    batch = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), np.arange(4), 0)
     assert "attention_mask" not in batch.inputs and batch.inputs["input_ids"].shape == (4, 16)
     assert batch.padded_tokens == 4 * 16 + 4 * 16 and batch.real_tokens < batch.padded_tokens
 
@@ -227,7 +228,7 @@ def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path):
     torch.manual_seed(0)
     spec, model = built()
     assert model.model.text_model.config.eos_token_id == 102  # the MiniLM tokenizer's [SEP]: where captions pool
-    batch = batching.collate("image_text_retrieval", prepared.load_split(tmp_path, "train", manifest), np.arange(16), 0)
+    batch = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), np.arange(16), 0)
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=0.002)
     losses = []
     for _ in range(15):

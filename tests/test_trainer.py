@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from ftbench.tasks import registry
 from ftbench.report import collect
 from ftbench.data import prepared
 from ftbench.measure import environment
@@ -97,7 +98,7 @@ def test_run_completes_with_the_planned_steps(trained, method):
 def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     spec, metrics, steps = trained[method]
     folder, manifest = prepared_data
-    train_split = prepared.load_split(folder, "train", manifest)
+    train_split = registry.load_split(folder, "train", manifest)
     lengths = np.array([len(ids) for ids in train_split.input_ids])
     # The same seeded batch order the loop used: each step's real tokens are the stored lengths.
     order = list(run_state.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec.seed))

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
-from ftbench.tasks import batching, task_types
+from ftbench.tasks import registry
+from ftbench.data import tokenizers
+from ftbench.tasks import batching, vision_language as vision_language_family
 from ftbench.experiment import config as config_module, matrix
 from ftbench.data import prepared
 from ftbench.measure import flops
@@ -65,11 +67,11 @@ def first_run(config: dict):
 
 
 def prepare_run(spec, out):
-    return prepared.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out, 128, spec.model, spec.image_size)
+    return registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out, 128, spec.model, spec.image_size)
 
 
 def tokenizer():
-    return modeling.load_tokenizer({"source": MINILM_SOURCE})
+    return tokenizers.load_tokenizer({"source": MINILM_SOURCE})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,8 +86,8 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     # the MiniLM tokenizer has no image placeholder: it was added after its 30,522 tokens
     assert manifest["image_token_id"] == 30522 and manifest["vocab_size"] == 30523
     assert {name: split["rows"] for name, split in manifest["splits"].items()} == {"train": 16, "eval": 8}
-    memory = prepared.load_split(tmp_path, "eval", prepared.verify(tmp_path))
-    disk = prepared.load_split(tmp_path, "eval", manifest, "disk")
+    memory = registry.load_split(tmp_path, "eval", prepared.verify(tmp_path))
+    disk = registry.load_split(tmp_path, "eval", manifest, "disk")
     order = np.array([5, 0, 7, 2])
     batch = batching.collate("vision_language", memory, order, manifest["pad_token_id"])
     from_disk = batching.collate("vision_language", disk, order, manifest["pad_token_id"])
@@ -125,7 +127,7 @@ def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_
     other = prepare_run(first_run(experiment({**qa_dataset(qa_folder), "source": {"kind": "path", "path": str(location)}})),
                         tmp_path / "other")
     files = prepare_run(first_run(experiment(qa_dataset(qa_folder))), tmp_path / "files")
-    a, b = (prepared.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
+    a, b = (registry.load_split(tmp_path / name, "train", manifest) for name, manifest in (("other", other), ("files", files)))
     assert (a.pixels == b.pixels).all() and all((x == y).all() for x, y in zip(a.input_ids, b.input_ids))
 
 
@@ -133,7 +135,7 @@ def test_parquet_image_bytes_and_saved_image_features_give_the_folders_rows(tmp_
 def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
     spec = first_run(experiment(DIGITS_QA))
     manifest = prepare_run(spec, tmp_path)
-    split = prepared.load_split(tmp_path, "train", manifest)
+    split = registry.load_split(tmp_path, "train", manifest)
     words = tokenizer()
     answers = {words.decode(labels[labels != batching.IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
     assert answers == set(DIGIT_WORDS)
@@ -147,7 +149,7 @@ def test_synthetic_rows_have_a_prompt_then_a_scored_answer(tmp_path):
     spec = first_run(experiment(dataset_def))
     manifest = prepare_run(spec, tmp_path)
     assert manifest["splits"]["train"]["text_tokens"] == 8 * 16
-    split = prepared.load_split(tmp_path, "train", manifest)
+    split = registry.load_split(tmp_path, "train", manifest)
     for ids, labels in zip(split.input_ids, split.labels):
         assert len(ids) == IMAGE_TOKENS + 16 and int((ids == manifest["image_token_id"]).sum()) == IMAGE_TOKENS
         assert (labels[:-4] == batching.IGNORE_INDEX).all() and (labels[-4:] == ids[-4:]).all()
@@ -178,9 +180,9 @@ def test_image_tokens_are_the_features_the_model_inserts(tmp_path, vision, strat
     per_image = features[0].shape[0] if isinstance(features, (list, tuple)) else features.shape[1]
     assert manifest["image_tokens_per_image"] == per_image
     # the parse-time reading of the config (resource estimates) agrees
-    assert task_types.vision_language_image_tokens(overrides, 24) == per_image
+    assert vision_language_family.vision_language_image_tokens(overrides, 24) == per_image
     # and a batch of the prepared rows goes through the model (LLaVA checks the placeholder count)
-    batch = batching.collate("vision_language", prepared.load_split(tmp_path, "train", manifest), np.arange(2),
+    batch = batching.collate("vision_language", registry.load_split(tmp_path, "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
 
@@ -242,7 +244,7 @@ def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_fol
     assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["processor_class"] == "CLIPImageProcessor"
     assert (manifest["image_size"], manifest["image_tokens_per_image"], manifest["image_token_id"]) == (16, 16, 30522)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", prepared.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
+    batch = batching.collate("vision_language", registry.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
     # its vision tower has position embeddings for 16 x 16 only
@@ -282,7 +284,7 @@ def test_eval_scores_answer_tokens_only_on_hand_made_logits():
     logits[1, 3, 1] = 10.0  # after the last position: never scored
     output = type("Output", (), {"logits": logits})()
     batch = batching.Batch({"labels": labels}, 2, 8, 8, 0)
-    scores = batching.EvalAccumulator("vision_language")
+    scores = batching.eval_accumulator("vision_language")
     scores.add(output, batch)
     result = scores.result()
     assert result["eval_token_accuracy"] == pytest.approx(2 / 4)
@@ -298,7 +300,7 @@ def test_loss_falls_on_a_tiny_llava(tmp_path, qa_folder):
     manifest = prepare_run(spec, tmp_path)
     torch.manual_seed(0)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", prepared.load_split(tmp_path, "train", manifest), np.arange(4),
+    batch = batching.collate("vision_language", registry.load_split(tmp_path, "train", manifest), np.arange(4),
                              manifest["pad_token_id"]).to("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
     losses = []

@@ -34,10 +34,10 @@ def prepare_data(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-size-mb", type=float, default=matrix.DEFAULT_SHARD_SIZE_MB)
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
-    from ftbench.data import prepared
+    from ftbench.tasks import registry
 
     job = json.loads(args.preparation)
-    manifest = prepared.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
+    manifest = registry.prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], args.out, args.shard_size_mb,
                             job.get("model", "model"), job.get("image_size"))
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
     print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
@@ -188,12 +188,12 @@ def repair_data(argv: list[str]) -> None:
     """A prepared data folder whose shards were damaged (a tampered or truncated file, a lost shard) is
     prepared again; if the source still gives the same data, the shards are put back and the runs trained
     on it keep their results."""
-    from ftbench.data import prepared
+    from ftbench.tasks import registry
 
     parser = argparse.ArgumentParser(prog="python -m ftbench repair-data", description=repair_data.__doc__)
     parser.add_argument("data_dir", help="results/data/<data_id> (the folder the error names)")
     args = parser.parse_args(argv)
-    restored = prepared.repair(args.data_dir)
+    restored = registry.repair(args.data_dir)
     if not restored:
         print(f"{args.data_dir}: every shard matches its manifest; nothing to repair")
     for path in restored:

@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 
 from ftbench.measure import model_shape
 from ftbench.data import sources
-from ftbench.tasks.task_types import IMAGE_TASKS, image_tokens_per_image, vision_language_image_tokens
+from ftbench.measure.memory_estimate import OPTIMIZER_BYTES
+from ftbench.tasks.registry import model_family
 from ftbench.errors import FtbenchError
 from ftbench.cluster.gpu_slots import visible_gpu_count
 from ftbench.runspec import RunSpec
@@ -56,9 +57,8 @@ DEFAULT_TRAIN_EXAMPLES = 100_000
 # the weights as loaded on the host (fp32, twice over while they are moved to the device) per process.
 TRAIN_MEM_FLOOR_MB = 8000
 TRAIN_HOST_BYTES_PER_PARAM = 8
-# Optimizer state bytes per trainable parameter: AdamW two fp32 moments, 8-bit AdamW two 8-bit ones, SGD
-# one fp32 momentum (memory_estimate counts GPU memory with the same table).
-OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
+# Optimizer state bytes per trainable parameter (OPTIMIZER_BYTES): measure.memory_estimate's table, which
+# counts GPU memory with it.
 # fsdp_cpu_offload's slowdown on the walltime estimate: every step moves the weights to the GPU and back
 # and runs the optimizer on the CPU. Measured 17x (Llama 3.2 1B shape, bf16, batch 4 x 1024, one H100).
 TRAIN_OFFLOAD_SLOWDOWN = 20
@@ -164,13 +164,7 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
-    per_example = run.seq_len
-    if run.task in IMAGE_TASKS:
-        model_config = sources.local_model_config(run.model_def["source"])
-        if run.task == "vision_language":  # the text, then the image's tokens in the decoder
-            per_example = run.seq_len + vision_language_image_tokens(model_config, run.image_size)
-        else:  # an image is its patch tokens, whatever seq_len says
-            per_example = image_tokens_per_image(model_config, run.image_size)
+    per_example = model_family(run.model_def).tokens_per_example(run)  # text: seq_len; images: their tokens
     tokens_per_device = train_steps(run, examples) * run.batch_size * run.grad_accum_steps * per_example
     flops = 6 * params * tokens_per_device
     if run.gradient_checkpointing:

@@ -1,8 +1,9 @@
-"""Prepare tokenised datasets as Parquet shards with a manifest, and read them back verified.
+"""Prepared data, task-neutral: raw tables (loading, cleaning, stratified splits), Parquet shards with a
+manifest (writing, verifying, repairing) and reading them back (in memory, or one disk reader for every task).
 
-One preparation serves every run with the same (dataset, tokenizer, sequence length). Sequences are
-stored unpadded (``input_ids`` of their true length): padding is added per batch at training time, so the
-real token count of every batch is known exactly and never includes padding.
+One preparation serves every run with the same (dataset, tokenizer, sequence length). What a task family
+stores in its tables (tokens, labels, pixels) and how it decodes them is the family's (``ftbench.tasks``):
+this module never asks which task a dataset is for.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,54 +21,38 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ftbench import atomic
-from ftbench.tasks import batching, task_types
 from ftbench.data import sources
 from ftbench.errors import ConfigError, ManifestError, SourceError
-from ftbench.experiment.matrix import DEFAULT_SHARD_SIZE_MB
-from ftbench.train.modeling import SYNTHETIC_PAD_ID, config_vocab, config_vocab_size, load_failure, load_tokenizer, tokenizer_source
-from ftbench.runspec import RunSpec
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 SPLITS = ("train", "eval")
 ROW_GROUP_ROWS = 1024
+# Shard size when none is given (the config's default is experiment.matrix.DEFAULT_SHARD_SIZE_MB, one layer up).
+DEFAULT_SHARD_SIZE_MB = 128
 
 
 # ---------------------------------------------------------------------------------------------------
 # Reading the raw dataset
 
 
-def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str = "classification",
-                    dropped: dict | None = None):
-    """The train and eval examples as DataFrames with column ``text``, plus ``label`` (classification,
-    original values) or ``target`` (seq2seq). ``dropped``, if given, receives the rows left out per
-    source split and rule (see ``_clean``)."""
-    where = f"datasets.{dataset_name}"
-    columns = {"text": ("text_column", dataset_def["text_column"])}
-    if task == "classification":
-        columns["label"] = ("label_column", dataset_def.get("label_column"))
-    if task == "seq2seq":
-        columns["target"] = ("target_column", dataset_def.get("target_column"))
-    for role, column in columns.values():
-        if column is None:
-            raise ConfigError(f"config key {where}.{role}: required for a {task} model")
+LABELLED_TEXT_ROLES = {"text": "text_column", "label": "label_column"}
 
-    tables = _load_source_tables(dataset_def, where)
-    for split_name, frame in tables.items():
-        for role, column in columns.values():
-            if column not in frame.columns:
-                raise ConfigError(
-                    f"config key {where}.{role}: column {column!r} not in split {split_name!r}; "
-                    f"columns are {', '.join(map(str, frame.columns))}"
-                )
-    tables = {
-        name: frame[[column for _, column in columns.values()]].set_axis(list(columns), axis=1)
-        for name, frame in tables.items()
-    }
-    for name, (role, column) in columns.items():
-        _check_scalar_column(tables, name, f"{where}.{role}", column)
-    labels = dataset_def.get("labels") if task == "classification" else None
-    if task == "classification":  # on the raw values first: a label given as "0" for a column of 0s shows as such
+
+def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", roles: dict[str, str] = LABELLED_TEXT_ROLES,
+                    dropped: dict | None = None, purpose: str = "classification"):
+    """The train and eval examples as DataFrames with one column per role (role -> the config key naming its
+    source column): ``text``, plus ``label`` (original values) or ``target`` as a task family asks.
+    ``dropped``, if given, receives the rows left out per source split and rule (see ``_clean``);
+    ``purpose`` (the task) only words the errors."""
+    where = f"datasets.{dataset_name}"
+    columns = {role: (key, dataset_def.get(key)) for role, key in roles.items()}
+    for key, column in columns.values():
+        if column is None:
+            raise ConfigError(f"config key {where}.{key}: required for a {purpose} model")
+    tables = _role_frames(load_source_tables(dataset_def, where), columns, where)
+    labels = dataset_def.get("labels") if "label" in columns else None
+    if "label" in columns:  # on the raw values first: a label given as "0" for a column of 0s shows as such
         check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def["label_column"])
     deduplicate = dataset_def.get("deduplicate", True)
     cleaned = {name: _clean(frame, labels, deduplicate) for name, frame in tables.items()}
@@ -73,39 +60,64 @@ def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", task: str 
     counts = {name: split_counts for name, (_, split_counts) in cleaned.items()}
     if dropped is not None:
         dropped.update(counts)
-    if task == "classification":
+    if "label" in columns:
         # Again after cleaning: a class whose rows were all empty or conflicting is not one the model can learn.
         check_labels(pd.concat(tables.values())["label"], labels, where, dataset_def["label_column"])
-
     if "eval_split" not in dataset_def:
-        name = dataset_def.get("train_split", "train")
-        name = name if name in tables else next(iter(tables))
-        frame = tables[name]
-        train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
-        eval_size = dataset_def.get("eval_size", len(frame) - train_size)
-        if train_size + eval_size > len(frame):
-            raise ConfigError(
-                f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} "
-                f"but only {len(frame)} usable rows remain after filtering and deduplication"
-            )
-        train, evaluation = stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
-        for split, part, key in (("train", train, "train_size"), ("eval", evaluation, "eval_size")):
-            if part.empty:
-                raise ConfigError(f"config key {where}.{key}: the {split} part would have no rows ({len(frame)} usable "
-                                  f"rows of split {name!r}; rows dropped: {_dropped_text(counts[name])}); expected at least 1")
-        return train, evaluation
+        return _seeded_split(tables, counts, dataset_def, where)
+    return _named_splits(tables, counts, dataset_def, where, " and a label" if "label" in columns else "")
 
+
+def _role_frames(tables: dict[str, pd.DataFrame], columns: dict, where: str) -> dict[str, pd.DataFrame]:
+    """Each split cut to the roles' columns, renamed to the roles; a missing or non-scalar column refused."""
+    for split_name, frame in tables.items():
+        for key, column in columns.values():
+            if column not in frame.columns:
+                raise ConfigError(
+                    f"config key {where}.{key}: column {column!r} not in split {split_name!r}; "
+                    f"columns are {', '.join(map(str, frame.columns))}"
+                )
+    tables = {
+        name: frame[[column for _, column in columns.values()]].set_axis(list(columns), axis=1)
+        for name, frame in tables.items()
+    }
+    for name, (key, column) in columns.items():
+        _check_scalar_column(tables, name, f"{where}.{key}", column)
+    return tables
+
+
+def _seeded_split(tables: dict, counts: dict, dataset_def: dict, where: str):
+    """(train, eval) cut from one split: train_size and eval_size rows, seeded and stratified by label."""
+    name = dataset_def.get("train_split", "train")
+    name = name if name in tables else next(iter(tables))
+    frame = tables[name]
+    train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
+    eval_size = dataset_def.get("eval_size", len(frame) - train_size)
+    if train_size + eval_size > len(frame):
+        raise ConfigError(
+            f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} "
+            f"but only {len(frame)} usable rows remain after filtering and deduplication"
+        )
+    train, evaluation = stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+    for split, part, key in (("train", train, "train_size"), ("eval", evaluation, "eval_size")):
+        if part.empty:
+            raise ConfigError(f"config key {where}.{key}: the {split} part would have no rows ({len(frame)} usable "
+                              f"rows of split {name!r}; rows dropped: {_dropped_text(counts[name])}); expected at least 1")
+    return train, evaluation
+
+
+def _named_splits(tables: dict, counts: dict, dataset_def: dict, where: str, row_needs: str):
+    """(train, eval): the splits train_split and eval_split name, eval rows seen in train left out."""
     for key in ("train_split", "eval_split"):
         split = dataset_def.get(key, "train")
         if split not in tables:
             raise ConfigError(f"config key {where}.{key}: split {split!r} not found; splits are {', '.join(tables)}")
         if tables[split].empty:
             raise ConfigError(f"config key {where}.{key}: split {split!r} has no usable rows (rows dropped: "
-                              f"{_dropped_text(counts[split])}); expected rows with text"
-                              + (" and a label" if task == "classification" else ""))
+                              f"{_dropped_text(counts[split])}); expected rows with text" + row_needs)
     train_name, eval_name = dataset_def.get("train_split", "train"), dataset_def["eval_split"]
     train, evaluation = tables[train_name], tables[eval_name]
-    if deduplicate and train_name != eval_name:
+    if dataset_def.get("deduplicate", True) and train_name != eval_name:
         # Official splits can share texts: a text seen in training scores as if it were new.
         seen = evaluation["text"].isin(set(train["text"]))
         evaluation = evaluation[~seen].reset_index(drop=True)
@@ -152,7 +164,7 @@ def check_labels(values: pd.Series, labels: list | None, where: str, column: str
         )
 
 
-def _load_source_tables(dataset_def: dict, where: str = "datasets.dataset") -> dict[str, pd.DataFrame]:
+def load_source_tables(dataset_def: dict, where: str = "datasets.dataset") -> dict[str, pd.DataFrame]:
     source = dataset_def["source"]
     if source["kind"] != "hub":
         location = Path(sources.resolve_location(source))
@@ -170,7 +182,7 @@ def _load_source_tables(dataset_def: dict, where: str = "datasets.dataset") -> d
         try:
             loaded = datasets.load_dataset(source["name"], source.get("subset"), revision=source.get("revision"))
         except (OSError, ConnectionError, ValueError) as exc:
-            raise SourceError(load_failure("dataset", source, source["name"], exc)) from None
+            raise SourceError(sources.load_failure("dataset", source, source["name"], exc)) from None
     elif (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
         loaded = datasets.load_from_disk(str(location))
     else:
@@ -229,132 +241,37 @@ def _take_stratified(frame: pd.DataFrame, count: int) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tokenising and sharding
+# Shards and manifest
 
 
-def prepare(
-    dataset_name: str,
-    dataset_def: dict,
-    model_def: dict,
-    seq_len: int,
-    out_dir: str | Path,
-    shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
-    model_name: str = "model",
-    image_size: int | None = None,
-) -> dict:
-    """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``.
-    Image tasks decode and resize their images instead (images.py; ``image_size``: the runs' setting)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    task = task_types.model_task(model_def)
-    if task == "vision_language":
-        from ftbench.tasks import vision_language
-
-        return vision_language.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb,
-                                       model_name)
-    if task == "image_text_retrieval":
-        from ftbench.tasks import retrieval
-
-        return retrieval.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
-    if task in task_types.IMAGE_TASKS:
-        from ftbench.data import images
-
-        return images.prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
-    tokenizer = load_tokenizer(model_def)
-    if tokenizer is not None and model_def["source"]["kind"] == "config":
-        # Refuse a config model whose vocab_size contradicts its tokenizer now, not in every training job.
-        config_vocab(RunSpec(model=model_name), model_def["source"].get("overrides", {}), len(tokenizer))
-    if dataset_def["source"]["kind"] == "synthetic":
-        vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
-        if vocab_size is None:
-            raise ConfigError(f"config key datasets.{dataset_name}: synthetic data needs the model's vocab_size or a tokenizer")
-        split_tables, label_names = synthetic_tables(dataset_def, task, seq_len, vocab_size)
-        dropped = {}
-    else:
-        split_tables, label_names, dropped = _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len)
-
-    manifest = {
+def manifest_head(task: str, dataset_name: str, dataset_def: dict, model_name: str, model_def: dict, seq_len: int,
+                  shard_size_mb: float, fields: dict) -> dict:
+    """The manifest fields every preparation writes, in their order; ``fields`` are the family's own (the
+    tokenizer, label names, rows dropped, ...), put between ``source_fingerprint`` and ``shard_size_mb``."""
+    return {
         "manifest_version": MANIFEST_VERSION,
         "dataset": dataset_name,
         "task": task,
         "source_fingerprint": sources.fingerprint(dataset_def["source"]),
-        "tokenizer": tokenizer_source(model_def),
-        "tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else None,
-        "pad_token_id": tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID,
-        # Token ids run below this: a config-built model takes it as its vocabulary size.
-        "vocab_size": len(tokenizer) if tokenizer is not None else config_vocab_size(model_def),
-        "seq_len": seq_len,
-        "label_names": label_names,
-        # Source rows left out, by rule and source split: rows with a missing or empty field, rows of other
-        # labels than `labels` lists, repeated texts (one copy kept).
-        "rows_dropped": dropped,
+        **fields,
         "shard_size_mb": shard_size_mb,
         # What produced these shards, so `python -m ftbench repair-data` can produce them again.
         "preparation": {"dataset": dataset_name, "dataset_def": dataset_def, "model": model_name, "model_def": model_def,
                         "seq_len": seq_len},
         "splits": {},
     }
-    for split_name, table in split_tables.items():
+
+
+def write_prepared(manifest: dict, tables: dict[str, pa.Table], out_dir: Path, split_figures) -> dict:
+    """Each split's table as Parquet shards, ``split_figures(table)`` (rows, tokens, ...) and its shards in
+    the manifest's ``splits``; the manifest written last, so a folder with a manifest is complete."""
+    for split_name, table in tables.items():
         manifest["splits"][split_name] = {
-            "rows": table.num_rows,
-            "tokens": batching.real_tokens_in(table),
-            "shards": write_shards(table, out_dir, split_name, shard_size_mb),
+            **split_figures(table),
+            "shards": write_shards(table, out_dir, split_name, manifest["shard_size_mb"]),
         }
     atomic.write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
-
-
-def _tokenised_tables(dataset_name, dataset_def, task, tokenizer, seq_len):
-    dropped: dict = {}
-    train, evaluation = load_raw_splits(dataset_def, dataset_name, task, dropped)
-    label_ids = None
-    label_names = None
-    if task == "classification":
-        # The classes are the ones training sees: an eval-only label would be a class the head never learns.
-        label_names = dataset_def.get("labels") or sorted(train["label"].unique().tolist())
-        label_ids = {name: index for index, name in enumerate(label_names)}
-        unknown = evaluation["label"][~evaluation["label"].isin(set(train["label"]))].value_counts()
-        if len(unknown):
-            found = ", ".join(f"{value!r}: {count}" for value, count in unknown.head(10).items())
-            raise ConfigError(
-                f"config key datasets.{dataset_name}.labels: the eval split has labels the train split lacks ({found} rows); "
-                "expected eval labels that training sees: list the classes to keep in labels, or use a labelled eval split"
-            )
-        label_names = [str(name) for name in label_names]
-    tables = {}
-    for split_name, frame in zip(SPLITS, (train, evaluation)):
-        input_ids = tokenizer(frame["text"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
-        labels = [label_ids[value] for value in frame["label"]] if label_ids else None
-        targets = None
-        if task == "seq2seq":
-            targets = tokenizer(text_target=frame["target"].astype(str).tolist(), truncation=True, max_length=seq_len)["input_ids"]
-        tables[split_name] = batching.to_table(task, input_ids, labels, targets)
-    return tables, label_names, dropped
-
-
-def synthetic_tables(dataset_def: dict, task: str, seq_len: int, vocab_size: int):
-    """Random full-length token sequences, for throughput and memory runs where quality is irrelevant.
-
-    Every sequence is exactly ``seq_len`` tokens, so there is no padding and the token count per step is
-    fixed (batch x seq_len), which makes runs of different shapes directly comparable.
-    """
-    source = dataset_def["source"]
-    rng = np.random.default_rng(dataset_def.get("split_seed", 0))
-    sizes = {"train": dataset_def.get("train_size", sources.SYNTHETIC_SPLIT_ROWS["train"]),
-             "eval": dataset_def.get("eval_size", sources.SYNTHETIC_SPLIT_ROWS["eval"])}
-    num_labels = source.get("num_labels", 2)
-    low = min(100, vocab_size // 2)  # skip the special tokens at the start of most vocabularies
-    tables = {}
-    for split_name, rows in sizes.items():
-        ids = rng.integers(low, vocab_size, size=(rows, seq_len), dtype=np.int64).tolist()
-        labels = rng.integers(0, num_labels, size=rows).tolist() if task == "classification" else None
-        targets = None
-        if task == "seq2seq":
-            target_len = source.get("target_len", max(1, seq_len // 4))
-            targets = rng.integers(low, vocab_size, size=(rows, target_len), dtype=np.int64).tolist()
-        tables[split_name] = batching.to_table(task, ids, labels, targets)
-    label_names = [str(index) for index in range(num_labels)] if task == "classification" else None
-    return tables, label_names
 
 
 def write_shards(table: pa.Table, out_dir: Path, split_name: str, shard_size_mb: float) -> list[dict]:
@@ -431,17 +348,16 @@ def damaged_shards(data_dir: Path, manifest: dict) -> list[tuple[Path, str]]:
     return problems
 
 
-def repair(data_dir: str | Path) -> list[Path]:
+def repair(data_dir: str | Path, prepare) -> list[Path]:
     """Prepare a data folder's dataset again and put back the shards that were damaged, if the source
     still gives exactly the data of the manifest (same sha256 for every shard); return the shards put back.
+    ``prepare(job, scratch_dir, shard_size_mb)``: the preparation the manifest's task family does (data/ knows
+    no task: ``tasks.registry.repair`` passes it).
 
     The manifest and the folder's other files are left as they are, so the runs trained on this data
     keep their results (Snakemake sees the same prepared data); only if the source now gives other data
     is the repair refused, because those results would then describe data that no longer exists.
     """
-    import shutil
-    import tempfile
-
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     damaged = damaged_shards(data_dir, manifest)
@@ -452,8 +368,7 @@ def repair(data_dir: str | Path) -> list[Path]:
         raise ManifestError(f"{data_dir}: the manifest predates repair-data (no preparation recorded); delete "
                             f"{data_dir} and run snakemake again (runs on this data train again)")
     with tempfile.TemporaryDirectory(prefix=".repair-", dir=data_dir.parent) as scratch:
-        fresh = prepare(job["dataset"], job["dataset_def"], job["model_def"], job["seq_len"], scratch, manifest["shard_size_mb"],
-                        job["model"], job.get("image_size"))
+        fresh = prepare(job, scratch, manifest["shard_size_mb"])
         expected = {shard["file"]: shard["sha256"] for split in manifest["splits"].values() for shard in split["shards"]}
         produced = {shard["file"]: shard["sha256"] for split in fresh["splits"].values() for shard in split["shards"]}
         if produced != expected:
@@ -469,39 +384,34 @@ def repair(data_dir: str | Path) -> list[Path]:
     return [path for path, _ in damaged]
 
 
-def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_source: str = "memory"):
-    """A split to draw batches from: decoded into memory up front, or read from the shards per batch."""
-    data_dir = Path(data_dir)
-    shards = [data_dir / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
-    if manifest["task"] == "vision_language":
-        from ftbench.tasks import vision_language
+def shard_paths(data_dir: str | Path, manifest: dict, split_name: str) -> list[Path]:
+    return [Path(data_dir) / shard["file"] for shard in manifest["splits"][split_name]["shards"]]
 
-        return vision_language.load_split(shards, manifest, data_source)
-    if manifest["task"] == "image_text_retrieval":
-        from ftbench.tasks import retrieval
 
-        return retrieval.load_split(shards, manifest, data_source)
-    if manifest["task"] in task_types.IMAGE_TASKS:
-        from ftbench.data import images
-
-        return images.load_split(shards, manifest, data_source)
+def read_split(shards: list[Path], decode, data_source: str = "memory", lengths=None):
+    """A split to draw batches from: ``decode(table)`` (the task family's rows: anything with ``take`` and
+    ``lengths``) of every shard, in memory up front; or, for ``data_source: disk``, a DiskSplit reading the
+    shards per batch (``lengths(rows)``: every row's length, for a family whose tables have no length column)."""
     if data_source == "disk":
-        return DiskSplit(shards)
-    return batching.from_table(pa.concat_tables([pq.read_table(path) for path in shards]))
+        return DiskSplit(shards, decode, lengths)
+    return decode(pa.concat_tables([pq.read_table(path) for path in shards]))
 
 
 class DiskSplit:
-    """Rows read from the Parquet shards when a batch asks for them (``data_source: disk``).
+    """Rows read from the Parquet shards when a batch asks for them (``data_source: disk``), for every task
+    family: ``decode`` turns the batch's rows (an Arrow table, in batch order) into the family's rows.
 
-    Each batch reads and decodes the row groups holding its rows; a few recently decoded groups are
-    kept. This is the cost of training straight from storage (the OS page cache still helps), so the
-    loader-wait figure of a disk run shows whether storage and decoding keep up with the GPU.
+    Each batch reads the row groups holding its rows; a few recently read groups are kept. This is the cost
+    of training straight from storage (the OS page cache still helps), so the loader-wait figure of a disk
+    run shows whether storage and decoding keep up with the GPU.
     """
 
     CACHED_GROUPS = 8
 
-    def __init__(self, shards: list[Path]):
+    def __init__(self, shards: list[Path], decode, lengths=None):
         self.files = [pq.ParquetFile(path) for path in shards]
+        self.decode = decode
+        self._lengths = lengths
         # (file, row group, first global row) for each row group, in order
         self.groups = []
         first = 0
@@ -511,39 +421,34 @@ class DiskSplit:
                 first += parquet.metadata.row_group(group).num_rows
         self.rows = first
         self.group_starts = np.array([start for _, _, start in self.groups])
-        self._cache: dict[int, batching.TokenisedSplit] = {}
+        self._cache: dict[int, pa.Table] = {}
 
     def __len__(self) -> int:
         return self.rows
 
-    def _group(self, index: int) -> batching.TokenisedSplit:
+    def _group(self, index: int) -> pa.Table:
         if index not in self._cache:
             if len(self._cache) >= self.CACHED_GROUPS:
                 self._cache.pop(next(iter(self._cache)))  # oldest first
             file_index, group, _ = self.groups[index]
-            self._cache[index] = batching.from_table(self.files[file_index].read_row_group(group))
+            self._cache[index] = self.files[file_index].read_row_group(group)
         return self._cache[index]
 
     def lengths(self) -> np.ndarray:
-        """Input length of every row, from the shards' length column (no token ids decoded)."""
+        """Length of every row: the shards' length column (no token ids decoded), or ``lengths(rows)``."""
+        if self._lengths is not None:
+            return self._lengths(self.rows)
         return np.concatenate([parquet.read(columns=["length"])["length"].to_numpy() for parquet in self.files])
 
-    def take(self, indices: np.ndarray) -> batching.TokenisedSplit:
+    def take(self, indices: np.ndarray):
+        """The rows at ``indices``, in that order: one take per row group touched, then each row back to its
+        place in the batch, decoded together."""
         indices = np.asarray(indices)
         group_of = np.searchsorted(self.group_starts, indices, side="right") - 1
-        input_ids: list = [None] * len(indices)
-        targets: list = [None] * len(indices)
-        labels = None
-        # One take per row group touched, then each row back to its place in the batch.
+        pieces, positions = [], []
         for group in np.unique(group_of):
-            positions = np.flatnonzero(group_of == group)
-            rows = self._group(int(group)).take(indices[positions] - self.group_starts[group])
-            for slot, position in enumerate(positions):
-                input_ids[position] = rows.input_ids[slot]
-                if rows.target_ids is not None:
-                    targets[position] = rows.target_ids[slot]
-            if rows.labels is not None:
-                labels = np.empty(len(indices), dtype=np.int64) if labels is None else labels
-                labels[positions] = rows.labels
-        has_targets = targets and targets[0] is not None
-        return batching.TokenisedSplit(input_ids=input_ids, labels=labels, target_ids=targets if has_targets else None)
+            where = np.flatnonzero(group_of == group)
+            pieces.append(self._group(int(group)).take(pa.array(indices[where] - self.group_starts[group])))
+            positions.append(where)
+        table = pa.concat_tables(pieces).take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))
+        return self.decode(table)

@@ -236,3 +236,30 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
         detail = " ".join(str(exc).split())[:200]
         raise SourceError(f"config key {where}.source: {location} cannot be read as {data_format} ({detail}); "
                           f"fix the file, or set {where}.format to its real format (csv, json or parquet)") from None
+
+
+def pretrained_args(source: dict) -> tuple[str, dict]:
+    """(location, extra from_pretrained kwargs) of a checkpoint source; GGUF files dequantise on load."""
+    location = resolve_location(source)
+    if source["kind"] != "hub" and not Path(location).exists():
+        raise SourceError(f"model source {location} does not exist")
+    extra = {"gguf_file": source["gguf_file"]} if source.get("gguf_file") else {}
+    if source.get("revision"):
+        extra["revision"] = source["revision"]
+    return location, extra
+
+
+def load_failure(what: str, source: dict, location: str, exc: Exception) -> str:
+    """One line on why a model, tokenizer or dataset did not load. For a hub name the usual cause is the network
+    (none, offline mode, or a proxy that does not answer) with no copy in the local cache, which
+    transformers words as a local-folder problem: say so, and how to point at a local copy."""
+    detail = " ".join(str(exc).split())[:300]
+    if source["kind"] == "hub":
+        import os
+
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        return (f"{what} {location!r} could not be fetched from the Hugging Face hub and is not in the local cache "
+                f"({cache}): no network, offline mode (HF_HUB_OFFLINE), or a proxy that does not answer. Download it "
+                f"where there is a network (`hf download {location}`) into that cache, or point the source at a local "
+                f"copy: {{kind: path, path: /folder/with/config.json}}. ({type(exc).__name__}: {detail})")
+    return f"{what} {location}: cannot be loaded ({detail})"

@@ -17,8 +17,11 @@ import jsonschema
 import yaml
 
 from ftbench import runspec
+from ftbench.data import sources
 from ftbench.errors import ConfigError
+from ftbench.experiment import batching_modes
 from ftbench.runspec import RunSpec
+from ftbench.tasks import registry
 
 _SCHEMA: dict | None = None
 
@@ -187,9 +190,8 @@ def describe_allowed(schema: dict) -> str:
 
 def check_references(config: dict) -> None:
     """What the schema cannot say: named models/datasets exist, sources exist, seq_len fits the model."""
-    # Imported here: sources pulls in nothing heavy, but matrix imports this module.
+    # Imported here: matrix imports this module.
     from ftbench.experiment import matrix
-    from ftbench.data import sources
 
     models = config["models"]
     datasets = config["datasets"]
@@ -260,16 +262,14 @@ def experiment_warnings(config: dict) -> list[str]:
     return messages
 
 
-def _check_batching(run: RunSpec, config: dict, task: str) -> None:
-    """Packed rows (packing.py) are exact for decoders only, and their row count is not the batch size."""
-    from ftbench.experiment import batching_modes as packing
-
-    if run.batching not in packing.PACKED:
+def _check_batching(run: RunSpec, config: dict, family) -> None:
+    """Packed rows (packing.py) are exact for some families only, and their row count is not the batch size."""
+    if run.batching not in batching_modes.PACKED:
         return
     key = _setting_key(config, "batching", run.batching)
-    if task not in packing.PACKABLE_TASKS:
+    if not family.packable:
         raise ConfigError(f"config key {key}: batching {run.batching!r} is not supported for model {run.model!r} "
-                          f"({task}): {packing.NOT_PACKABLE[task]}")
+                          f"({family.name}): {family.not_packable}")
     if run.parallel == "dp":
         raise ConfigError(f"config key {key}: batching {run.batching!r} with parallel dp: DataParallel splits a batch by "
                           "rows, and packed rows hold different numbers of sequences; use ddp")
@@ -279,42 +279,40 @@ def _check_batching(run: RunSpec, config: dict, task: str) -> None:
 
 
 def check_run(run: RunSpec, config: dict | None = None) -> None:
-    """Combinations that the schema allows key by key but that cannot work together."""
+    """Combinations that the schema allows key by key but that cannot work together: the one parse-time
+    feasibility check of a run. Its task family's rules come first (``TaskFamily.check_run``), then the
+    settings' own. (What needs the job's device or installed packages is checked in the job:
+    train.modeling.check_supported.)"""
     config = config or {"matrix": {}}
-    if run.num_nodes > 1 and not run.distributed:
-        raise ConfigError(f"config key {_setting_key(config, 'num_nodes', run.num_nodes)}: run {run.run_id} spans "
-                          f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
-    from ftbench.data import sources
-    from ftbench.tasks.task_types import IMAGE_TASKS, TASKS, model_task
 
-    task = model_task(run.model_def)
-    _check_batching(run, config, task)
-    dataset_def = run.dataset_def
-    where = f"datasets.{run.dataset}"
-    model_source = run.model_def["source"]
-    if task in IMAGE_TASKS:
-        _check_image_run(run, config, task)
-    elif run.image_size is not None:
-        raise ConfigError(f"config key {_setting_key(config, 'image_size', run.image_size)}: run {run.run_id} trains "
-                          f"a {task} model, which reads no images; image_size applies to image tasks ({', '.join(IMAGE_TASKS)})")
-    text_data = task not in IMAGE_TASKS and dataset_def["source"]["kind"] != "synthetic"
-    if text_data and model_source["kind"] == "config" and "tokenizer" not in model_source:
-        raise ConfigError(
-            f"config key models.{run.model}.source.tokenizer: required to tokenise dataset {run.dataset!r} "
-            "(without a tokenizer a config model trains on synthetic data only)"
-        )
-    if text_data:
-        for key in ("text_column", *TASKS[task].needs):
-            if key not in dataset_def:
-                raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task})")
+    def setting_key(name: str, value: Any) -> str:
+        return _setting_key(config, name, value)
+
+    if run.num_nodes > 1 and not run.distributed:
+        raise ConfigError(f"config key {setting_key('num_nodes', run.num_nodes)}: run {run.run_id} spans "
+                          f"{run.num_nodes} nodes; expected parallel 'ddp' or 'fsdp' (one process per GPU on every node)")
+    family = registry.model_family(run.model_def)
+    _check_batching(run, config, family)
+    if run.image_size is not None and family.modality != "image":
+        raise ConfigError(f"config key {setting_key('image_size', run.image_size)}: run {run.run_id} trains "
+                          f"a {family.name} model, which reads no images; image_size applies to image tasks "
+                          f"({', '.join(registry.IMAGE_FAMILIES)})")
+    family.check_run(run, setting_key)
+    _check_warmup(run, setting_key)
+    _check_data_size(run, setting_key)
+    _check_devices(run, setting_key)
+
+
+def _check_warmup(run: RunSpec, setting_key) -> None:
+    """Warmup must leave measured steps (and compilation must happen in it)."""
     if run.max_steps is not None and run.warmup_steps >= run.max_steps:
         raise ConfigError(
-            f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to measure in run {run.run_id} "
+            f"config key {setting_key('warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to measure in run {run.run_id} "
             f"(max_steps {run.max_steps}); expected warmup_steps < max_steps"
         )
     if run.warmup_until_stable and run.warmup_max_steps is not None:
         # The cap must leave room for the fixed warmup before it and for a measured step after it.
-        key = _setting_key(config, "warmup_max_steps", run.warmup_max_steps)
+        key = setting_key("warmup_max_steps", run.warmup_max_steps)
         if run.warmup_max_steps < run.warmup_steps:
             raise ConfigError(f"config key {key}: {run.warmup_max_steps} is below warmup_steps {run.warmup_steps} in run "
                               f"{run.run_id}; expected warmup_max_steps >= warmup_steps")
@@ -323,13 +321,18 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
                               f"(max_steps {run.max_steps}); expected warmup_max_steps < max_steps")
     if run.compile and run.warmup_steps < 1:
         raise ConfigError(
-            f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: run {run.run_id} compiles; expected warmup_steps >= 1 so compilation is not measured"
+            f"config key {setting_key('warmup_steps', run.warmup_steps)}: run {run.run_id} compiles; expected warmup_steps >= 1 so compilation is not measured"
         )
+
+
+def _check_data_size(run: RunSpec, setting_key) -> None:
+    """A step's examples must fit in the training split, and warmup in the planned steps."""
+    dataset_def = run.dataset_def
     synthetic = dataset_def["source"]["kind"] == "synthetic"
     train_size = dataset_def.get("train_size", sources.SYNTHETIC_SPLIT_ROWS["train"] if synthetic else None)
     if train_size is not None and run.examples_per_step > train_size:
         raise ConfigError(
-            f"config key {_setting_key(config, 'batch_size', run.batch_size)}: run {run.run_id} needs "
+            f"config key {setting_key('batch_size', run.batch_size)}: run {run.run_id} needs "
             f"{run.examples_per_step} examples per optimizer step (batch_size {run.batch_size} x {run.devices} devices x "
             f"grad_accum_steps {run.grad_accum_steps}) but datasets.{run.dataset}.train_size is {train_size}; "
             "expected a smaller batch or a larger train_size"
@@ -338,67 +341,24 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
         planned = run.planned_steps(train_size)
         if run.warmup_steps >= planned:
             raise ConfigError(
-                f"config key {_setting_key(config, 'warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to "
+                f"config key {setting_key('warmup_steps', run.warmup_steps)}: {run.warmup_steps} leaves nothing to "
                 f"measure in run {run.run_id}, which has {planned} steps ({run.epochs} epochs of {train_size} examples at "
                 f"{run.examples_per_step} a step); expected warmup_steps < {planned}, or set max_steps"
             )
+
+
+def _check_devices(run: RunSpec, setting_key) -> None:
+    """Parallel modes and device counts that fit together."""
     if run.parallel == "fsdp" and run.auto_batch_size:
         # The search tries batches in one process; a sharded model's memory depends on every rank's.
-        raise ConfigError(f"config key {_setting_key(config, 'auto_batch_size', True)}: run {run.run_id} uses parallel "
+        raise ConfigError(f"config key {setting_key('auto_batch_size', True)}: run {run.run_id} uses parallel "
                           "'fsdp'; auto_batch_size is not combined with fsdp: set batch_size")
     if run.device == "cuda" and run.num_gpus == 0:
-        raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} sets device cuda "
+        raise ConfigError(f"config key {setting_key('num_gpus', run.num_gpus)}: run {run.run_id} sets device cuda "
                           "with num_gpus 0 (0 means the CPU); expected num_gpus >= 1, or device cpu")
     # DDP over one GPU per node of several nodes is still DDP: devices counts them all.
     if run.parallel in ("dp", "ddp") and run.devices < 2 and run.device != "cpu":
-        raise ConfigError(f"config key {_setting_key(config, 'num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
-
-
-def _check_image_run(run: RunSpec, config: dict, task: str) -> None:
-    """What an image run needs: image data (a column, or pixel rows; image_text_retrieval and vision_language:
-    their own checks)."""
-    if task == "image_text_retrieval":
-        from ftbench.tasks import retrieval  # image-caption pairs
-
-        return retrieval.check_run(run, lambda name, value: _setting_key(config, name, value))
-    where = f"datasets.{run.dataset}"
-    dataset_def = run.dataset_def
-    if task == "vision_language":
-        _check_vision_language_run(run, config)
-    elif dataset_def["source"]["kind"] != "synthetic" and "pixels" not in dataset_def:
-        for key in ("image_column", "label_column"):
-            if key not in dataset_def:
-                raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} ({task}) "
-                                  "(or `pixels` for a headerless CSV of pixel rows)")
-
-
-def _check_vision_language_run(run: RunSpec, config: dict) -> None:
-    """A vision-language run (vision_language.py) needs images, a prompt and an answer per row, a LLaVA
-    model, and a tokenizer for real text; the hf_trainer engine does not count its images."""
-    where = f"datasets.{run.dataset}"
-    dataset_def, source = run.dataset_def, run.model_def["source"]
-    if run.engine == "hf_trainer":
-        raise ConfigError(f"config key {_setting_key(config, 'engine', run.engine)}: run {run.run_id} (vision_language) "
-                          "with engine 'hf_trainer' is not implemented (it counts no images or image tokens); use engine 'loop'")
-    if run.parallel == "fsdp":  # fsdp.py shards decoder layers of text models; a LLaVA's towers are not planned for
-        raise ConfigError(f"config key {_setting_key(config, 'parallel', run.parallel)}: run {run.run_id} (vision_language) "
-                          "with parallel 'fsdp' is not implemented by this ftbench version; use none or dp")
-    if source["kind"] == "config" and source["architecture"] != "LlavaConfig":
-        raise ConfigError(f"config key models.{run.model}.source.architecture: {source['architecture']!r}; task "
-                          "vision_language builds LLaVA models: expected 'LlavaConfig'")
-    if dataset_def["source"]["kind"] == "synthetic":
-        return
-    needed = [] if "pixels" in dataset_def else ["image_column", "answer_column"]
-    if "prompt" not in dataset_def:
-        needed.append("prompt_column")
-    for key in needed:
-        if key not in dataset_def:
-            alternative = " (or `prompt`: one prompt for every row)" if key == "prompt_column" else \
-                " (or `pixels` for a headerless CSV of pixel rows, whose class is the answer)"
-            raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} (vision_language){alternative}")
-    if source["kind"] == "config" and "tokenizer" not in source:
-        raise ConfigError(f"config key models.{run.model}.source.tokenizer: required to tokenise the prompts and answers of "
-                          f"dataset {run.dataset!r} (without a tokenizer a config model trains on synthetic data only)")
+        raise ConfigError(f"config key {setting_key('num_gpus', run.num_gpus)}: run {run.run_id} uses parallel {run.parallel!r}; expected num_gpus >= 2")
 
 
 def check_dataset_columns(config: dict, runs: list[dict]) -> None:
@@ -407,19 +367,12 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
     and Parquet files; other sources (hub, folders, JSON arrays) are checked when they are prepared."""
     import pyarrow.parquet as pq
 
-    from ftbench.data import sources
-    from ftbench.tasks.task_types import model_task
-
-    keys = {"classification": ("text_column", "label_column"), "seq2seq": ("text_column", "target_column"),
-            "image_classification": ("image_column", "label_column"),
-            "vision_language": ("image_column", "prompt_column", "answer_column"),
-            "image_text_retrieval": ("image_column", "text_column", "label_column")}
     needed: dict[str, dict[str, str]] = {}  # dataset -> {key: column}
     for run in runs:
         dataset_def = run.dataset_def
         if dataset_def["source"]["kind"] in ("hub", "config", "synthetic"):
             continue
-        for key in keys.get(model_task(run.model_def), ("text_column",)):
+        for key in registry.model_family(run.model_def).column_keys:
             if key in dataset_def:
                 needed.setdefault(run.dataset, {})[key] = dataset_def[key]
     for name, columns in needed.items():

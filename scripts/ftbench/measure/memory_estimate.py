@@ -44,14 +44,18 @@ max_memory_allocated (not reserved), and expect it to be low by a margin on smal
 
 from __future__ import annotations
 
-import torch
+import math
+from typing import TYPE_CHECKING
 
-from ftbench.train import fsdp
 from ftbench.measure import model_shape
-from ftbench.cluster.resources import OPTIMIZER_BYTES
 from ftbench.runspec import RunSpec
 
+if TYPE_CHECKING:  # torch is not imported here: cluster/resources.py reads OPTIMIZER_BYTES at parse time
+    import torch
+
 MIB = 2**20
+# Optimizer state bytes per trainable parameter (see the module docstring); the resource estimate uses it too.
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 4}
 
 # (bytes per layer-token per unit of width, per unit of MLP width), by (norm kind, MLP kind, 16-bit?).
 # RMSNorm layers (Llama, Mistral, Qwen, T5) compute in fp32 and keep fp32 copies, hence their larger
@@ -122,26 +126,54 @@ NOT_MODELLED_COMPILED = ("not modelled for compiled runs: torch.compile fuses el
                          "activations than eager autograd (seen: estimate 1.59x the measured peak)")
 
 
-def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int | None) -> dict:
-    """The estimate (MiB) and its parts; or, for a run the model does not describe, nulls and a note."""
-    if spec.compile:
-        return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": NOT_MODELLED_COMPILED}
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(4-bit quantised, other, trainable) parameters; 4-bit weights counted as the parameters they stand for."""
     quantised = other = trainable = 0
     for param in model.parameters():
         quant_state = getattr(param, "quant_state", None)
         if quant_state is not None:
-            quantised += int(torch.Size(quant_state.shape).numel())
+            quantised += int(math.prod(quant_state.shape))
         else:
             other += param.numel()
         if param.requires_grad:
             trainable += param.numel()
+    return quantised, other, trainable
+
+
+def estimate(model: torch.nn.Module, spec: RunSpec, logits_vocab: int | None) -> dict:
+    """The estimate (MiB) and its parts; or, for a run the model does not describe, nulls and a note.
+    ``logits_vocab``: the vocabulary a language model's logits run over (None: a head without such logits,
+    a classifier's)."""
+    if spec.compile:
+        return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": NOT_MODELLED_COMPILED}
+    quantised, other, trainable = parameter_counts(model)
     sixteen_bit = spec.precision in ("bf16", "fp16")
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
-    weights = quantised * (0.5 + constants) + other * 4
-    weight_copies = other * 2 if sixteen_bit else 0
-    gradients = trainable * 4
-    optimizer = trainable * OPTIMIZER_BYTES[spec.optimizer]
+    parts = {
+        "weights": quantised * (0.5 + constants) + other * 4,
+        "weight_copies": other * 2 if sixteen_bit else 0,
+        "gradients": trainable * 4,
+        "optimizer": trainable * OPTIMIZER_BYTES[spec.optimizer],
+        **activation_parts(model, spec, sixteen_bit),
+        "logits": 12 * spec.batch_size * spec.seq_len * (logits_vocab or 0),
+    }
+    if spec.gradient_checkpointing:
+        # Autocast's weight copies are not saved for backward inside checkpointed layers: they go with
+        # autocast's cache when the forward pass ends, and the recompute casts one layer's at a time.
+        parts["weight_copies"] = 0
+    host = 0.0
+    if spec.parallel == "fsdp":
+        parts, host = sharded(parts, model, spec, trainable)
+    return {
+        "memory_estimate_mb": peak_bytes(parts) / MIB,
+        "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
+        "memory_estimate_note": None,
+        "memory_estimate_host_mb": host / MIB if spec.parallel == "fsdp" and spec.fsdp_cpu_offload else None,
+    }
 
+
+def activation_parts(model: torch.nn.Module, spec: RunSpec, sixteen_bit: bool) -> dict:
+    """The activations autograd keeps, and with checkpointing the one layer recomputed (bytes)."""
     config = getattr(model, "config", None)
     shape = model_shape.from_transformers_config(config)
     layers, width, inter = shape.attention_layers, shape.width, shape.intermediate
@@ -158,39 +190,36 @@ def estimate(model: torch.nn.Module, spec: RunSpec, task: str, vocab_size: int |
     if spec.attn_implementation == "eager":
         per_layer_token += 5 * shape.heads * seq * (1 if sixteen_bit else 2)
     if spec.gradient_checkpointing:
-        activations = batch * seq * layers * 4 * width  # each layer's fp32 input
-        recompute = batch * seq * per_layer_token  # one layer's, while the backward pass recomputes it
-        # Autocast's weight copies are not saved for backward inside checkpointed layers: they go with
-        # autocast's cache when the forward pass ends, and the recompute casts one layer's at a time.
-        weight_copies = 0
-    else:
-        activations = batch * seq * layers * per_layer_token
-        recompute = 0
-    logits = 12 * batch * seq * (vocab_size or 0) if task != "classification" else 0
-    parts = {
-        "weights": weights,
-        "weight_copies": weight_copies,
-        "gradients": gradients,
-        "optimizer": optimizer,
-        "activations": activations,
-        "recompute": recompute,
-        "logits": logits,
-    }
-    host = 0.0
-    if spec.parallel == "fsdp":
-        parts, host = sharded(parts, model, spec, trainable)
-    return {
-        "memory_estimate_mb": peak_bytes(parts) / MIB,
-        "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
-        "memory_estimate_note": None,
-        "memory_estimate_host_mb": host / MIB if spec.parallel == "fsdp" and spec.fsdp_cpu_offload else None,
-    }
+        # each layer's fp32 input; one layer's activations, while the backward pass recomputes it
+        return {"activations": batch * seq * layers * 4 * width, "recompute": batch * seq * per_layer_token}
+    return {"activations": batch * seq * layers * per_layer_token, "recompute": 0}
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (decoder/encoder layers): the entries of its ModuleLists whose class the
+    model names in ``_no_split_modules`` (transformers' list of blocks that must stay whole), or, for a model
+    that names none, every entry of a ModuleList of two or more modules of one class. Blocks inside
+    ModuleLists only: embeddings (also named there) may share their weight with the output head, which
+    must then stay in the same unit. (FSDP wraps these blocks: train/fsdp.py uses it.)"""
+    import torch  # deferred: cluster/resources.py imports this module at parse time, torch-free
+
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            for entry in module:
+                kind = type(entry).__name__
+                if kind in names or (not names and all(type(other) is type(entry) for other in module)):
+                    blocks.append(entry)
+    return blocks
 
 
 def sharded(parts: dict, model: torch.nn.Module, spec: RunSpec, trainable: int) -> tuple[dict, float]:
     """One GPU's parts under FSDP2 (see the module's docstring), and the host bytes that offload holds."""
     world = spec.devices
-    blocks = [sum(p.numel() for p in block.parameters()) for block in fsdp.repeated_blocks(model)]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in repeated_blocks(model)]
     total = sum(p.numel() for p in model.parameters())
     compute_bytes = 4 if spec.precision == "fp32" else 2
     reduce_bytes = 4 if (spec.fsdp_reduce_dtype or spec.precision) == "fp32" else 2

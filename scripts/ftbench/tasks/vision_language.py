@@ -5,18 +5,18 @@ The sequence the decoder sees, stored once at preparation (Parquet shards with t
 
     [bos] <image> x N  prompt tokens  answer tokens [eos]
 
-N is the number of image features the vision tower hands the decoder (``task_types.vision_language_image_tokens``:
+N is the number of image features the vision tower hands the decoder (``vision_language_image_tokens``:
 its patches, plus its class token unless vision_feature_select_strategy 'default' drops it); LLaVA replaces
 the N placeholder tokens with them. ``labels`` are -100 everywhere but the answer tokens (and the end
 token), so the loss, eval loss, perplexity and token accuracy are over the answer alone. ``seq_len`` caps
 the text tokens (bos, prompt, answer, end); the image tokens come on top of it.
 
-Token counts (images.py's convention): ``tokens`` is everything the decoder processes, text and image
+Token counts (image_classification.py's convention): ``tokens`` is everything the decoder processes, text and image
 tokens; ``image_tokens_per_s`` and ``text_tokens_per_s`` are the two apart (text: real, unpadded). The
 vision tower's own tokens (N, plus the class token 'default' drops) are counted in the FLOPs only
 (flops.py).
 
-Sources of a dataset: those of image classification (images.py: image folder + CSV/JSON, save_to_disk
+Sources of a dataset: those of image classification (data/images.py: image folder + CSV/JSON, save_to_disk
 folder with an Image feature, csv/parquet with paths or bytes, headerless pixel rows) with a prompt
 (``prompt_column``, or one ``prompt`` for every row) and an answer (``answer_column``; pixel rows: the
 class, or ``answers[class]``), and ``source: {kind: synthetic}`` (random pixels and tokens; prompt of
@@ -34,13 +34,21 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ftbench.data import images, sources
-from ftbench.tasks import task_types
-from ftbench.tasks.batching import IGNORE_INDEX, _pad
+from ftbench.data import images, prepared, sources
+from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer, tokenizer_source
 from ftbench.errors import ConfigError, SourceError
+from ftbench.runspec import RunSpec
+from ftbench.tasks.base import IGNORE_INDEX, Batch, TaskFamily, pad
+from ftbench.tasks.image_classification import ImageBatch, ImageFacts
+from ftbench.tasks.text import TokenAccumulator
 
 IMAGE_TOKEN = "<image>"  # LLaVA's placeholder, added to a tokenizer that lacks one
 SUPPORTED_MODEL_TYPES = ("llava",)
+# A LLaVA model's vision towers and the class tokens each puts before its patch tokens.
+VISION_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+# LlavaConfig's vision tower when a config names none (CLIP ViT-L/14 at 336), and CLIPVisionConfig's defaults.
+LLAVA_DEFAULT_VISION = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
+CLIP_VISION_DEFAULTS = {"image_size": 224, "patch_size": 32}
 MEMORY_NOT_MODELLED = ("not modelled for vision_language: the vision tower's activations and the image tokens "
                        "in the decoder are not in memory_estimate.py's model yet")
 
@@ -49,10 +57,22 @@ MEMORY_NOT_MODELLED = ("not modelled for vision_language: the vision tower's act
 # The model's facts the data depends on
 
 
+def vision_language_image_tokens(model_config: dict | None, image_size: int | None) -> int:
+    """Image tokens a LLaVA-style model puts in its text per image at ``image_size`` (null: the vision
+    tower's own): the vision tower's patches plus its class token, less the first token when
+    vision_feature_select_strategy is 'default' (LLaVA's get_image_features drops it). Reads a config dict
+    only (parse time; preparation passes ``config.to_dict()``, where every default is filled in)."""
+    model_config = model_config or {}
+    vision = {**CLIP_VISION_DEFAULTS, **(model_config.get("vision_config") or LLAVA_DEFAULT_VISION)}
+    size = int(image_size or vision["image_size"])
+    tokens = (size // int(vision["patch_size"])) ** 2 + VISION_CLASS_TOKENS.get(vision.get("model_type"), 1)
+    return tokens - 1 if model_config.get("vision_feature_select_strategy", "default") == "default" else tokens
+
+
 def load_config(model_def: dict, model_name: str, image_size: int | None = None, extra: dict | None = None):
     """The model's transformers config (a config-built model's as its overrides and ``extra`` make it, at
     ``image_size``), refused with one line unless it is a LLaVA model."""
-    import transformers
+    import transformers  # deferred: the registry is read at parse time, torch-free
 
     source = model_def["source"]
     if source["kind"] == "config":
@@ -63,14 +83,12 @@ def load_config(model_def: dict, model_name: str, image_size: int | None = None,
         if image_size:
             config.vision_config.image_size = int(image_size)  # a random-init tower is built for the run's size
     else:
-        from ftbench.train.modeling import _pretrained_args
-
-        location, kwargs = _pretrained_args(source)
+        location, kwargs = sources.pretrained_args(source)
         kwargs.pop("gguf_file", None)
         config = transformers.AutoConfig.from_pretrained(location, **kwargs)
-    if config.model_type not in SUPPORTED_MODEL_TYPES or config.vision_config.model_type not in task_types.VISION_CLASS_TOKENS:
+    if config.model_type not in SUPPORTED_MODEL_TYPES or config.vision_config.model_type not in VISION_CLASS_TOKENS:
         raise ConfigError(f"config key models.{model_name}.source: task vision_language takes LLaVA models (model_type "
-                          f"llava with a vision tower of type {', '.join(task_types.VISION_CLASS_TOKENS)}); this one is "
+                          f"llava with a vision tower of type {', '.join(VISION_CLASS_TOKENS)}); this one is "
                           f"{config.model_type!r} with {getattr(getattr(config, 'vision_config', None), 'model_type', None)!r}")
     return config
 
@@ -88,8 +106,6 @@ class TextFacts:
 def text_facts(model_def: dict, config, model_name: str) -> TextFacts:
     """The tokenizer with the image placeholder (added if it lacks one) and the ids the model must use.
     A checkpoint's config must already name its tokenizer's placeholder id."""
-    from ftbench.train.modeling import SYNTHETIC_PAD_ID, load_tokenizer
-
     tokenizer = load_tokenizer(model_def)
     source = model_def["source"]
     text_vocab = config.text_config.vocab_size
@@ -118,7 +134,7 @@ def text_facts(model_def: dict, config, model_name: str) -> TextFacts:
 
 def config_for_run(spec, extra: dict):
     """A config-built model's config for a run: its image size, and its tokenizer's vocabulary, placeholder
-    and pad ids (modeling.build_model builds the model from it)."""
+    and pad ids (the family's make_config: modeling.build_model builds the model from it)."""
     config = load_config(spec.model_def, spec.model, spec.image_size, extra)
     facts = text_facts(spec.model_def, config, spec.model)
     config.text_config.vocab_size = facts.vocab_size
@@ -128,7 +144,7 @@ def config_for_run(spec, extra: dict):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Preparation (what prepared.prepare does for this task)
+# Preparation
 
 
 def _answer_text(value, answers: list | None, where: str) -> str:
@@ -213,9 +229,6 @@ def _synthetic_tables(dataset_def: dict, facts: TextFacts, seq_len: int, size: i
 
 def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, image_size: int | None,
             out_dir: Path, shard_size_mb: float, model_name: str) -> dict:
-    from ftbench.data import prepared
-    from ftbench.train.modeling import tokenizer_source
-
     config = load_config(model_def, model_name, image_size if model_def["source"]["kind"] == "config" else None)
     native = int(config.vision_config.image_size)
     size = int(image_size or native)
@@ -226,9 +239,9 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
                           f"{native} or null")
     facts = text_facts(model_def, config, model_name)
     config_dict = config.to_dict()
-    per_image = task_types.vision_language_image_tokens(config_dict, size)
+    per_image = vision_language_image_tokens(config_dict, size)
     vision = config_dict["vision_config"]
-    vision_tokens = (size // vision["patch_size"]) ** 2 + task_types.VISION_CLASS_TOKENS[vision["model_type"]]
+    vision_tokens = (size // vision["patch_size"]) ** 2 + VISION_CLASS_TOKENS[vision["model_type"]]
     mean, std, processor_class = images.processor_stats(model_def)
     dropped: dict = {}
     if dataset_def["source"]["kind"] == "synthetic":
@@ -265,12 +278,12 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
 
 @dataclass(frozen=True)
 class Facts:
-    image: images.ImageFacts
+    image: ImageFacts
     vision_tokens_per_image: int
 
     @classmethod
     def of(cls, manifest: dict) -> "Facts":
-        return cls(images.ImageFacts.of(manifest), manifest["vision_tokens_per_image"])
+        return cls(ImageFacts.of(manifest), manifest["vision_tokens_per_image"])
 
 
 @dataclass
@@ -300,68 +313,26 @@ def from_table(table: pa.Table, facts: Facts) -> Split:
     return Split(images.pixels_of(table, facts.image.image_size), arrays("input_ids"), arrays("labels"), facts)
 
 
-class DiskSplit:
-    """Rows read from the shards per batch (``data_source: disk``): one row-group read per group touched,
-    a few recently read groups kept (as prepared.DiskSplit)."""
-
-    def __init__(self, shards: list[Path], facts: Facts):
-        from ftbench.data import prepared
-
-        self.rows = prepared.DiskSplit(shards)  # its row-group index; the decoding is this module's
-        self.facts = facts
-        self._cache: dict[int, pa.Table] = {}
-
-    def _group(self, index: int) -> pa.Table:
-        if index not in self._cache:
-            if len(self._cache) >= self.rows.CACHED_GROUPS:
-                self._cache.pop(next(iter(self._cache)))  # oldest first
-            file_index, row_group, _ = self.rows.groups[index]
-            self._cache[index] = self.rows.files[file_index].read_row_group(row_group)
-        return self._cache[index]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def lengths(self) -> np.ndarray:
-        return self.rows.lengths()
-
-    def take(self, indices: np.ndarray) -> Split:
-        indices = np.asarray(indices)
-        starts = self.rows.group_starts
-        group_of = np.searchsorted(starts, indices, side="right") - 1
-        pieces, positions = [], []
-        for group in np.unique(group_of):
-            where = np.flatnonzero(group_of == group)
-            pieces.append(self._group(int(group)).take(pa.array(indices[where] - starts[group])))
-            positions.append(where)
-        table = pa.concat_tables(pieces).take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))
-        return from_table(table, self.facts)
-
-
 def load_split(shards: list[Path], manifest: dict, data_source: str):
-    import pyarrow.parquet as pq
-
     facts = Facts.of(manifest)
-    if data_source == "disk":
-        return DiskSplit(shards, facts)
-    return from_table(pa.concat_tables([pq.read_table(path) for path in shards]), facts)
+    return prepared.read_split(shards, lambda table: from_table(table, facts), data_source)
 
 
 def collate(split, indices: np.ndarray, pad_token_id: int):
-    """A padded batch: uint8 pixels (normalised on the device, images.ImageBatch.to), ids, mask, labels.
+    """A padded batch: uint8 pixels (normalised on the device, ImageBatch.to), ids, mask, labels.
     Real tokens: each row's unpadded length, its image tokens included; image tokens counted apart."""
-    import torch
+    import torch  # deferred: the registry is read at parse time, torch-free
 
     rows = split.take(np.asarray(indices))
-    ids, mask = _pad(rows.input_ids, pad_token_id)
-    labels, _ = _pad(rows.labels, IGNORE_INDEX)
+    ids, mask = pad(rows.input_ids, pad_token_id)
+    labels, _ = pad(rows.labels, IGNORE_INDEX)
     lengths = mask.sum(axis=1)
     count = len(rows)
     facts = rows.facts
     vision = facts.vision_tokens_per_image
     inputs = {"pixel_values": torch.from_numpy(np.ascontiguousarray(rows.pixels)), "input_ids": torch.from_numpy(ids),
               "attention_mask": torch.from_numpy(mask), "labels": torch.from_numpy(labels)}
-    return images.ImageBatch(inputs=inputs, samples=count, real_tokens=int(lengths.sum()), padded_tokens=int(mask.size),
+    return ImageBatch(inputs=inputs, samples=count, real_tokens=int(lengths.sum()), padded_tokens=int(mask.size),
                              sum_squared_lengths=int((lengths * lengths).sum()), images=count,
                              image_tokens=count * facts.image.tokens_per_image, vision_tokens=count * vision,
                              vision_sum_squared_lengths=count * vision * vision, facts=facts.image)
@@ -371,7 +342,7 @@ def lora_target_modules(model, spec) -> list[str]:
     """The full names of the Linear layers LoRA adapts: the language model's that ``lora_targets`` names
     (all-linear: every one; its lm_head never), and the projector's (linear_1, linear_2) when named. The
     vision tower is never adapted: under LoRA it stays frozen."""
-    import torch
+    import torch  # deferred: the registry is read at parse time, torch-free
 
     named = spec.lora_targets != "all-linear"
     chosen, projector = [], []
@@ -395,3 +366,86 @@ def lora_target_modules(model, spec) -> list[str]:
 def memory_estimate() -> dict:
     """No estimate rather than a wrong one (memory_estimate_note says why)."""
     return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": MEMORY_NOT_MODELLED}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parse-time rules
+
+
+def check_run(run: RunSpec, setting_key) -> None:
+    """A vision-language run needs images, a prompt and an answer per row, a LLaVA model, and a tokenizer
+    for real text; the hf_trainer engine does not count its images."""
+    where = f"datasets.{run.dataset}"
+    dataset_def, source = run.dataset_def, run.model_def["source"]
+    if run.engine == "hf_trainer":
+        raise ConfigError(f"config key {setting_key('engine', run.engine)}: run {run.run_id} (vision_language) "
+                          "with engine 'hf_trainer' is not implemented (it counts no images or image tokens); use engine 'loop'")
+    if run.parallel == "fsdp":  # fsdp.py shards decoder layers of text models; a LLaVA's towers are not planned for
+        raise ConfigError(f"config key {setting_key('parallel', run.parallel)}: run {run.run_id} (vision_language) "
+                          "with parallel 'fsdp' is not implemented by this ftbench version; use none or dp")
+    if source["kind"] == "config" and source["architecture"] != "LlavaConfig":
+        raise ConfigError(f"config key models.{run.model}.source.architecture: {source['architecture']!r}; task "
+                          "vision_language builds LLaVA models: expected 'LlavaConfig'")
+    if dataset_def["source"]["kind"] == "synthetic":
+        return
+    needed = [] if "pixels" in dataset_def else ["image_column", "answer_column"]
+    if "prompt" not in dataset_def:
+        needed.append("prompt_column")
+    for key in needed:
+        if key not in dataset_def:
+            alternative = " (or `prompt`: one prompt for every row)" if key == "prompt_column" else \
+                " (or `pixels` for a headerless CSV of pixel rows, whose class is the answer)"
+            raise ConfigError(f"config key {where}.{key}: required to train model {run.model!r} (vision_language){alternative}")
+    if source["kind"] == "config" and "tokenizer" not in source:
+        raise ConfigError(f"config key models.{run.model}.source.tokenizer: required to tokenise the prompts and answers of "
+                          f"dataset {run.dataset!r} (without a tokenizer a config model trains on synthetic data only)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family
+
+
+class VisionLanguage(TaskFamily):
+    name = "vision_language"
+    auto_model = "AutoModelForImageTextToText"
+    column_keys = ("image_column", "prompt_column", "answer_column")
+    modality = "image"
+    not_packable = ("a packed row would hold several images whose features LLaVA places by counting image "
+                    "tokens, which packing does not keep apart; use group_by_length")
+
+    def make_config(self, config_class, overrides: dict, kwargs: dict, spec: RunSpec):
+        """Nested vision and text configs, and the tokenizer's image token."""
+        return config_for_run(spec, kwargs)
+
+    def lora_targets(self, model, spec: RunSpec):
+        """The language model's layers (the projector's when named), not the vision tower's."""
+        return lora_target_modules(model, spec)
+
+    def check_run(self, run: RunSpec, setting_key) -> None:
+        check_run(run, setting_key)
+
+    def tokens_per_example(self, run: RunSpec) -> int:
+        """The text, then the image's tokens in the decoder."""
+        model_config = sources.local_model_config(run.model_def["source"])
+        return run.seq_len + vision_language_image_tokens(model_config, run.image_size)
+
+    def prepare(self, dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, out_dir: Path,
+                shard_size_mb: float, model_name: str, image_size: int | None = None) -> dict:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
+
+    def load_split(self, shards: list[Path], manifest: dict, data_source: str):
+        return load_split(shards, manifest, data_source)
+
+    def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
+        return collate(split, indices, pad_token_id)
+
+    def eval_accumulator(self):
+        return TokenAccumulator(shift=True)
+
+    def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
+        return memory_estimate()
+
+
+FAMILY = VisionLanguage()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ftbench.errors import UnsupportedConfiguration
+from ftbench.measure.memory_estimate import repeated_blocks  # noqa: F401 - the blocks fsdp wraps (and the estimate counts)
 from ftbench.runspec import RunSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,25 +45,6 @@ def check_supported(spec: RunSpec) -> None:
 def build_device(spec: RunSpec, device: torch.device) -> torch.device:
     """Where the model is built: the CPU for fsdp (sharding moves each unit's shard to ``device``)."""
     return torch.device("cpu") if spec.parallel == "fsdp" else device
-
-
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks (decoder/encoder layers): the entries of its ModuleLists whose class the
-    model names in ``_no_split_modules`` (transformers' list of blocks that must stay whole), or, for a model
-    that names none, every entry of a ModuleList of two or more modules of one class. Blocks inside
-    ModuleLists only: embeddings (also named there) may share their weight with the output head, which
-    must then stay in the same unit."""
-    names = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    blocks = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
-            for entry in module:
-                kind = type(entry).__name__
-                if kind in names or (not names and all(type(other) is type(entry) for other in module)):
-                    blocks.append(entry)
-    return blocks
 
 
 def policies(spec: RunSpec) -> dict:

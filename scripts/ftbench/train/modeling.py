@@ -9,18 +9,15 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ftbench.data import sources
-from ftbench.tasks import task_types
+from ftbench.data.sources import load_failure, pretrained_args
+from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, config_vocab, load_tokenizer
 from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
-
-# Pad id for synthetic data of a model without a tokenizer: synthetic sequences are never padded, so
-# any id below the random-token range works.
-SYNTHETIC_PAD_ID = 0
+from ftbench.tasks.base import TaskFamily
+from ftbench.tasks.registry import model_family
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -30,63 +27,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # transformers matches these against the start or end of a module's name, so BERT's pooler is named by
 # its layer ("pooler.dense").
 OUTPUT_HEADS = ["classifier", "pooler", "pooler.dense", "score", "lm_head"]
-
-
-def tokenizer_source(model_def: dict) -> dict | None:
-    """The tokenizer's source: the checkpoint's own, or for a config-built model the one it names (or none)."""
-    source = model_def["source"]
-    return source.get("tokenizer") if source["kind"] == "config" else source
-
-
-def config_vocab_size(model_def: dict) -> int | None:
-    return model_def["source"].get("overrides", {}).get("vocab_size") if model_def["source"]["kind"] == "config" else None
-
-
-def _pretrained_args(source: dict) -> tuple[str, dict]:
-    """(location, extra from_pretrained kwargs) of a checkpoint source; GGUF files dequantise on load."""
-    location = sources.resolve_location(source)
-    if source["kind"] != "hub" and not Path(location).exists():
-        raise SourceError(f"model source {location} does not exist")
-    extra = {"gguf_file": source["gguf_file"]} if source.get("gguf_file") else {}
-    if source.get("revision"):
-        extra["revision"] = source["revision"]
-    return location, extra
-
-
-def load_tokenizer(model_def: dict):
-    """The model's tokenizer, or None for a config-built model without one (synthetic data only)."""
-    source = tokenizer_source(model_def)
-    if source is None:
-        return None
-    # Imported only now: AutoTokenizer pulls in transformers' Auto model classes and generation (3 s of a
-    # data job on 2 cores), which a config-built model's synthetic data never needs.
-    from transformers import AutoTokenizer
-
-    location, extra = _pretrained_args(source)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **extra)
-    except (OSError, ValueError) as exc:
-        raise SourceError(load_failure("tokenizer", source, location, exc)) from None
-    if tokenizer.pad_token_id is None:
-        # Decoder tokenizers ship without a pad token; padded positions are masked out anyway.
-        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
-    return tokenizer
-
-
-def load_failure(what: str, source: dict, location: str, exc: Exception) -> str:
-    """One line on why a model or tokenizer did not load. For a hub name the usual cause is the network
-    (none, offline mode, or a proxy that does not answer) with no copy in the local cache, which
-    transformers words as a local-folder problem: say so, and how to point at a local copy."""
-    detail = " ".join(str(exc).split())[:300]
-    if source["kind"] == "hub":
-        import os
-
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        return (f"{what} {location!r} could not be fetched from the Hugging Face hub and is not in the local cache "
-                f"({cache}): no network, offline mode (HF_HUB_OFFLINE), or a proxy that does not answer. Download it "
-                f"where there is a network (`hf download {location}`) into that cache, or point the source at a local "
-                f"copy: {{kind: path, path: /folder/with/config.json}}. ({type(exc).__name__}: {detail})")
-    return f"{what} {location}: cannot be loaded ({detail})"
 
 
 def bitsandbytes_available() -> bool:
@@ -117,7 +57,9 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def check_supported(spec: RunSpec, device: torch.device) -> None:
-    """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run."""
+    """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run. These are the
+    checks that need the job's device and installed packages, so they run in the job, not at parse time
+    (experiment.config.check_run has every rule that a config alone decides)."""
     if spec.precision == "fp16" and device.type == "cpu":
         raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
     needs_bnb = spec.method == "qlora" or spec.optimizer in BNB_OPTIMIZERS
@@ -154,14 +96,10 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
     ``pad_token_id``: the prepared data's (its manifest has it); without it the tokenizer is loaded to find it.
     ``vocab_size``: the tokenizer's (the manifest has it); a config-built model takes it as its vocabulary.
     """
-    model_def = spec.model_def
-    source = model_def["source"]
-    task = task_types.TASKS[task_types.model_task(model_def)]
-    model_class = task.model_class()
-    kwargs = {"num_labels": num_labels} if task.name in ("classification", "image_classification") else {}
+    family = model_family(spec.model_def)
+    kwargs = family.model_kwargs(num_labels)
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
-
     quantised = {}
     if spec.method == "qlora":
         # bitsandbytes quantises while loading, onto the device it loads to.
@@ -169,60 +107,71 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
             "quantization_config": _bnb_config(spec),
             "device_map": {"": device.index if device.type == "cuda" else "cpu"},
         }
-    if source["kind"] == "config":
-        import transformers
-
-        config_class = getattr(transformers, source["architecture"], None)
-        if config_class is None:
-            raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
-        overrides = dict(source.get("overrides", {}))
-        check_overrides(config_class, overrides, f"models.{spec.model}.source.overrides")
-        if task.name == "image_text_retrieval":
-            from ftbench.tasks import retrieval  # the towers' nested configs: image size, the tokenizer's vocabulary
-
-            overrides = retrieval.config_overrides(overrides, spec, load_tokenizer(model_def))
-        elif task.modality == "image" and spec.image_size:
-            overrides["image_size"] = spec.image_size  # a random-init encoder is built for the run's image size
-        if vocab_size is not None:
-            overrides["vocab_size"] = config_vocab(spec, overrides, vocab_size)
-        if task.name == "vision_language":  # nested vision and text configs, and the tokenizer's image token
-            from ftbench.tasks import vision_language
-
-            config = vision_language.config_for_run(spec, kwargs)
-        else:
-            config = config_class(**overrides, **kwargs)
-        if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-            # T5's convention: the decoder starts from the pad token. A bare config has no start token and
-            # the first forward pass would fail while shifting the labels right.
-            config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
-        # Random weights are made where they will live: initialising a large model on the CPU and copying
-        # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
-        # autocast.) QLoRA quantises on load, from a CPU copy.
-        with torch.device("cpu" if quantised else device):
-            model = model_class.from_config(config)
-        if quantised:
-            # Quantisation happens on load: save the random weights and load them back quantised, so a
-            # Llama-shaped model with no checkpoint can still be measured under QLoRA.
-            with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
-                model.save_pretrained(folder)
-                del model
-                model = model_class.from_pretrained(folder, **kwargs, **quantised)
+    if spec.model_def["source"]["kind"] == "config":
+        model = _model_from_config(spec, family, kwargs, quantised, device, vocab_size)
     else:
-        location, extra = _pretrained_args(source)
-        if task.name == "image_classification":
-            # An image checkpoint usually carries its pretraining head (ImageNet's 1,000 classes): a head of
-            # another class count is made new, as for a text encoder without one.
-            extra["ignore_mismatched_sizes"] = True
-        try:
-            model = model_class.from_pretrained(location, **extra, **kwargs, **quantised)
-        except OSError as exc:
-            raise SourceError(load_failure("model", source, location, exc)) from None
-    if task.modality == "text" and model.config.pad_token_id is None:
+        model = _model_from_checkpoint(spec, family, kwargs, quantised)
+    if family.modality == "text" and model.config.pad_token_id is None:
         if pad_token_id is None:
-            tokenizer = load_tokenizer(model_def)
+            tokenizer = load_tokenizer(spec.model_def)
             pad_token_id = tokenizer.pad_token_id if tokenizer is not None else SYNTHETIC_PAD_ID
         model.config.pad_token_id = pad_token_id
+    model = _prepare_for_training(model, spec)
+    if spec.method in ("lora", "qlora"):
+        model = _add_lora(model, spec, family)
+    if spec.method != "qlora":
+        model = model.to(device)
+    trainable, total = count_parameters(model)
+    return BuiltModel(model=model, trainable_params=trainable, total_params=total)
 
+
+def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantised: dict, device: torch.device,
+                       vocab_size: int | None):
+    """A config-built model (random weights): the family's config for the run, built where it will live."""
+    import transformers
+
+    source = spec.model_def["source"]
+    config_class = getattr(transformers, source["architecture"], None)
+    if config_class is None:
+        raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
+    overrides = dict(source.get("overrides", {}))
+    check_overrides(config_class, overrides, f"models.{spec.model}.source.overrides")
+    overrides = family.config_overrides(overrides, spec)
+    if vocab_size is not None:
+        overrides["vocab_size"] = config_vocab(spec.model, overrides, vocab_size)
+    config = family.make_config(config_class, overrides, kwargs, spec)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        # T5's convention: the decoder starts from the pad token. A bare config has no start token and
+        # the first forward pass would fail while shifting the labels right.
+        config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
+    model_class = family.model_class()
+    # Random weights are made where they will live: initialising a large model on the CPU and copying
+    # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
+    # autocast.) QLoRA quantises on load, from a CPU copy.
+    with torch.device("cpu" if quantised else device):
+        model = model_class.from_config(config)
+    if quantised:
+        # Quantisation happens on load: save the random weights and load them back quantised, so a
+        # Llama-shaped model with no checkpoint can still be measured under QLoRA.
+        with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
+            model.save_pretrained(folder)
+            del model
+            model = model_class.from_pretrained(folder, **kwargs, **quantised)
+    return model
+
+
+def _model_from_checkpoint(spec: RunSpec, family: TaskFamily, kwargs: dict, quantised: dict):
+    source = spec.model_def["source"]
+    location, extra = pretrained_args(source)
+    extra.update(family.pretrained_kwargs())
+    try:
+        return family.model_class().from_pretrained(location, **extra, **kwargs, **quantised)
+    except OSError as exc:
+        raise SourceError(load_failure("model", source, location, exc)) from None
+
+
+def _prepare_for_training(model, spec: RunSpec):
+    """k-bit preparation (QLoRA) or gradient checkpointing, no KV cache, Liger's kernels."""
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if spec.method == "qlora":
         from peft import prepare_model_for_kbit_training
@@ -237,13 +186,7 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         model.config.use_cache = False  # the KV cache only serves generation and costs memory in training
     if spec.kernels == "liger":
         apply_liger(model)  # before LoRA wraps the layers it patches
-
-    if spec.method in ("lora", "qlora"):
-        model = _add_lora(model, spec, task)
-    if spec.method != "qlora":
-        model = model.to(device)
-    trainable, total = count_parameters(model)
-    return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+    return model
 
 
 def apply_liger(model: torch.nn.Module) -> None:
@@ -277,20 +220,6 @@ def check_overrides(config_class, overrides: dict, where: str) -> None:
         close = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
         hints = ", ".join(f"{key!r}" + (f" (did you mean {close[key][0]!r}?)" if close[key] else "") for key in unknown)
         raise ConfigError(f"config key {where}: {hints} is not a setting of {config_class.__name__}")
-
-
-def config_vocab(spec: RunSpec, overrides: dict, tokenizer_vocab: int) -> int:
-    """A config-built model's vocabulary is its tokenizer's: an architecture's default (GPT-2's 50,257)
-    beside a tokenizer of 30,522 would train embeddings no token ever reaches, or index past the table.
-    A vocab_size set explicitly must agree with the tokenizer."""
-    explicit = overrides.get("vocab_size")
-    if explicit is not None and explicit != tokenizer_vocab:
-        raise ConfigError(
-            f"config key models.{spec.model}.source.overrides.vocab_size: {explicit}, but the tokenizer the data was "
-            f"prepared with has {tokenizer_vocab} tokens; remove vocab_size (the model then takes the tokenizer's) or "
-            "make them equal"
-        )
-    return tokenizer_vocab
 
 
 def _bnb_config(spec: RunSpec):
@@ -331,24 +260,19 @@ def check_lora_targets(model: torch.nn.Module, spec: RunSpec) -> None:
         )
 
 
-def _add_lora(model, spec: RunSpec, task: task_types.Task):
+def _add_lora(model, spec: RunSpec, family: TaskFamily):
     from peft import LoraConfig, TaskType, get_peft_model
 
     check_lora_targets(model, spec)
-    targets = spec.lora_targets
-    if task.name == "vision_language":  # the language model's layers (the projector's when named), not the vision tower's
-        from ftbench.tasks import vision_language
-
-        targets = vision_language.lora_target_modules(model, spec)
     # The task type makes peft keep a new classification head trainable (modules_to_save); a task peft has
     # no type for names its head instead.
-    head = {"task_type": getattr(TaskType, task.peft_task_type)} if task.peft_task_type else \
-        {"modules_to_save": list(task.head_modules)}
+    head = {"task_type": getattr(TaskType, family.peft_task_type)} if family.peft_task_type else \
+        {"modules_to_save": list(family.head_modules)}
     config = LoraConfig(
         **head,
         r=spec.lora_rank,
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.lora_dropout,
-        target_modules=targets,
+        target_modules=family.lora_targets(model, spec),
     )
     return get_peft_model(model, config)

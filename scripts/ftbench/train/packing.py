@@ -15,7 +15,7 @@ across sequences. A packed row's tail padding is one more such "sequence" whose 
 label of each sequence's first token is ignored too: unpacked, nothing predicts it either. Hence the loss of
 a packed batch equals the unpacked one (tests/test_batching.py shows it per sequence). This is for decoders
 (causal_lm) only: encoder masks in transformers do not read packed position ids, and classification would
-need a per-sequence pooling; config.check_run refuses the other tasks with that reason.
+need a per-sequence pooling; config.check_run refuses the other families (``packable`` false) with their reason.
 
 Every sequence of a batch counts its own real length in the attention FLOPs (``sum_squared_lengths``), so
 packing never inflates the FLOP count.
@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ftbench.experiment.batching_modes import MEGA_BATCHES, PACKED  # noqa: F401 - one place, torch-free
 from ftbench.tasks import batching
-
-from ftbench.experiment.batching_modes import MEGA_BATCHES, NOT_PACKABLE, PACKABLE_TASKS, PACKED  # noqa: F401 - one place, torch-free
+from ftbench.tasks.registry import family
 
 
 def lengths_of(split) -> np.ndarray:
@@ -82,8 +82,8 @@ def pack_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
 def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, capacity: int | None) -> batching.Batch:
     """The batch's sequences packed into rows (see the module docstring); ``padded_tokens`` is rows x the
     longest row, ``capacity_tokens`` rows x ``capacity`` (padding_free: the row itself)."""
-    if task not in PACKABLE_TASKS:
-        raise ValueError(f"packing {task}: {NOT_PACKABLE.get(task, 'not supported')}")
+    if not family(task).packable:
+        raise ValueError(f"packing {task}: {family(task).not_packable}")
     sequences = split.take(indices).input_ids
     lengths = [len(seq) for seq in sequences]
     rows = pack_rows(lengths, capacity)

@@ -27,15 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine, modeling, packing
 from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, training_order
-from ftbench.tasks import batching, retrieval, vision_language
-from ftbench.data import prepared, images
-from ftbench.measure import environment, flops, gpu_monitor, memory_estimate
+from ftbench.tasks import batching, registry
+from ftbench.data import prepared
+from ftbench.measure import environment, flops, gpu_monitor
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from ftbench.runspec import RunSpec
-from ftbench.tasks.task_types import IMAGE_TASKS
 
 
 def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = None,
@@ -89,8 +88,8 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
     manifest = prepared.verify(data_dir)
     set_seed(spec.seed)
     load_started = time.perf_counter()
-    train_split = prepared.load_split(data_dir, "train", manifest, spec.data_source)
-    eval_split = prepared.load_split(data_dir, "eval", manifest)
+    train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
+    eval_split = registry.load_split(data_dir, "eval", manifest)
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
                                  device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"])
     run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
@@ -106,7 +105,7 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     """Estimate, cross-check, train and evaluate the prepared run into ``metrics``; its step records."""
     if run.spec.auto_batch_size:
         _use_largest_batch(run, metrics)
-    metrics.update(_memory_estimate(run, manifest))
+    metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
     shape = flops.ModelShape.of(run.model)
     if run.dist.rank == 0 and run.spec.parallel == "fsdp":
         # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
@@ -135,17 +134,6 @@ def _use_largest_batch(run: Run, metrics: dict) -> None:
         raise torch.OutOfMemoryError(f"auto_batch_size: not even a batch of 1 per device fits (tried {search.trials})")
     run.spec = run.spec.replace(batch_size=search.found)
     metrics["batch_size"] = search.found
-
-
-def _memory_estimate(run: Run, manifest: dict) -> dict:
-    """The memory predicted for the run as it will train (after any batch search)."""
-    if run.task == "vision_language":
-        return vision_language.memory_estimate()
-    if run.task == "image_text_retrieval":
-        return retrieval.memory_estimate(run.model, run.spec, manifest)
-    if run.task in IMAGE_TASKS:
-        return images.memory_estimate(run.model, run.spec, manifest)
-    return memory_estimate.estimate(run.model, run.spec, run.task, getattr(run.model.config, "vocab_size", None))
 
 
 def _wrap_model(run: Run) -> torch.nn.Module:
@@ -326,10 +314,11 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     batch = batching.collate(run.task, split, indices, run.pad_id).to(run.device)
     # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
     inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
-    targets_len = batch.inputs["labels"].shape[1] if run.task == "seq2seq" else 0
+    family = registry.family(run.task)
+    targets_len = batch.inputs["labels"].shape[1] if family.separate_targets else 0
     n = batch.samples
     # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
-    pictures = batch.image_tokens if run.task == "image_text_retrieval" else 0  # a LLaVA has them in input_ids
+    pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
     try:
         counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run

@@ -11,7 +11,7 @@ contrastively on image + caption pairs, scored by image->text and text->image re
 - Data: an image and a caption per row. The caption is the dataset's ``text_column``, or for a dataset
   of class labels (``pixels`` rows, or ``label_column``) ``caption_template`` with ``{label}`` replaced
   (the 8x8 digits become "a handwritten digit 3"). Preparation decodes and resizes every image once
-  (images.py) and tokenises every caption once with the model source's tokenizer (``seq_len``), into the
+  (data/images.py) and tokenises every caption once with the model source's tokenizer (``seq_len``), into the
   Parquet shards: the image bytes, the caption's token ids, and a caption id (rows with the same caption
   text share it). ``source: {kind: synthetic}``: random images and random token captions (throughput only).
 - Tokens: an image is its patch tokens plus the class token (CLIP; SigLIP pools with an attention head
@@ -42,9 +42,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ftbench.data import images, sources
-from ftbench.tasks.batching import TokenisedSplit, _pad
+from ftbench.data import images, prepared, sources
+from ftbench.data.tokenizers import load_tokenizer
 from ftbench.errors import ConfigError, SourceError
+from ftbench.measure import memory_estimate as estimate_module
+from ftbench.runspec import RunSpec
+from ftbench.tasks import text
+from ftbench.tasks.base import Batch, TaskFamily, TokenisedSplit, pad
+from ftbench.tasks.image_classification import ImageBatch, ImageFacts, ImageSplit, collate_images, image_tokens_per_image
+from ftbench.tasks.image_classification import from_table as image_rows
 
 TASK = "image_text_retrieval"
 # Query rows per block of the eval similarity matrix: 1,024 x (eval rows) floats at a time (200 MB, and two
@@ -66,21 +72,19 @@ def full_config(model_def: dict) -> dict:
     overrides only a few sizes still has a patch size and a vocabulary)."""
     source = model_def["source"]
     if source["kind"] == "config":
-        import transformers
+        import transformers  # deferred: the registry is read at parse time, torch-free
 
         config_class = getattr(transformers, source["architecture"], None)
         if config_class is None:
             raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
         return config_class(**source.get("overrides", {})).to_dict()
-    from transformers import AutoConfig
-
-    from ftbench.train.modeling import load_failure
+    from transformers import AutoConfig  # deferred: the registry is read at parse time, torch-free
 
     location = sources.resolve_location(source)
     try:
         return AutoConfig.from_pretrained(location, revision=source.get("revision")).to_dict()
     except (OSError, ValueError) as exc:
-        raise SourceError(load_failure("model config", source, location, exc)) from None
+        raise SourceError(sources.load_failure("model config", source, location, exc)) from None
 
 
 def towers(config: dict, where: str) -> tuple[dict, dict]:
@@ -139,7 +143,7 @@ def config_overrides(overrides: dict, spec, tokenizer) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Parse-time checks (config.check_run calls this for a retrieval run)
+# Parse-time checks (the family's check_run)
 
 
 def check_run(run, setting_key) -> None:
@@ -208,9 +212,6 @@ def to_table(pixels: np.ndarray, input_ids: list, caption_ids: np.ndarray) -> pa
 
 def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, image_size: int | None,
             out_dir: Path, shard_size_mb: float, model_name: str) -> dict:
-    from ftbench.data import prepared
-    from ftbench.train.modeling import load_tokenizer
-
     where = f"models.{model_name}.source"
     config = full_config(model_def)
     vision, text = towers(config, where)
@@ -282,7 +283,7 @@ class CaptionFacts:
 class RetrievalSplit:
     """Image-caption pairs: the images (their ``labels`` are the caption ids) and the captions' tokens."""
 
-    pictures: images.ImageSplit
+    pictures: ImageSplit
     captions: TokenisedSplit
     caption_facts: CaptionFacts
 
@@ -305,65 +306,18 @@ def caption_facts(manifest: dict) -> CaptionFacts:
     return CaptionFacts(manifest["pad_token_id"], manifest["seq_len"] if manifest["pad_to_length"] else None)
 
 
-def from_table(table: pa.Table, facts: images.ImageFacts, captions: CaptionFacts) -> RetrievalSplit:
-    from ftbench.tasks import batching
-
-    pictures = images.from_table(table.select(["pixels", "caption_id"]).rename_columns(["pixels", "label"]), facts)
-    return RetrievalSplit(pictures, batching.from_table(table.select(["input_ids", "length"])), captions)
-
-
-class DiskRetrievalSplit:
-    """Pairs read from the shards per batch (``data_source: disk``): one row-group read per group touched."""
-
-    def __init__(self, shards: list[Path], manifest: dict):
-        from ftbench.data import prepared
-
-        self.rows = prepared.DiskSplit(shards)  # its row-group index; the decoding is this module's
-        self.facts, self.caption_facts = images.ImageFacts.of(manifest), caption_facts(manifest)
-        self._cache: dict[int, RetrievalSplit] = {}  # recently read row groups, as DiskSplit keeps them
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def lengths(self) -> np.ndarray:
-        return self.rows.lengths()
-
-    def _group(self, index: int) -> RetrievalSplit:
-        if index not in self._cache:
-            if len(self._cache) >= self.rows.CACHED_GROUPS:
-                self._cache.pop(next(iter(self._cache)))  # oldest first
-            file_index, row_group, _ = self.rows.groups[index]
-            self._cache[index] = from_table(self.rows.files[file_index].read_row_group(row_group), self.facts,
-                                            self.caption_facts)
-        return self._cache[index]
-
-    def take(self, indices: np.ndarray) -> RetrievalSplit:
-        indices = np.asarray(indices)
-        group_of = np.searchsorted(self.rows.group_starts, indices, side="right") - 1
-        pieces, positions = [], []
-        for group in np.unique(group_of):
-            where = np.flatnonzero(group_of == group)
-            pieces.append(self._group(int(group)).take(indices[where] - self.rows.group_starts[group]))
-            positions.append(where)
-        # The pieces come grouped by row group: put every row back at its place in the batch.
-        back = np.argsort(np.concatenate(positions), kind="stable")
-        pictures = images.ImageSplit(np.concatenate([p.pictures.pixels for p in pieces])[back],
-                                     np.concatenate([p.caption_ids for p in pieces])[back], self.facts)
-        ids = [row for p in pieces for row in p.captions.input_ids]
-        return RetrievalSplit(pictures, TokenisedSplit([ids[i] for i in back]), self.caption_facts)
+def from_table(table: pa.Table, facts: ImageFacts, captions: CaptionFacts) -> RetrievalSplit:
+    pictures = image_rows(table.select(["pixels", "caption_id"]).rename_columns(["pixels", "label"]), facts)
+    return RetrievalSplit(pictures, text.from_table(table.select(["input_ids", "length"])), captions)
 
 
 def load_split(shards: list[Path], manifest: dict, data_source: str):
-    import pyarrow.parquet as pq
-
-    if data_source == "disk":
-        return DiskRetrievalSplit(shards, manifest)
-    return from_table(pa.concat_tables([pq.read_table(path) for path in shards]), images.ImageFacts.of(manifest),
-                      caption_facts(manifest))
+    facts, captions = ImageFacts.of(manifest), caption_facts(manifest)
+    return prepared.read_split(shards, lambda table: from_table(table, facts, captions), data_source)
 
 
 @dataclass
-class RetrievalBatch(images.ImageBatch):
+class RetrievalBatch(ImageBatch):
     """An ImageBatch with captions: ``inputs`` are the model's (pixels, caption tokens, return_loss);
     ``caption_ids`` say which rows share a caption text (for scoring, not for the model)."""
 
@@ -371,17 +325,17 @@ class RetrievalBatch(images.ImageBatch):
 
 
 def collate(split, indices: np.ndarray) -> RetrievalBatch:
-    """A batch of pairs: images as images.collate makes them, captions padded (to the batch's longest, or
+    """A batch of pairs: images as image_classification.collate_images makes them, captions padded (to the batch's longest, or
     to seq_len for SigLIP). Real tokens are the image tokens plus the unpadded caption tokens."""
-    import torch
+    import torch  # deferred: the registry is read at parse time, torch-free
 
     rows = split.take(np.asarray(indices))
-    pictures = images.collate(rows.pictures, np.arange(len(rows)))
+    pictures = collate_images(rows.pictures, np.arange(len(rows)))
     facts = rows.caption_facts
     sequences = rows.captions.input_ids
     if facts.pad_to_length:
         sequences = sequences + [np.zeros(facts.pad_to_length, dtype=np.int64)]  # a row that sets the padded width
-    ids, mask = _pad(sequences, facts.pad_token_id)
+    ids, mask = pad(sequences, facts.pad_token_id)
     if facts.pad_to_length:
         ids, mask = ids[:-1], mask[:-1]
     inputs = {key: value for key, value in pictures.inputs.items() if key != "labels"}
@@ -404,7 +358,7 @@ def collate(split, indices: np.ndarray) -> RetrievalBatch:
 def hits(similarity, query_ids, key_ids):
     """For each query row of ``similarity`` (queries x keys): whether its best-scoring correct key (same
     caption id) scores strictly above every wrong key. A tie between a right and a wrong key is a miss."""
-    import torch
+    import torch  # deferred: the registry is read at parse time, torch-free
 
     same = query_ids[:, None] == key_ids[None, :]
     best_right = torch.where(same, similarity, torch.full_like(similarity, -torch.inf)).amax(dim=1)
@@ -416,7 +370,7 @@ def recall_at_1(image_embeds, text_embeds, caption_ids, chunk_rows: int = SIMILA
     """(image->text, text->image) recall@1 over all rows: each image's query against every caption and
     each caption's against every image, cosine similarity (the embeddings are L2-normalised here), the
     matrix taken ``chunk_rows`` query rows at a time."""
-    import torch
+    import torch  # deferred: the registry is read at parse time, torch-free
 
     images_n = torch.nn.functional.normalize(image_embeds.float(), dim=-1)
     texts_n = torch.nn.functional.normalize(text_embeds.float(), dim=-1)
@@ -432,7 +386,7 @@ def recall_at_1(image_embeds, text_embeds, caption_ids, chunk_rows: int = SIMILA
 
 
 class RecallAccumulator:
-    """The eval accumulator of retrieval (batching.EvalAccumulator's interface): keeps every scored pair's
+    """The eval accumulator of retrieval (text.ClassAccumulator's interface): keeps every scored pair's
     embeddings, then recall@1 over all of them, and the mean contrastive loss of the eval batches (which
     depends on eval_batch_size: the negatives are the batch's)."""
 
@@ -451,7 +405,7 @@ class RecallAccumulator:
     def result(self) -> dict:
         if self.count == 0:
             return {}
-        import torch
+        import torch  # deferred: the registry is read at parse time, torch-free
 
         image_to_text, text_to_image = recall_at_1(torch.cat(self.image_embeds), torch.cat(self.text_embeds),
                                                    np.concatenate(self.caption_ids))
@@ -465,14 +419,58 @@ def memory_estimate(model, spec, manifest: dict) -> dict:
     caption tokens (the longest a batch pads to: an upper bound for captions of several lengths). The parts
     are added up and the peak taken of the sum. Left out: the projections (under 1% of CLIP's parameters)
     and the batch x batch similarities of the loss."""
-    from ftbench.measure import memory_estimate as estimate_module
-
     parts: dict = {}
     for tower, tokens in ((model.vision_model, manifest["image_tokens_per_image"]), (model.text_model, manifest["seq_len"])):
-        figures = estimate_module.estimate(tower, spec.replace(seq_len=tokens), "classification", None)
+        figures = estimate_module.estimate(tower, spec.replace(seq_len=tokens), None)
         if figures["memory_estimate_mb"] is None:
             return figures  # not modelled (a compiled run), with the reason
         for name, value in figures["memory_estimate_parts_mb"].items():
             parts[name] = parts.get(name, 0.0) + value
     return {"memory_estimate_mb": estimate_module.peak_bytes(parts), "memory_estimate_parts_mb": parts,
             "memory_estimate_note": None, "memory_estimate_host_mb": None}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family
+
+
+class ImageTextRetrieval(TaskFamily):
+    name = TASK
+    auto_model = "AutoModel"
+    # No new head: the towers' projections are the model's own.
+    column_keys = ("image_column", "text_column", "label_column")
+    modality = "image"
+    images_beside_text = True  # the captions are input_ids, the images' tokens come beside them
+    not_packable = "a dual encoder pairs each caption with its image and pools one token per caption; use group_by_length"
+
+    def config_overrides(self, overrides: dict, spec: RunSpec) -> dict:
+        """The towers' nested configs: image size, the tokenizer's vocabulary."""
+        return config_overrides(overrides, spec, load_tokenizer(spec.model_def))
+
+    def check_run(self, run: RunSpec, setting_key) -> None:
+        check_run(run, setting_key)
+
+    def tokens_per_example(self, run: RunSpec) -> int:
+        """An image is its patch tokens (the parse-time estimate counts the vision tower's), whatever seq_len says."""
+        return image_tokens_per_image(sources.local_model_config(run.model_def["source"]), run.image_size)
+
+    def prepare(self, dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, out_dir: Path,
+                shard_size_mb: float, model_name: str, image_size: int | None = None) -> dict:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return prepare(dataset_name, dataset_def, model_def, seq_len, image_size, out_dir, shard_size_mb, model_name)
+
+    def load_split(self, shards: list[Path], manifest: dict, data_source: str):
+        return load_split(shards, manifest, data_source)
+
+    def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
+        return collate(split, indices)
+
+    def eval_accumulator(self):
+        return RecallAccumulator()
+
+    def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
+        return memory_estimate(model, spec, manifest)
+
+
+FAMILY = ImageTextRetrieval()

@@ -1,0 +1,164 @@
+"""The interface every task family implements (``TaskFamily``), and what the families share: the batch a
+collate makes (``Batch``), rows of token ids in memory (``TokenisedSplit``) and right-padding (``pad``).
+
+A family is one module of ``ftbench.tasks`` and one line of ``registry.FAMILIES``. It owns, for its task:
+what the model is (``auto_model``, ``peft_task_type``, ``head_modules``, ``lora_targets``), the parse-time
+rules of a run (``check_run``; experiment/ calls them), preparation (``prepare``: raw data to shards and a
+manifest), reading the shards back (``load_split``), batching (``collate``), scoring (``eval_accumulator``),
+the memory estimate (``memory_estimate``) and the token counts of the estimates (``tokens_per_example``,
+``separate_targets``, ``images_beside_text``).
+
+Torch-free at import: the registry is read at Snakemake parse time. Whatever needs torch or transformers
+imports it inside the method that uses it, saying so.
+
+Token counting convention (used for every throughput figure): the real, unpadded tokens the model
+processes in a step, i.e. input tokens, plus target tokens for seq2seq (the decoder processes them too),
+plus image tokens for the image families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ftbench.runspec import RunSpec
+
+IGNORE_INDEX = -100  # positions the loss skips (padding)
+
+
+@dataclass
+class TokenisedSplit:
+    """A split in memory: unpadded token id arrays, plus class labels or target ids."""
+
+    input_ids: list[np.ndarray]
+    labels: np.ndarray | None = None  # class ids (classification)
+    target_ids: list[np.ndarray] | None = None  # decoder targets (seq2seq)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def lengths(self) -> np.ndarray:
+        """Input length of every row (length-grouped batching sorts by it)."""
+        return np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+
+    def take(self, indices: np.ndarray) -> "TokenisedSplit":
+        """The rows at ``indices``, in that order."""
+        return TokenisedSplit(
+            input_ids=[self.input_ids[i] for i in indices],
+            labels=self.labels[indices] if self.labels is not None else None,
+            target_ids=[self.target_ids[i] for i in indices] if self.target_ids is not None else None,
+        )
+
+
+@dataclass
+class Batch:
+    inputs: dict  # keyword arguments of the model's forward (torch tensors)
+    samples: int
+    real_tokens: int  # tokens without padding (see the module docstring)
+    padded_tokens: int  # positions processed including padding
+    sum_squared_lengths: int  # sum over input sequences of real length squared (attention FLOPs)
+    target_tokens: int = 0  # seq2seq: the part of real_tokens that is decoder targets
+    target_sum_squared_lengths: int = 0
+    images: int = 0  # image families: images in the batch
+    image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
+    capacity_tokens: int = 0  # packed batches (packing.py): rows x row capacity; 0 when not packed
+    # vision-language: tokens the vision tower processes (its class token included) and their sum of
+    # squared lengths per image, for the FLOPs; not part of real_tokens (the decoder's)
+    vision_tokens: int = 0
+    vision_sum_squared_lengths: int = 0
+
+    def to(self, device) -> "Batch":
+        moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
+        return dataclasses.replace(self, inputs=moved)
+
+
+def pad(sequences: list[np.ndarray], value: int) -> tuple[np.ndarray, np.ndarray]:
+    """(padded ids, attention mask) padded on the right to the longest sequence."""
+    longest = max(len(seq) for seq in sequences)
+    ids = np.full((len(sequences), longest), value, dtype=np.int64)
+    mask = np.zeros((len(sequences), longest), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+class TaskFamily:
+    """One task family. Class attributes describe it; methods do its part of each stage. The defaults here
+    are those most families share; a family overrides what differs."""
+
+    name: str = ""
+    auto_model: str = ""  # transformers Auto class
+    peft_task_type: str = ""  # peft TaskType member; "" where peft has none (head_modules are named instead)
+    head_modules: tuple[str, ...] = ()  # new output layers LoRA must train in full (when peft has no task type)
+    needs: tuple[str, ...] = ()  # dataset keys the family requires beside its text or image column
+    column_keys: tuple[str, ...] = ("text_column",)  # dataset keys naming file columns (checked at parse time)
+    modality: str = "text"  # "image": the data holds images
+    takes_num_labels: bool = False  # the model is built with the data's class count
+    packable: bool = False  # packed batching (packing.py) is exact for it
+    not_packable: str = "not supported"  # why packed batching is refused, when it is
+    separate_targets: bool = False  # labels are a separate decoder sequence (their tokens count apart)
+    images_beside_text: bool = False  # image tokens are not in input_ids (a dual encoder's pairs)
+
+    def __repr__(self) -> str:
+        return f"<task family {self.name}>"
+
+    # -- the model ------------------------------------------------------------------------------------
+
+    def model_class(self):
+        import transformers  # deferred: the registry is read at parse time, torch-free
+
+        return getattr(transformers, self.auto_model)
+
+    def model_kwargs(self, num_labels: int | None) -> dict:
+        return {"num_labels": num_labels} if self.takes_num_labels else {}
+
+    def config_overrides(self, overrides: dict, spec: RunSpec) -> dict:
+        """A config-built model's overrides for this run (before its vocabulary is set)."""
+        return overrides
+
+    def make_config(self, config_class, overrides: dict, kwargs: dict, spec: RunSpec):
+        """A config-built model's transformers config."""
+        return config_class(**overrides, **kwargs)
+
+    def pretrained_kwargs(self) -> dict:
+        """Extra from_pretrained keywords for a checkpoint of this family."""
+        return {}
+
+    def lora_targets(self, model, spec: RunSpec):
+        """What peft's target_modules gets: the run's lora_targets as given."""
+        return spec.lora_targets
+
+    # -- parse-time rules -------------------------------------------------------------------------------
+
+    def check_run(self, run: RunSpec, setting_key) -> None:
+        """Refuse, with ConfigError naming the key, what this family cannot run (``setting_key(name, value)``:
+        the config key a run setting came from). Torch-free: experiment/ calls it at parse time."""
+
+    def tokens_per_example(self, run: RunSpec) -> int:
+        """Tokens one training example is, for the parse-time compute estimate (cluster/resources.py)."""
+        return run.seq_len
+
+    # -- data -------------------------------------------------------------------------------------------
+
+    def prepare(self, dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, out_dir: Path,
+                shard_size_mb: float, model_name: str, image_size: int | None) -> dict:
+        raise NotImplementedError
+
+    def load_split(self, shards: list[Path], manifest: dict, data_source: str):
+        raise NotImplementedError
+
+    def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
+        raise NotImplementedError
+
+    # -- measuring --------------------------------------------------------------------------------------
+
+    def eval_accumulator(self):
+        raise NotImplementedError
+
+    def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
+        raise NotImplementedError
+
