@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftbench.tasks import batching
+from ftbench.tasks import registry
 from ftbench.tasks import registry
 from ftbench.measure import flops
 from ftbench.experiment import matrix
@@ -61,7 +61,7 @@ def main() -> None:
         model = modeling.build_model(spec, len(manifest["label_names"] or []) or None, device, manifest["pad_token_id"]).model
         model.train()
         indices = np.arange(min(spec.batch_size, len(split)))
-        inputs = batching.collate(manifest["task"], split, indices, manifest["pad_token_id"]).to(device).inputs
+        inputs = registry.family(manifest["task"]).collate(split, indices, manifest["pad_token_id"]).to(device).inputs
         autocast = autocast_args(device, spec.precision)
 
         def plain():

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ftbench.tasks import batching
+from ftbench.tasks import registry
 from ftbench.tasks import registry
 from ftbench.data import prepared
 from ftbench.measure import gpu_monitor
@@ -61,7 +61,7 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
-        batch = batching.collate(manifest["task"], split, indices, manifest["pad_token_id"]).to(device)
+        batch = registry.family(manifest["task"]).collate(split, indices, manifest["pad_token_id"]).to(device)
         with torch.autocast(**autocast):
             loss = model(**batch.inputs).loss
         scaler.scale(loss).backward()

@@ -1,4 +1,4 @@
-"""Batching modes (packing.py): length-grouped order, packed rows that keep sequences apart, the
+"""Batching modes (batching.py): length-grouped order, packed rows that keep sequences apart, the
 combinations refused, kernels and attention refused where they cannot run, and a config-built model made
 on its device."""
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ftbench.tasks import batching
+from ftbench.tasks import registry
+from ftbench.tasks.base import IGNORE_INDEX, TokenisedSplit
 from ftbench.experiment import config as ftconfig
-from ftbench.train import modeling, packing, run_state, trainer
+from ftbench.train import modeling, batching, run_state, trainer
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 from test_families import llama_data, llama_spec  # noqa: F401 - llama_data is a fixture
@@ -18,9 +19,9 @@ from test_measurement import llama_model_def, tiny_llama
 LENGTHS = [7, 30, 2, 12, 5, 19, 3, 25, 9, 4]
 
 
-def variable_split(lengths=LENGTHS, vocab=1000, seed=0) -> batching.TokenisedSplit:
+def variable_split(lengths=LENGTHS, vocab=1000, seed=0) -> TokenisedSplit:
     rng = np.random.default_rng(seed)
-    return batching.TokenisedSplit(input_ids=[rng.integers(1, vocab, size=n) for n in lengths])
+    return TokenisedSplit(input_ids=[rng.integers(1, vocab, size=n) for n in lengths])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -32,7 +33,7 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
     lengths = rng.integers(2, 64, size=1000)
     global_batch = 16
     per_epoch = 1000 // global_batch
-    batches = list(packing.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3))
+    batches = list(batching.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3))
     for epoch in range(2):
         seen = np.concatenate(batches[epoch * per_epoch : (epoch + 1) * per_epoch])
         assert len(seen) == len(set(seen.tolist())) == per_epoch * global_batch
@@ -43,7 +44,7 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
 
     assert padding(batches[:per_epoch]) < 0.1 < 0.4 < padding(plain)
     # Seeded: the same order again; long batches are not all at the start of the epoch.
-    assert all((a == b).all() for a, b in zip(batches, packing.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3)))
+    assert all((a == b).all() for a, b in zip(batches, batching.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3)))
     maxima = [lengths[b].max() for b in batches[:per_epoch]]
     assert maxima != sorted(maxima, reverse=True)
 
@@ -53,30 +54,30 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
 
 
 def test_pack_rows_fill_rows_without_splitting_a_sequence():
-    rows = packing.pack_rows(LENGTHS, 32)
+    rows = batching.pack_rows(LENGTHS, 32)
     assert sorted(i for row in rows for i in row) == list(range(len(LENGTHS)))
     assert all(sum(LENGTHS[i] for i in row) <= 32 for row in rows)
     assert len(rows) == 4  # 116 tokens: 4 rows of 32 at best
-    assert packing.pack_rows(LENGTHS, None) == [list(range(len(LENGTHS)))]
+    assert batching.pack_rows(LENGTHS, None) == [list(range(len(LENGTHS)))]
     with pytest.raises(ValueError):
-        packing.pack_rows([40], 32)
+        batching.pack_rows([40], 32)
 
 
 def test_packed_batch_counts_real_tokens_and_per_sequence_attention_terms():
     split = variable_split()
-    batch = packing.collate("causal_lm", split, np.arange(len(LENGTHS)), 0, "pack", 32)
+    batch = batching.collate("causal_lm", split, np.arange(len(LENGTHS)), 0, "pack", 32)
     rows, width = batch.inputs["input_ids"].shape
     assert batch.real_tokens == sum(LENGTHS)
     assert batch.sum_squared_lengths == sum(n * n for n in LENGTHS)
     assert batch.padded_tokens == rows * width and batch.capacity_tokens == rows * 32
     assert "attention_mask" not in batch.inputs  # the mask comes from the restarting position ids
     # One sequence's first token is never a target; every other real token is, once.
-    assert int((batch.inputs["labels"] != batching.IGNORE_INDEX).sum()) == sum(n - 1 for n in LENGTHS)
-    free = packing.collate("causal_lm", split, np.arange(len(LENGTHS)), 0, "padding_free", 32)
+    assert int((batch.inputs["labels"] != IGNORE_INDEX).sum()) == sum(n - 1 for n in LENGTHS)
+    free = batching.collate("causal_lm", split, np.arange(len(LENGTHS)), 0, "padding_free", 32)
     assert free.inputs["input_ids"].shape == (1, sum(LENGTHS)) and free.padded_tokens == free.real_tokens
     steps = [{"measured": True, "tokens": batch.real_tokens, "capacity_tokens": batch.capacity_tokens}]
-    assert packing.packing_efficiency(steps) == pytest.approx(sum(LENGTHS) / (rows * 32))
-    assert packing.packing_efficiency([{"measured": True, "tokens": 5, "capacity_tokens": 0}]) is None
+    assert batching.packing_efficiency(steps) == pytest.approx(sum(LENGTHS) / (rows * 32))
+    assert batching.packing_efficiency([{"measured": True, "tokens": 5, "capacity_tokens": 0}]) is None
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -87,20 +88,20 @@ def test_packed_loss_equals_unpacked_loss_per_sequence_on_a_decoder(attention, m
     split = variable_split()
     indices = np.arange(len(LENGTHS))
     with torch.no_grad():
-        padded = batching.collate("causal_lm", split, indices, 0)
-        packed = packing.collate("causal_lm", split, indices, 0, mode, 32)
+        padded = registry.family("causal_lm").collate(split, indices, 0)
+        packed = batching.collate("causal_lm", split, indices, 0, mode, 32)
         # Per sequence, unpacked: each sequence alone, no padding at all.
         alone = [model(input_ids=torch.as_tensor(seq)[None], labels=torch.as_tensor(seq)[None]).loss.item()
                  for seq in split.input_ids]
         # Per sequence, packed: the token losses of the packed pass, grouped by sequence.
         logits = model(input_ids=packed.inputs["input_ids"], position_ids=packed.inputs["position_ids"]).logits
         token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), packed.inputs["labels"][:, 1:], ignore_index=batching.IGNORE_INDEX,
+            logits[:, :-1].transpose(1, 2), packed.inputs["labels"][:, 1:], ignore_index=IGNORE_INDEX,
             reduction="none")
         document = packed.inputs["position_ids"].eq(0).cumsum(-1)[:, 1:]  # which sequence each target is in
         packed_losses = {}
         for row in range(token_loss.shape[0]):
-            scored = packed.inputs["labels"][row, 1:] != batching.IGNORE_INDEX
+            scored = packed.inputs["labels"][row, 1:] != IGNORE_INDEX
             for doc in document[row, scored].unique().tolist():
                 where = scored & (document[row] == doc)
                 tokens = packed.inputs["input_ids"][row, 1:][where]
@@ -114,10 +115,10 @@ def test_packed_loss_equals_unpacked_loss_per_sequence_on_a_decoder(attention, m
 
 def test_isolation_probe_refuses_a_model_that_lets_packed_sequences_see_each_other():
     model = tiny_llama(use_cache=False)
-    packing.check_isolation(model, torch.device("cpu"))  # Llama honours packed position ids
+    batching.check_isolation(model, torch.device("cpu"))  # Llama honours packed position ids
     model.config.use_cache = True  # transformers then ignores packed position ids: the probe must see it
     with pytest.raises(UnsupportedConfiguration, match="not kept apart"):
-        packing.check_isolation(model, torch.device("cpu"))
+        batching.check_isolation(model, torch.device("cpu"))
     model.config.use_cache = False
 
     class IgnoresPositions(torch.nn.Module):  # as a model whose attention reads no packed bounds would
@@ -129,7 +130,7 @@ def test_isolation_probe_refuses_a_model_that_lets_packed_sequences_see_each_oth
             return self.inner(input_ids=input_ids)
 
     with pytest.raises(UnsupportedConfiguration, match="not kept apart"):
-        packing.check_isolation(IgnoresPositions(model), torch.device("cpu"))
+        batching.check_isolation(IgnoresPositions(model), torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ import yaml
 
 from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
 from ftbench.tasks import registry
+from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.data import tokenizers
-from ftbench.tasks import batching
 from ftbench import cli
 from ftbench.data import prepared
 from ftbench.train import ddp, modeling, run_state, trainer
@@ -377,10 +377,10 @@ def test_gradient_accumulation_counts_every_micro_batch(llama_data):
 # Model families: each trains, and its eval metrics agree with an independent computation
 
 
-def eval_batch(spec: dict, data_dir: Path) -> batching.Batch:
+def eval_batch(spec: dict, data_dir: Path) -> Batch:
     manifest = prepared.read_manifest(data_dir)
     split = registry.load_split(data_dir, "eval", manifest)
-    return batching.collate(manifest["task"], split, np.arange(len(split)), manifest["pad_token_id"])
+    return registry.family(manifest["task"]).collate(split, np.arange(len(split)), manifest["pad_token_id"])
 
 
 @pytest.mark.slow
@@ -469,7 +469,7 @@ def test_causal_lm_on_real_text_ignores_padding(tmp_path, tiny_csv, captured):
     with torch.no_grad():
         output = model(**batch.inputs)
     labels = batch.inputs["labels"][:, 1:]
-    scored = labels != batching.IGNORE_INDEX
+    scored = labels != IGNORE_INDEX
     correct = ((output.logits[:, :-1].argmax(-1) == labels) & scored).sum().item()
     assert metrics["eval_loss"] == pytest.approx(output.loss.item(), rel=1e-5)
     assert metrics["eval_token_accuracy"] == pytest.approx(correct / scored.sum().item())
@@ -480,14 +480,14 @@ def test_eval_accumulator_shifts_causal_labels_and_skips_padding():
     """Position t predicts token t+1: logits that predict the next token exactly score 100%, padding excluded."""
     ids = torch.tensor([[5, 6, 7, 8], [9, 3, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    labels = torch.where(mask == 1, ids, batching.IGNORE_INDEX)
+    labels = torch.where(mask == 1, ids, IGNORE_INDEX)
     logits = torch.full((2, 4, 10), -10.0)
     for row in range(2):
         for t in range(3):
             target = int(ids[row, t + 1])
             logits[row, t, target] = 10.0 if mask[row, t + 1] else -10.0
-    batch = batching.Batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, 2, 6, 8, 20)
-    scores = batching.eval_accumulator("causal_lm")
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "labels": labels}, 2, 6, 8, 20)
+    scores = registry.family("causal_lm").eval_accumulator()
     scores.add(type("Output", (), {"logits": logits})(), batch)
     result = scores.result()
     assert scores.count == 4  # 3 predictions in row 0, 1 in row 1 (its padding is not scored)

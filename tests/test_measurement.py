@@ -24,8 +24,8 @@ import torch
 
 from conftest import LM_DEFAULTS, ROOT
 from ftbench.tasks import registry
+from ftbench.tasks.base import IGNORE_INDEX, TokenisedSplit
 from ftbench.runspec import RunSpec
-from ftbench.tasks import batching
 from ftbench import cli
 from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
 from ftbench.report import collect
@@ -92,8 +92,8 @@ def _two_threads():
 # Trap: padding is not a token
 
 
-def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> batching.TokenisedSplit:
-    return batching.TokenisedSplit(
+def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> TokenisedSplit:
+    return TokenisedSplit(
         input_ids=[np.arange(1, n + 1) for n in lengths],
         labels=np.zeros(len(lengths), dtype=np.int64),
         target_ids=[np.arange(1, n + 1) for n in targets] if targets else None,
@@ -101,7 +101,7 @@ def split_of(*lengths: int, targets: tuple[int, ...] | None = None) -> batching.
 
 
 def test_collate_counts_real_tokens_not_padded_positions():
-    batch = batching.collate("classification", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    batch = registry.family("classification").collate(split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
     assert batch.inputs["input_ids"].shape == (3, 5)
     assert batch.real_tokens == 3 + 5 + 1  # not 3 x 5
     assert batch.padded_tokens == 15
@@ -111,20 +111,20 @@ def test_collate_counts_real_tokens_not_padded_positions():
 
 
 def test_causal_lm_labels_ignore_padding():
-    batch = batching.collate("causal_lm", split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
+    batch = registry.family("causal_lm").collate(split_of(3, 5, 1), np.array([0, 1, 2]), pad_token_id=0)
     labels = batch.inputs["labels"]
-    assert (labels != batching.IGNORE_INDEX).sum().item() == batch.real_tokens
-    assert (labels == batching.IGNORE_INDEX).sum().item() == batch.padded_tokens - batch.real_tokens
+    assert (labels != IGNORE_INDEX).sum().item() == batch.real_tokens
+    assert (labels == IGNORE_INDEX).sum().item() == batch.padded_tokens - batch.real_tokens
 
 
 def test_seq2seq_tokens_include_real_targets_only():
-    batch = batching.collate("seq2seq", split_of(3, 5, 1, targets=(2, 4, 1)), np.array([0, 1, 2]), pad_token_id=0)
+    batch = registry.family("seq2seq").collate(split_of(3, 5, 1, targets=(2, 4, 1)), np.array([0, 1, 2]), pad_token_id=0)
     assert batch.real_tokens == 9 + 7
     assert batch.target_tokens == 7
     assert batch.padded_tokens == 15 + 12
     assert batch.sum_squared_lengths == 35
     assert batch.target_sum_squared_lengths == 4 + 16 + 1
-    assert (batch.inputs["labels"] != batching.IGNORE_INDEX).sum().item() == 7
+    assert (batch.inputs["labels"] != IGNORE_INDEX).sum().item() == 7
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from ftbench.tasks import registry
-from ftbench.tasks import batching
 from ftbench.experiment import config as config_module, matrix
 from ftbench.report import cost
 from ftbench.data import prepared, images
@@ -197,8 +196,8 @@ def test_the_digits_scikit_learn_ships(tmp_path):
 def test_disk_and_memory_splits_give_the_same_batches(tmp_path, image_folder):
     manifest = prepare(image_dataset(image_folder), tmp_path)
     indices = np.array([5, 0, 15, 3])
-    memory = batching.collate("image_classification", registry.load_split(tmp_path, "train", manifest), indices, None)
-    disk = batching.collate("image_classification", registry.load_split(tmp_path, "train", manifest, "disk"), indices, None)
+    memory = registry.family("image_classification").collate(registry.load_split(tmp_path, "train", manifest), indices, None)
+    disk = registry.family("image_classification").collate(registry.load_split(tmp_path, "train", manifest, "disk"), indices, None)
     assert memory.inputs["pixel_values"].dtype == torch.uint8  # bytes until the batch reaches its device
     memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     assert (memory.inputs["pixel_values"] == disk.inputs["pixel_values"]).all()

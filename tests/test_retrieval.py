@@ -18,7 +18,6 @@ import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
 from ftbench.tasks import registry
-from ftbench.tasks import batching
 from ftbench.tasks import image_text_retrieval as retrieval
 from ftbench.experiment import config as config_module, matrix
 from ftbench.measure import flops
@@ -77,8 +76,8 @@ def test_captioned_folder_round_trips_through_shards_memory_and_disk(tmp_path, c
     assert (train["rows"], train["images"], train["image_tokens"]) == (16, 16, 16 * 17)
     assert train["tokens"] == train["image_tokens"] + train["text_tokens"]
     indices = np.array([5, 0, 15, 3])
-    memory = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), indices, 0)
-    disk = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
+    memory = registry.family("image_text_retrieval").collate(registry.load_split(tmp_path, "train", manifest), indices, 0)
+    disk = registry.family("image_text_retrieval").collate(registry.load_split(tmp_path, "train", manifest, "disk"), indices, 0)
     assert set(memory.inputs) == {"pixel_values", "input_ids", "attention_mask", "return_loss"}
     memory, disk = memory.to(torch.device("cpu")), disk.to(torch.device("cpu"))
     for key in ("pixel_values", "input_ids", "attention_mask"):
@@ -150,7 +149,7 @@ def test_siglip_captions_are_padded_to_seq_len_without_a_mask(tmp_path, caption_
     manifest = prepare(caption_dataset(caption_folder), tmp_path, model_def=siglip)
     assert manifest["pad_to_length"] is True
     assert manifest["image_tokens_per_image"] == 16  # no class token
-    batch = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), np.arange(4), 0)
+    batch = registry.family("image_text_retrieval").collate(registry.load_split(tmp_path, "train", manifest), np.arange(4), 0)
     assert "attention_mask" not in batch.inputs and batch.inputs["input_ids"].shape == (4, 16)
     assert batch.padded_tokens == 4 * 16 + 4 * 16 and batch.real_tokens < batch.padded_tokens
 
@@ -228,7 +227,7 @@ def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path):
     torch.manual_seed(0)
     spec, model = built()
     assert model.model.text_model.config.eos_token_id == 102  # the MiniLM tokenizer's [SEP]: where captions pool
-    batch = batching.collate("image_text_retrieval", registry.load_split(tmp_path, "train", manifest), np.arange(16), 0)
+    batch = registry.family("image_text_retrieval").collate(registry.load_split(tmp_path, "train", manifest), np.arange(16), 0)
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=0.002)
     losses = []
     for _ in range(15):

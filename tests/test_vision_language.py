@@ -15,8 +15,9 @@ import torch
 
 from conftest import MINILM_SOURCE, write_image_folder
 from ftbench.tasks import registry
+from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.data import tokenizers
-from ftbench.tasks import batching, vision_language as vision_language_family
+from ftbench.tasks import vision_language as vision_language_family
 from ftbench.experiment import config as config_module, matrix
 from ftbench.data import prepared
 from ftbench.measure import flops
@@ -89,8 +90,8 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     memory = registry.load_split(tmp_path, "eval", prepared.verify(tmp_path))
     disk = registry.load_split(tmp_path, "eval", manifest, "disk")
     order = np.array([5, 0, 7, 2])
-    batch = batching.collate("vision_language", memory, order, manifest["pad_token_id"])
-    from_disk = batching.collate("vision_language", disk, order, manifest["pad_token_id"])
+    batch = registry.family("vision_language").collate(memory, order, manifest["pad_token_id"])
+    from_disk = registry.family("vision_language").collate(disk, order, manifest["pad_token_id"])
     for key in ("pixel_values", "input_ids", "labels", "attention_mask"):
         assert torch.equal(batch.inputs[key], from_disk.inputs[key]), key
     ids, labels, mask = batch.inputs["input_ids"], batch.inputs["labels"], batch.inputs["attention_mask"]
@@ -99,7 +100,7 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     for row in range(len(order)):
         sequence = ids[row][mask[row] == 1]
         assert int((sequence == 30522).sum()) == IMAGE_TOKENS and bool((sequence[:IMAGE_TOKENS] == 30522).all())
-        answer = labels[row][labels[row] != batching.IGNORE_INDEX]
+        answer = labels[row][labels[row] != IGNORE_INDEX]
         # the scored tokens are the answer and the end token, the last ones of the sequence
         assert torch.equal(answer, sequence[-len(answer):])
         question = words.decode(sequence[IMAGE_TOKENS:-len(answer)])
@@ -108,7 +109,7 @@ def test_shards_round_trip_with_labels_on_the_answer_only(tmp_path, qa_folder):
     # padding is neither a real token nor scored; image and text tokens counted apart
     assert batch.real_tokens == int(mask.sum()) < batch.padded_tokens
     assert (batch.images, batch.image_tokens, batch.vision_tokens) == (4, 4 * IMAGE_TOKENS, 4 * (IMAGE_TOKENS + 1))
-    assert (labels[mask == 0] == batching.IGNORE_INDEX).all()
+    assert (labels[mask == 0] == IGNORE_INDEX).all()
 
 
 @pytest.mark.parametrize("form", ["parquet_bytes", "save_to_disk"])
@@ -137,7 +138,7 @@ def test_the_digits_become_questions_with_the_digit_word_as_answer(tmp_path):
     manifest = prepare_run(spec, tmp_path)
     split = registry.load_split(tmp_path, "train", manifest)
     words = tokenizer()
-    answers = {words.decode(labels[labels != batching.IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
+    answers = {words.decode(labels[labels != IGNORE_INDEX], skip_special_tokens=True) for labels in split.labels}
     assert answers == set(DIGIT_WORDS)
     assert words.decode(split.input_ids[0][IMAGE_TOKENS:IMAGE_TOKENS + 5]) == "what digit is this?"
     with pytest.raises(ConfigError, match=r"datasets\.vqa\.answers: 9 answers.*class 9 occurs"):
@@ -152,7 +153,7 @@ def test_synthetic_rows_have_a_prompt_then_a_scored_answer(tmp_path):
     split = registry.load_split(tmp_path, "train", manifest)
     for ids, labels in zip(split.input_ids, split.labels):
         assert len(ids) == IMAGE_TOKENS + 16 and int((ids == manifest["image_token_id"]).sum()) == IMAGE_TOKENS
-        assert (labels[:-4] == batching.IGNORE_INDEX).all() and (labels[-4:] == ids[-4:]).all()
+        assert (labels[:-4] == IGNORE_INDEX).all() and (labels[-4:] == ids[-4:]).all()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_image_tokens_are_the_features_the_model_inserts(tmp_path, vision, strat
     # the parse-time reading of the config (resource estimates) agrees
     assert vision_language_family.vision_language_image_tokens(overrides, 24) == per_image
     # and a batch of the prepared rows goes through the model (LLaVA checks the placeholder count)
-    batch = batching.collate("vision_language", registry.load_split(tmp_path, "train", manifest), np.arange(2),
+    batch = registry.family("vision_language").collate(registry.load_split(tmp_path, "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
 
@@ -244,7 +245,7 @@ def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_fol
     assert manifest["image_mean"] == [0.4, 0.5, 0.6] and manifest["processor_class"] == "CLIPImageProcessor"
     assert (manifest["image_size"], manifest["image_tokens_per_image"], manifest["image_token_id"]) == (16, 16, 30522)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", registry.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
+    batch = registry.family("vision_language").collate(registry.load_split(tmp_path / "ok", "train", manifest), np.arange(2),
                              manifest["pad_token_id"]).to("cpu")
     assert torch.isfinite(model(**batch.inputs).loss)
     # its vision tower has position embeddings for 16 x 16 only
@@ -283,8 +284,8 @@ def test_eval_scores_answer_tokens_only_on_hand_made_logits():
     logits[1, 1, :] = 0.0  # uniform over 5: loss log 5, argmax 0 (wrong: label 4)
     logits[1, 3, 1] = 10.0  # after the last position: never scored
     output = type("Output", (), {"logits": logits})()
-    batch = batching.Batch({"labels": labels}, 2, 8, 8, 0)
-    scores = batching.eval_accumulator("vision_language")
+    batch = Batch({"labels": labels}, 2, 8, 8, 0)
+    scores = registry.family("vision_language").eval_accumulator()
     scores.add(output, batch)
     result = scores.result()
     assert result["eval_token_accuracy"] == pytest.approx(2 / 4)
@@ -300,7 +301,7 @@ def test_loss_falls_on_a_tiny_llava(tmp_path, qa_folder):
     manifest = prepare_run(spec, tmp_path)
     torch.manual_seed(0)
     model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"]).model
-    batch = batching.collate("vision_language", registry.load_split(tmp_path, "train", manifest), np.arange(4),
+    batch = registry.family("vision_language").collate(registry.load_split(tmp_path, "train", manifest), np.arange(4),
                              manifest["pad_token_id"]).to("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
     losses = []

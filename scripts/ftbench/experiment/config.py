@@ -263,7 +263,7 @@ def experiment_warnings(config: dict) -> list[str]:
 
 
 def _check_batching(run: RunSpec, config: dict, family) -> None:
-    """Packed rows (packing.py) are exact for some families only, and their row count is not the batch size."""
+    """Packed rows (batching.py) are exact for some families only, and their row count is not the batch size."""
     if run.batching not in batching_modes.PACKED:
         return
     key = _setting_key(config, "batching", run.batching)

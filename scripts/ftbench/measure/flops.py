@@ -116,7 +116,7 @@ def _linear_flops_per_token(params: int, trainable: int, full_finetune: bool) ->
 
 
 def batch_flops(shape: ModelShape, full_finetune: bool, batch) -> int:
-    """step_flops of a batching.Batch's real tokens."""
+    """step_flops of a tasks.base.Batch's real tokens."""
     return step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths, batch.target_tokens,
                       batch.target_sum_squared_lengths, batch.image_tokens, batch.vision_tokens,
                       batch.vision_sum_squared_lengths, batch.images)

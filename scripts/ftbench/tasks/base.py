@@ -64,7 +64,7 @@ class Batch:
     target_sum_squared_lengths: int = 0
     images: int = 0  # image families: images in the batch
     image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
-    capacity_tokens: int = 0  # packed batches (packing.py): rows x row capacity; 0 when not packed
+    capacity_tokens: int = 0  # packed batches (batching.py): rows x row capacity; 0 when not packed
     # vision-language: tokens the vision tower processes (its class token included) and their sum of
     # squared lengths per image, for the FLOPs; not part of real_tokens (the decoder's)
     vision_tokens: int = 0
@@ -98,7 +98,7 @@ class TaskFamily:
     column_keys: tuple[str, ...] = ("text_column",)  # dataset keys naming file columns (checked at parse time)
     modality: str = "text"  # "image": the data holds images
     takes_num_labels: bool = False  # the model is built with the data's class count
-    packable: bool = False  # packed batching (packing.py) is exact for it
+    packable: bool = False  # packed batching (batching.py) is exact for it
     not_packable: str = "not supported"  # why packed batching is refused, when it is
     separate_targets: bool = False  # labels are a separate decoder sequence (their tokens count apart)
     images_beside_text: bool = False  # image tokens are not in input_ids (a dual encoder's pairs)

@@ -1,6 +1,6 @@
 """Causal language modelling (task ``causal_lm``): a decoder (Llama-like); loss = next-token cross-entropy
 over the real tokens; quality = eval loss, perplexity and next-token accuracy. The one family whose packed
-batching is exact (packing.py says why)."""
+batching is exact (batching.py says why)."""
 
 from __future__ import annotations
 

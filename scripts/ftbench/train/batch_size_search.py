@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ftbench.tasks import batching
+from ftbench.tasks import registry
 from ftbench.train.devices import autocast_args, synchronize
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer
 from ftbench.train.run_state import Run
@@ -85,7 +85,7 @@ def find_largest_batch(run: Run) -> BatchSearch:
 
     def step(batch_size: int, optimizer, scaler) -> None:
         indices = order[np.arange(batch_size * per_process) % len(order)]
-        batch = batching.collate(run.task, split, indices, run.pad_id).to(device)
+        batch = registry.family(run.task).collate(split, indices, run.pad_id).to(device)
         run.injector.check_batch(batch_size)
         with torch.autocast(**autocast):
             loss = trial_model(**batch.inputs).loss.mean()  # the loss only, as in training (memory)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ftbench.measure import flops, gpu_monitor
-from ftbench.train import packing
+from ftbench.train import batching
 from ftbench.train.devices import synchronize
 from ftbench.train.run_state import Run, steps_and_peaks, training_order
 from ftbench.errors import UnsupportedConfiguration
@@ -74,7 +74,7 @@ class Meter:
     def collate(self, indices: list[int]) -> dict:
         started = time.perf_counter()
         spec = self.run.spec
-        batch = packing.collate(self.run.task, self.run.train_split, np.asarray(indices), self.run.pad_id, spec.batching,
+        batch = batching.collate(self.run.task, self.run.train_split, np.asarray(indices), self.run.pad_id, spec.batching,
                                 spec.seq_len)
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
                   "capacity_tokens": batch.capacity_tokens,

@@ -12,8 +12,9 @@ import torch
 
 from ftbench.data import prepared
 from ftbench.runspec import RunSpec
-from ftbench.tasks import batching
-from ftbench.train import faults, packing
+from ftbench.tasks import registry
+from ftbench.tasks.base import TokenisedSplit
+from ftbench.train import faults, batching
 from ftbench.train.devices import Distributed
 
 
@@ -50,8 +51,8 @@ class Run:
     injector: faults.Injector
     task: str
     pad_id: int
-    train_split: batching.TokenisedSplit | prepared.DiskSplit
-    eval_split: batching.TokenisedSplit
+    train_split: TokenisedSplit | prepared.DiskSplit
+    eval_split: TokenisedSplit
     model: torch.nn.Module  # as built, before DataParallel / DDP / torch.compile wrap it
     last_step: int | None = None  # kept current so an OOM or a stop says how far the run got
 
@@ -84,14 +85,14 @@ def training_order(run: Run, total_steps: int):
     spec = run.spec
     global_batch, count = spec.batch_size * spec.devices, total_steps * spec.grad_accum_steps
     if spec.batching == "group_by_length":
-        return packing.grouped_order(packing.lengths_of(run.train_split), global_batch, count, spec.seed)
+        return batching.grouped_order(batching.lengths_of(run.train_split), global_batch, count, spec.seed)
     return batch_order(len(run.train_split), global_batch, count, spec.seed)
 
 
 def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:
     """What either engine reports from its step records and its GPUs once training ends: final loss, the
     first step, the compilation estimate, packing efficiency and the CUDA peaks."""
-    result = {"packing_efficiency": packing.packing_efficiency(steps)}
+    result = {"packing_efficiency": batching.packing_efficiency(steps)}
     if steps:
         result["final_train_loss"] = steps[-1]["loss"]
         result["first_step_s"] = steps[0]["step_time_s"]

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine, modeling, packing
+from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine, modeling, batching
 from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, training_order
-from ftbench.tasks import batching, registry
+from ftbench.tasks import registry
+from ftbench.tasks.base import Batch, TokenisedSplit
 from ftbench.data import prepared
 from ftbench.measure import environment, flops, gpu_monitor
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
@@ -94,8 +95,8 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                                  device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"])
     run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
               eval_split, built.model)
-    if spec.batching in packing.PACKED:
-        packing.check_isolation(built.model, device)
+    if spec.batching in batching.PACKED:
+        batching.check_isolation(built.model, device)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
                    load_time_s=time.perf_counter() - load_started)
     return run, manifest
@@ -273,7 +274,7 @@ def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int,
     for micro in range(accum):
         fetch_start = time.perf_counter()
         indices = next(loop.order)[dist.rank * loop.share : (dist.rank + 1) * loop.share]
-        batch = packing.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(run.device)
+        batch = batching.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(run.device)
         record["loader_s"] += time.perf_counter() - fetch_start
         record["flops"] += flops.batch_flops(shape, spec.method == "full", batch)
         if injector:
@@ -296,7 +297,7 @@ def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int,
     return record, loss_sum.item()  # .item() synchronises; needed to stop before a NaN reaches the weights
 
 
-def _count_batch(record: dict, batch: batching.Batch) -> None:
+def _count_batch(record: dict, batch: Batch) -> None:
     record["samples"] += batch.samples
     if batch.images:
         record["images"] = record.get("images", 0) + batch.images
@@ -311,7 +312,7 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
     spec, split = run.spec, run.train_split
     indices = np.arange(min(spec.batch_size, len(split)))
-    batch = batching.collate(run.task, split, indices, run.pad_id).to(run.device)
+    batch = registry.family(run.task).collate(split, indices, run.pad_id).to(run.device)
     # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
     inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
     family = registry.family(run.task)
@@ -336,21 +337,21 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, split: batching.TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int,
+def evaluate(model, split: TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int,
              another_batch_fits=lambda: True) -> dict:
     """Scores on the eval split; ``another_batch_fits`` (asked before each batch) may end it early, and
     eval_samples counts the examples scored."""
     model.eval()
     count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
-    scores = batching.eval_accumulator(task)
-    order = packing.eval_order(split, count)
+    scores = registry.family(task).eval_accumulator()
+    order = batching.eval_order(split, count)
     scored = 0
     for start in range(0, count, spec.eval_batch_size):
         if not another_batch_fits():
             break
         indices = order[start : start + spec.eval_batch_size]
         scored += len(indices)
-        batch = batching.collate(task, split, indices, pad_id).to(device)
+        batch = registry.family(task).collate(split, indices, pad_id).to(device)
         with torch.autocast(**autocast_args(device, spec.precision)):
             output = model(**batch.inputs)
         scores.add(output, batch)

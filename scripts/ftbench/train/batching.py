@@ -1,6 +1,6 @@
 """How a run's examples become batches (the ``batching`` setting), beyond plain padding.
 
-- ``pad``: each batch padded to its longest row (``batching.collate``), batches drawn from a seeded shuffle.
+- ``pad``: each batch padded to its longest row (the task family's ``collate``), batches drawn from a seeded shuffle.
 - ``group_by_length``: the same examples per epoch, but the shuffle is cut into mega-batches of
   ``MEGA_BATCHES`` global batches, each sorted by length and cut into batches, whose order is then shuffled
   (seeded). Batches hold similar lengths, so little padding; every example is still seen once per epoch,
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ftbench.experiment.batching_modes import MEGA_BATCHES, PACKED  # noqa: F401 - one place, torch-free
-from ftbench.tasks import batching
+from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.tasks.registry import family
 
 
@@ -79,7 +79,7 @@ def pack_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
     return rows
 
 
-def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, capacity: int | None) -> batching.Batch:
+def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, capacity: int | None) -> Batch:
     """The batch's sequences packed into rows (see the module docstring); ``padded_tokens`` is rows x the
     longest row, ``capacity_tokens`` rows x ``capacity`` (padding_free: the row itself)."""
     if not family(task).packable:
@@ -89,7 +89,7 @@ def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, cap
     rows = pack_rows(lengths, capacity)
     width = max(sum(lengths[i] for i in row) for row in rows)
     ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
-    labels = np.full((len(rows), width), batching.IGNORE_INDEX, dtype=np.int64)
+    labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros((len(rows), width), dtype=np.int64)
     for r, row in enumerate(rows):
         at = 0
@@ -104,18 +104,18 @@ def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, cap
     lengths_arr = np.asarray(lengths, dtype=np.int64)
     inputs = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions),
               "labels": torch.from_numpy(labels)}
-    return batching.Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=int(ids.size),
+    return Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=int(ids.size),
                           sum_squared_lengths=int((lengths_arr * lengths_arr).sum()),
                           capacity_tokens=len(rows) * (capacity if capacity is not None else width))
 
 
-def collate(task: str, split, indices: np.ndarray, pad_token_id: int, mode: str, seq_len: int) -> batching.Batch:
+def collate(task: str, split, indices: np.ndarray, pad_token_id: int, mode: str, seq_len: int) -> Batch:
     """One micro-batch as the run's ``batching`` makes it."""
     if mode == "pack":
         return collate_packed(task, split, indices, pad_token_id, seq_len)
     if mode == "padding_free":
         return collate_packed(task, split, indices, pad_token_id, None)
-    return batching.collate(task, split, indices, pad_token_id)
+    return family(task).collate(split, indices, pad_token_id)
 
 
 def eval_order(split, count: int) -> np.ndarray:
