@@ -180,6 +180,8 @@ def test_step_figures_scale_the_table_throughput_and_skip_runs_without_a_window(
     assert figured.loc[first, ["tokens_per_s_low", "tokens_per_s_high"]].tolist() == pytest.approx(
         [15000 * low / ratio, 15000 * high / ratio])
     assert figured.loc[first, "unstable"] == False  # noqa: E712 - pandas' boolean
+    # the median-based figure, 1,000 tokens / median 1.0 s against the window mean 20,000 / 20 s, scaled to the table's
+    assert figured.loc[first, "tokens_per_s_median_based"] == pytest.approx(15000 * (1000 / 1.0) / (20000 / 20.0))
     assert pd.isna(figured.loc[diverged, "unstable"])  # a diverged run's steps are not a throughput
     assert figured["tokens_per_s_low"].notna().sum() == 1
 

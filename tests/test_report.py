@@ -658,3 +658,70 @@ def test_snakemake_report_has_the_figures(priced_workflow):
     text = out.read_text(encoding="utf-8")
     for name in drawn:  # each figure's own caption file, rendered through rules/captions/figure.rst
         assert " ".join(CAPTIONS[name].split()[:6]) in text, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run from its result files (metrics.json and steps.parquet, as a training job writes them) through
+# collect to the report
+
+
+def write_result(folder: Path, run_id: str, step_times: list[float], tokens: int = 1000, warmup: list[float] = (2.0, 2.0, 2.0),
+                 **metrics) -> Path:
+    """results/runs/<run_id>/{metrics.json, steps.parquet} of a finished GPU run whose measured window is
+    ``step_times`` (``tokens`` real tokens each) after ``warmup`` steps; its figures as summarise makes them."""
+    from ftbench.measure.metrics import STEP_FIELDS, summarise
+    from ftbench.runspec import RunSpec
+
+    spec = RunSpec(model="m", dataset="d", precision="bf16", run_id=run_id, config_id=f"{run_id}-cfg",
+                   model_def={"task": "classification"})
+    records = [{"step": i, "measured": i >= len(warmup), "step_time_s": t, "loader_s": 0.0, "samples": 10, "tokens": tokens,
+                "padded_tokens": tokens, "flops": 0, "loss": 0.5, "lr": 1e-4} for i, t in enumerate([*warmup, *step_times])]
+    result = {"run_id": run_id, "status": "ok", "status_reason": None, "device": "cuda", "device_name": H100, "world_size": 1,
+              "warmup_steps": len(warmup), "total_steps": len(records), "eval_accuracy": 0.8, "eval_samples": 500,
+              "peak_memory_reserved_mb": 1000.0, "peak_memory_allocated_mb": 900.0, "wall_time_s": 100.0,
+              **summarise(records, sum(step_times), 1), **metrics}
+    folder = folder / "runs" / run_id
+    folder.mkdir(parents=True)
+    pd.DataFrame(records, columns=STEP_FIELDS).to_parquet(folder / "steps.parquet", index=False)
+    (folder / "metrics.json").write_text(json.dumps({"spec": spec.to_dict(), "metrics": result, "environment": {}}))
+    return folder / "metrics.json"
+
+
+def collect_and_report(tmp_path: Path, results: list[Path]) -> tuple[pd.DataFrame, str]:
+    """(the table collect wrote, the report.html built from it and the runs' steps)."""
+    parquet = tmp_path / "metrics.parquet"
+    collect.collect(results, parquet, tmp_path / "metrics.csv", prices=prices())
+    report_page.build_report(parquet, [path.with_name("steps.parquet") for path in results], tmp_path / "figures",
+                             tmp_path / "report.html", captions=CAPTIONS, gpu_table=GPU_TABLE)
+    return pd.read_parquet(parquet).set_index("run_id"), (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+UNSTABLE_NOTE = re.compile(r"Unstable run (?P<run>\S+): window-mean tokens/s (?P<percent>[\d.]+)% (?P<direction>below|above) "
+                           r"the median-based figure \(a stretch of (?P<steps>slow|fast) steps\); its window-mean tokens/s "
+                           r"\((?P<mean>[\d,.]+), median-based (?P<median>[\d,.]+)\)")
+
+
+def test_the_unstable_note_gives_the_two_figures_its_steps_give(tmp_path):
+    """Issue 28 item 1: the note printed the window mean times (1 + its gap to the median-based figure)
+    as the median-based figure ('2,894, median-based 1,505' for '48.0% below'; the steps gave 5,564).
+    Each figure of the note is what the run's steps give, and its percentage and direction agree with them."""
+    # 20 measured steps of 1,000 tokens: 14 at 0.5 s and, mid-window, 6 slow ones at 1.5 s -> window mean
+    # 20,000 / 16 s = 1,250 tokens/s, median-based 1,000 / 0.5 s = 2,000: the mean is 37.5% below.
+    slow = write_result(tmp_path, "slow-run", [0.5] * 7 + [1.5] * 6 + [0.5] * 7)
+    # ...and 6 fast ones at 0.4 s among 1.0 s steps: 20,000 / 16.4 s = 1,219.5 against 1,000 / 1.0 s: 22.0% above.
+    fast = write_result(tmp_path, "fast-run", [1.0] * 7 + [0.4] * 6 + [1.0] * 7)
+    table, page = collect_and_report(tmp_path, [slow, fast])
+    notes = {match["run"]: match for match in UNSTABLE_NOTE.finditer(html.unescape(page))}
+    assert set(notes) == {"slow-run", "fast-run"}
+    for run_id, (direction, steps) in {"slow-run": ("below", "slow"), "fast-run": ("above", "fast")}.items():
+        note = notes[run_id]
+        frame = pd.read_parquet(tmp_path / "runs" / run_id / "steps.parquet")
+        window = frame[frame["measured"]]
+        window_mean = window["tokens"].sum() / window["step_time_s"].sum()
+        median_based = window["tokens"].mean() / window["step_time_s"].median()
+        shown_mean, shown_median = (float(note[key].replace(",", "")) for key in ("mean", "median"))
+        assert shown_mean == pytest.approx(window_mean, abs=0.5) and shown_median == pytest.approx(median_based, abs=0.5)
+        assert (note["direction"], note["steps"]) == (direction, steps)
+        assert float(note["percent"]) == pytest.approx(abs(window_mean / median_based - 1) * 100, abs=0.05)
+        assert (shown_mean < shown_median) == (direction == "below")
+    assert (notes["slow-run"]["mean"], notes["slow-run"]["median"], notes["slow-run"]["percent"]) == ("1,250", "2,000", "37.5")

@@ -265,7 +265,8 @@ def window_figures(steps: pd.DataFrame) -> dict:
     if len(times) < 2 or times.sum() <= 0 or tokens.sum() <= 0:
         return {"window_steps": len(times)}
     ratio, low, high = uncertainty.ratio_interval(list(tokens), list(times))
-    # window mean = sum(tokens) / sum(times); median-based = mean(tokens) / median(time)
+    # window mean = sum(tokens) / sum(times); median-based = mean(tokens) / median(time); their ratio, window
+    # mean / median-based, is median(time) / mean(time) whatever the tokens per step. Negative: the mean is below.
     mean_vs_median = (np.median(times) / times.mean()) - 1
     half = len(times) // 2
     drift = float(np.median(times[-half:]) / np.median(times[:half]) - 1) if half >= 2 else math.nan
@@ -297,7 +298,8 @@ def add_step_figures(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     runs["window_steps"] = pd.array(table["window_steps"].to_numpy(), dtype="Int64")
     runs["tokens_per_s_low"] = pd.array(speed * ratios[0], dtype="Float64")
     runs["tokens_per_s_high"] = pd.array(speed * ratios[1], dtype="Float64")
-    runs["tokens_per_s_median_based"] = pd.array(speed * (1 + ratios[2]), dtype="Float64")
+    # mean_vs_median = window mean / median-based - 1, so the median-based figure is the window mean / (1 + it)
+    runs["tokens_per_s_median_based"] = pd.array(speed / (1 + ratios[2]), dtype="Float64")
     runs["mean_vs_median"] = pd.array(ratios[2], dtype="Float64")
     runs["drift"] = pd.array(ratios[3], dtype="Float64")
     runs["unstable"] = pd.array(table["unstable"].to_numpy(), dtype="boolean")

@@ -338,7 +338,7 @@ def run_notes(runs: pd.DataFrame, configs: pd.DataFrame) -> list[str]:
         notes.append(f"{int(synthetic.sum())} run(s) trained on synthetic (random-token) data: no quality figure is shown "
                      "for them, since their accuracy measures nothing.")
     for _, row in runs[runs["unstable"].eq(True).fillna(False)].iterrows():
-        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its tokens/s ({fmt(row['tokens_per_s'])}, "
+        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its window-mean tokens/s ({fmt(row['tokens_per_s'])}, "
                      f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
     for _, row in configs[configs["unstable"].eq(True)].iterrows():
         notes.append(f"Unstable: {row['configuration']} varies by {row['tokens_per_s_cv']:.1%} (CV of tokens/s over "
