@@ -122,7 +122,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
     "eval_time_s": ("Float64", "seconds of evaluation"),
-    "wall_time_s": ("Float64", "seconds of the whole training job"),
+    "wall_time_s": ("Float64", "seconds of the whole training job: from its process start (interpreter start, imports, data "
+                               "and model loading included; a warm-started job from its client's start, warmstart.py) to the "
+                               "end of training and evaluation, before its result is written; ddp/fsdp: the longest of its "
+                               "ranks' processes (each started by torchrun); holds overhead_s, train_time_s and eval_time_s"),
     # cost: computed at collect from config/prices.yaml (conventions: scripts/ftbench/report/cost.py), so a price
     # change re-runs collect and report, never training. Null where the device has no price (a warning says so).
     "gpu_model": ("string", "price-table model the device matched ('cpu' for a CPU run); null when none matched"),
