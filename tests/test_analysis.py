@@ -228,3 +228,13 @@ def test_timed_out_runs_count_for_throughput_not_for_quality():
     assert configs["tokens_per_s"].tolist() == [15000, 22000, 12000] and configs["accuracy"].isna().all()
     assert analysis.recommend(configs)["candidates"] == 0  # a recommendation needs a finished run
     assert analysis.unmeasured_counts(runs) == {}
+
+
+def test_the_documented_run_figures_state_the_thresholds_the_analysis_applies():
+    """columns.py cannot import analysis (analysis reads it): its text of unstable must follow the constants."""
+    from ftbench.report.columns import COLUMNS
+
+    meaning = COLUMNS["unstable"][1]
+    assert f"more than {analysis.MEAN_MEDIAN_THRESHOLD:.0%} of the latter" in meaning
+    assert f"first half's by more than {analysis.DRIFT_THRESHOLD:.0%}" in meaning
+    assert set(analysis.RUN_FIGURES) <= set(COLUMNS)
