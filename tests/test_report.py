@@ -645,16 +645,16 @@ def test_snakemake_report_has_the_figures(priced_workflow):
     from conftest import run_snakemake, snakemake_failure
 
     workdir, _ = priced_workflow
-    process = run_snakemake(workdir, "--report", "snakemake-report_page.html")
+    process = run_snakemake(workdir, "--report", "snakemake-report.html")
     assert process.returncode == 0, snakemake_failure(process)
-    out = workdir / "snakemake-report_page.html"
+    out = workdir / "snakemake-report.html"
     assert out.is_file() and out.stat().st_size > 100_000
     drawn = sorted(p.stem for p in (workdir / "results" / "figures").glob("*.png"))
     assert len(drawn) >= 6
     log = process.stdout + process.stderr
     for name in drawn:
         assert f"Adding {name}.png" in log, name
-    assert "Adding report_page.html" in log
+    assert "Adding report.html" in log
     text = out.read_text(encoding="utf-8")
     for name in drawn:  # each figure's own caption file, rendered through rules/captions/figure.rst
         assert " ".join(CAPTIONS[name].split()[:6]) in text, name
