@@ -180,6 +180,8 @@ def test_step_figures_scale_the_table_throughput_and_skip_runs_without_a_window(
     assert figured.loc[first, ["tokens_per_s_low", "tokens_per_s_high"]].tolist() == pytest.approx(
         [15000 * low / ratio, 15000 * high / ratio])
     assert figured.loc[first, "unstable"] == False  # noqa: E712 - pandas' boolean
+    # the median-based figure, 1,000 tokens / median 1.0 s against the window mean 20,000 / 20 s, scaled to the table's
+    assert figured.loc[first, "tokens_per_s_median_based"] == pytest.approx(15000 * (1000 / 1.0) / (20000 / 20.0))
     assert pd.isna(figured.loc[diverged, "unstable"])  # a diverged run's steps are not a throughput
     assert figured["tokens_per_s_low"].notna().sum() == 1
 
@@ -226,3 +228,13 @@ def test_timed_out_runs_count_for_throughput_not_for_quality():
     assert configs["tokens_per_s"].tolist() == [15000, 22000, 12000] and configs["accuracy"].isna().all()
     assert analysis.recommend(configs)["candidates"] == 0  # a recommendation needs a finished run
     assert analysis.unmeasured_counts(runs) == {}
+
+
+def test_the_documented_run_figures_state_the_thresholds_the_analysis_applies():
+    """columns.py cannot import analysis (analysis reads it): its text of unstable must follow the constants."""
+    from ftbench.report.columns import COLUMNS
+
+    meaning = COLUMNS["unstable"][1]
+    assert f"more than {analysis.MEAN_MEDIAN_THRESHOLD:.0%} of the latter" in meaning
+    assert f"first half's by more than {analysis.DRIFT_THRESHOLD:.0%}" in meaning
+    assert set(analysis.RUN_FIGURES) <= set(COLUMNS)

@@ -111,5 +111,69 @@ def test_the_summary_lists_at_most_a_screen_of_runs():
     frame = pd.DataFrame({"run_id": [f"run{i:02d}" for i in range(40)], "status": ["failed"] * 40,
                           "status_reason": ["boom"] * 40})
     lines = summary.outcome_summary(frame, "t.parquet").splitlines()
-    assert len(lines) == 1 + summary.MAX_LISTED + 2
-    assert lines[-2] == f"  ... and {40 - summary.MAX_LISTED} more not ok: see the status column of the table"
+    assert len(lines) == 1 + summary.MAX_LISTED + 3  # the rest counted, one line of advice, the table
+    assert lines[-3] == f"  ... and {40 - summary.MAX_LISTED} more not ok: see the status column of the table"
+    assert lines[-2].startswith("  -> failed (run00, run01, run02 and 37 more): fix")
+
+
+def test_the_summary_advises_a_fix_for_what_would_fail_again_and_a_retry_only_where_it_can_help():
+    """Issue 28 item 4: the advice depends on the failure. A named error (config, source, manifest), an
+    oom, a divergence or an unsupported configuration would end the same way again: what to fix; only a
+    timeout (with more time) and an error ftbench did not name (maybe a passing fault) get a retry."""
+    from ftbench import errors
+    from ftbench.measure.metrics import failed_metrics
+    from ftbench.report import summary
+
+    rows = [failed_metrics("bad-config", errors.ConfigError("config key lora_targets: 'x' name no layer of model m")),
+            failed_metrics("bad-image", errors.SourceError("config key datasets.d.source: image 7 cannot be decoded")),
+            failed_metrics("bad-shard", errors.ManifestError("data shard s.parquet: sha256 differs")),
+            failed_metrics("crash", RuntimeError("CUDA error: unspecified launch failure")),
+            {"run_id": "too-big", "status": "oom", "status_reason": "CUDA out of memory"},
+            {"run_id": "no-bnb", "status": "unsupported", "status_reason": "QLoRA needs bitsandbytes with CUDA"},
+            {"run_id": "slow", "status": "timeout", "status_reason": "stopped before the job's time limit"},
+            {"run_id": "fine", "status": "ok", "status_reason": None}]
+    lines = summary.outcome_summary(pd.DataFrame(rows), "t.parquet").splitlines()
+    advice = {line.split(" (")[0].removeprefix("  -> "): line for line in lines if line.startswith("  -> ")}
+    assert set(advice) == {"timeout", "oom", "unsupported", "failed", summary.UNEXPECTED}
+    assert "(bad-config, bad-image, bad-shard)" in advice["failed"]
+    for kind in ("failed", "oom", "unsupported"):
+        assert ": fix, a retry would" in advice[kind] and "retry it" not in advice[kind], advice[kind]
+    assert "(crash): retry if its cause has passed" in advice[summary.UNEXPECTED]
+    assert "logs/train/<run_id>.log" in advice[summary.UNEXPECTED]
+    assert "(slow): retry with more time" in advice["timeout"] and "train:runtime" in advice["timeout"]
+    assert "fine" not in "\n".join(advice.values()) and lines[-1] == "table: t.parquet"
+
+
+def test_failed_jobs_are_told_to_fix_a_named_error_and_to_rerun_only_otherwise(tmp_path, monkeypatch, capsys):
+    """The end of an invocation with failed jobs (no row: Snakemake reports them): a job that ended on an
+    error ftbench named (a bad data file, a damaged shard) is listed with its line, to fix; a terminated
+    job, and a train job whose run wrote its (failed) row, are not; 'rerun to retry' only without the former."""
+    import os
+    import time
+
+    from ftbench.report import summary
+
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 5
+
+    def log(path: str, *lines: str, age: float = 0.0) -> None:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("\n".join(["working...", *lines]) + "\n")
+        os.utime(tmp_path / path, (started - age, started - age))
+
+    log("logs/train/terminated.log", "ftbench: run terminated was terminated (SIGTERM) after step 3: no result written, "
+                                     "the next invocation trains it again", age=-1)
+    log("logs/train/failed-row.log", "ftbench: config key lora_targets: 'x' name no layer of model m", age=-1)
+    (tmp_path / "results" / "runs" / "failed-row").mkdir(parents=True)
+    (tmp_path / "results" / "runs" / "failed-row" / "metrics.json").write_text("{}")
+    log("logs/prepare_data/old.log", "ftbench: config key datasets.d.source: an earlier invocation's error", age=60)
+    summary.print_outcome(started, failed_jobs=True)
+    retry_only = capsys.readouterr().err
+    assert "fix logs/" not in retry_only and "rerun snakemake to retry them" in retry_only
+
+    log("logs/prepare_data/d1.log", "ftbench: config key datasets.d.source: image 7 of images/ cannot be decoded", age=-1)
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert "  fix logs/prepare_data/d1.log: ftbench: config key datasets.d.source: image 7 of images/ cannot be decoded" in told
+    assert "old.log" not in told and "terminated.log" not in told and "failed-row.log" not in told
+    assert "some jobs failed on an error to fix" in told and "rerun snakemake to retry them" not in told

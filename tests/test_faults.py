@@ -256,7 +256,8 @@ def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigte
     # Evaluated in the job's margin: the accuracy of the model it trained, with the steps it did.
     assert 0 <= metrics["eval_accuracy"] <= 1 and metrics["eval_samples"] > 0 and metrics["eval_time_s"] < 1
     assert metrics["last_step"] >= 0 and metrics["total_steps"] == 100_000
-    assert metrics["wall_time_s"] < 8
+    # the job's own time stayed within its limit (wall_time_s counts from the process start: here pytest's)
+    assert metrics["load_time_s"] + metrics["train_time_s"] + metrics["eval_time_s"] < 8
 
 
 @pytest.mark.slow

@@ -190,3 +190,21 @@ def test_merge_ranks_worst_status_wins(statuses, worst):
     culprit = statuses.index(worst)
     if culprit != 0:
         assert metrics["status_reason"] == f"rank {culprit}: reason {culprit}"
+
+
+def test_wall_time_is_the_whole_job_from_its_process_start(monkeypatch):
+    """Issue 28 item 3: wall_time_s began when train_run was entered (after imports and the model build),
+    so 6 rows had overhead_s > wall_time_s. It is the job's process age (environment.process_age_s: imports
+    included; a warm-started job's client start) when its figures are final."""
+    from ftbench.errors import UnsupportedConfiguration
+    from ftbench.measure import environment
+    from ftbench.runspec import RunSpec
+    from ftbench.train import trainer  # torch: imported here, the rest of this file is torch-free
+
+    def unsupported(*_):
+        raise UnsupportedConfiguration("not on this machine")
+
+    monkeypatch.setattr(environment, "process_age_s", lambda: 123.0)
+    monkeypatch.setattr(trainer, "_prepare", unsupported)
+    metrics, steps = trainer.train_run(RunSpec(model="m", dataset="d", run_id="r"), "no-data")
+    assert (metrics["status"], metrics["wall_time_s"], steps) == ("unsupported", 123.0, [])

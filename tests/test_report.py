@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from ftbench.report import analysis, collect, compare, cost, figures, report_page
+from ftbench.report import analysis, collect, compare, cost, figures, report_page, uncertainty
 from ftbench.measure import gpu_table
 from ftbench.report.columns import COLUMNS
 from ftbench.errors import FtbenchError
@@ -645,16 +645,130 @@ def test_snakemake_report_has_the_figures(priced_workflow):
     from conftest import run_snakemake, snakemake_failure
 
     workdir, _ = priced_workflow
-    process = run_snakemake(workdir, "--report", "snakemake-report_page.html")
+    process = run_snakemake(workdir, "--report", "snakemake-report.html")
     assert process.returncode == 0, snakemake_failure(process)
-    out = workdir / "snakemake-report_page.html"
+    out = workdir / "snakemake-report.html"
     assert out.is_file() and out.stat().st_size > 100_000
     drawn = sorted(p.stem for p in (workdir / "results" / "figures").glob("*.png"))
     assert len(drawn) >= 6
     log = process.stdout + process.stderr
     for name in drawn:
         assert f"Adding {name}.png" in log, name
-    assert "Adding report_page.html" in log
+    assert "Adding report.html" in log
     text = out.read_text(encoding="utf-8")
     for name in drawn:  # each figure's own caption file, rendered through rules/captions/figure.rst
         assert " ".join(CAPTIONS[name].split()[:6]) in text, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run from its result files (metrics.json and steps.parquet, as a training job writes them) through
+# collect to the report
+
+
+def write_result(folder: Path, run_id: str, step_times: list[float], tokens: int = 1000, warmup: list[float] = (2.0, 2.0, 2.0),
+                 data_kind: str = "path", **metrics) -> Path:
+    """results/runs/<run_id>/{metrics.json, steps.parquet} of a finished GPU run whose measured window is
+    ``step_times`` (``tokens`` real tokens each) after ``warmup`` steps; its figures as summarise makes them."""
+    from ftbench.measure.metrics import STEP_FIELDS, summarise
+    from ftbench.runspec import RunSpec
+
+    spec = RunSpec(model="m", dataset="d", precision="bf16", run_id=run_id, config_id=f"{run_id}-cfg",
+                   model_def={"task": "classification"}, dataset_def={"source": {"kind": data_kind}})
+    records = [{"step": i, "measured": i >= len(warmup), "step_time_s": t, "loader_s": 0.0, "samples": 10, "tokens": tokens,
+                "padded_tokens": tokens, "flops": 0, "loss": 0.5, "lr": 1e-4} for i, t in enumerate([*warmup, *step_times])]
+    result = {"run_id": run_id, "status": "ok", "status_reason": None, "device": "cuda", "device_name": H100, "world_size": 1,
+              "warmup_steps": len(warmup), "total_steps": len(records), "eval_accuracy": 0.8, "eval_samples": 500,
+              "peak_memory_reserved_mb": 1000.0, "peak_memory_allocated_mb": 900.0, "wall_time_s": 100.0,
+              **summarise(records, sum(step_times), 1), **metrics}
+    folder = folder / "runs" / run_id
+    folder.mkdir(parents=True)
+    pd.DataFrame(records, columns=STEP_FIELDS).to_parquet(folder / "steps.parquet", index=False)
+    (folder / "metrics.json").write_text(json.dumps({"spec": spec.to_dict(), "metrics": result, "environment": {}}))
+    return folder / "metrics.json"
+
+
+def collect_and_report(tmp_path: Path, results: list[Path]) -> tuple[pd.DataFrame, str]:
+    """(the table collect wrote, the report.html built from it and the runs' steps)."""
+    parquet = tmp_path / "metrics.parquet"
+    collect.collect(results, parquet, tmp_path / "metrics.csv", prices=prices(), budget={"tokens": 1e9})
+    report_page.build_report(parquet, [path.with_name("steps.parquet") for path in results], tmp_path / "figures",
+                             tmp_path / "report.html", captions=CAPTIONS, gpu_table=GPU_TABLE)
+    return pd.read_parquet(parquet).set_index("run_id"), (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+UNSTABLE_NOTE = re.compile(r"Unstable run (?P<run>\S+): window-mean tokens/s (?P<percent>[\d.]+)% (?P<direction>below|above) "
+                           r"the median-based figure \(a stretch of (?P<steps>slow|fast) steps\); its window-mean tokens/s "
+                           r"\((?P<mean>[\d,.]+), median-based (?P<median>[\d,.]+)\)")
+
+
+def test_the_unstable_note_gives_the_two_figures_its_steps_give(tmp_path):
+    """Issue 28 item 1: the note printed the window mean times (1 + its gap to the median-based figure)
+    as the median-based figure ('2,894, median-based 1,505' for '48.0% below'; the steps gave 5,564).
+    Each figure of the note is what the run's steps give, and its percentage and direction agree with them."""
+    # 20 measured steps of 1,000 tokens: 14 at 0.5 s and, mid-window, 6 slow ones at 1.5 s -> window mean
+    # 20,000 / 16 s = 1,250 tokens/s, median-based 1,000 / 0.5 s = 2,000: the mean is 37.5% below.
+    slow = write_result(tmp_path, "slow-run", [0.5] * 7 + [1.5] * 6 + [0.5] * 7)
+    # ...and 6 fast ones at 0.4 s among 1.0 s steps: 20,000 / 16.4 s = 1,219.5 against 1,000 / 1.0 s: 22.0% above.
+    fast = write_result(tmp_path, "fast-run", [1.0] * 7 + [0.4] * 6 + [1.0] * 7)
+    table, page = collect_and_report(tmp_path, [slow, fast])
+    notes = {match["run"]: match for match in UNSTABLE_NOTE.finditer(html.unescape(page))}
+    assert set(notes) == {"slow-run", "fast-run"}
+    for run_id, (direction, steps) in {"slow-run": ("below", "slow"), "fast-run": ("above", "fast")}.items():
+        note = notes[run_id]
+        frame = pd.read_parquet(tmp_path / "runs" / run_id / "steps.parquet")
+        window = frame[frame["measured"]]
+        window_mean = window["tokens"].sum() / window["step_time_s"].sum()
+        median_based = window["tokens"].mean() / window["step_time_s"].median()
+        shown_mean, shown_median = (float(note[key].replace(",", "")) for key in ("mean", "median"))
+        assert shown_mean == pytest.approx(window_mean, abs=0.5) and shown_median == pytest.approx(median_based, abs=0.5)
+        assert (note["direction"], note["steps"]) == (direction, steps)
+        assert float(note["percent"]) == pytest.approx(abs(window_mean / median_based - 1) * 100, abs=0.05)
+        assert (shown_mean < shown_median) == (direction == "below")
+    assert (notes["slow-run"]["mean"], notes["slow-run"]["median"], notes["slow-run"]["percent"]) == ("1,250", "2,000", "37.5")
+
+
+def table_cells(page: str, table_id: str) -> dict[str, dict[str, str]]:
+    """{first cell: {column: shown text}} of one table of the page."""
+    table = re.search(rf'<table class="sortable" id="{table_id}">.*?</table>', page, flags=re.S).group(0)
+    header = re.findall(r"<th[^>]*>(.*?)</th>", table)
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr class=[^>]*>(.*?)</tr>", table, flags=re.S)]
+    return {html.unescape(cells[0]): dict(zip(header, map(html.unescape, cells))) for cells in rows}
+
+
+def test_the_table_holds_the_intervals_and_stability_the_report_shows(tmp_path):
+    """Issue 28 item 2: the 95% intervals (throughput, cost, quality) and unstable / unstable_reason are
+    columns of metrics.parquet, equal to the report's own figures and to what its runs table shows."""
+    results = [
+        write_result(tmp_path, "slow-run", [0.5] * 7 + [1.5] * 6 + [0.5] * 7),
+        write_result(tmp_path, "steady-run", [0.50, 0.52, 0.49, 0.51] * 5),
+        write_result(tmp_path, "random-tokens", [0.50, 0.52, 0.49, 0.51] * 5, data_kind="synthetic"),
+        write_result(tmp_path, "oom-run", [], status="oom", status_reason="CUDA out of memory"),
+    ]
+    table, page = collect_and_report(tmp_path, results)
+    runs = analysis.add_step_figures(analysis.prepare(collect.typed(table.reset_index())),
+                                     analysis.read_steps([path.with_name("steps.parquet") for path in results]))
+    shown = report_page.with_display_columns(runs).set_index("run_id")
+    for column in analysis.RUN_FIGURES:
+        assert column in COLUMNS
+        pd.testing.assert_series_equal(table[column], shown[column].astype(COLUMNS[column][0]), check_names=False,
+                                       check_index_type=False, obj=column)
+    # what the runs table shows, from the table's columns with the report's formatting
+    cells = table_cells(page, "runs")
+    for run_id, row in table.iterrows():
+        for text, (low, high, column) in {"tokens_per_s_ci95": ("tokens_per_s_low", "tokens_per_s_high", "tokens_per_s"),
+                                          "cost_ci95": ("cost_per_1m_tokens_low", "cost_per_1m_tokens_high", "cost_per_1m_tokens"),
+                                          "projected_cost_ci95": ("projected_cost_low", "projected_cost_high", "projected_cost"),
+                                          "quality_ci95": ("quality_low", "quality_high", "quality")}.items():
+            assert cells[run_id][text] == (report_page.span(row[low], row[high], column) or ""), (run_id, text)
+        assert cells[run_id]["unstable"] == report_page.fmt(row["unstable"], "unstable")
+        assert cells[run_id]["unstable_reason"] == ("" if pd.isna(row["unstable_reason"]) else row["unstable_reason"])
+    # the figures themselves: the slow run is unstable, the steady one has an interval around its speed
+    assert bool(table.loc["slow-run", "unstable"]) and not bool(table.loc["steady-run", "unstable"])
+    assert table.loc["slow-run", "tokens_per_s_median_based"] == pytest.approx(2000)
+    steady = table.loc["steady-run"]
+    assert steady["tokens_per_s_low"] < steady["tokens_per_s"] < steady["tokens_per_s_high"]
+    assert steady["cost_per_1m_tokens_low"] == pytest.approx(steady["cost_per_1m_tokens"] * steady["tokens_per_s"] / steady["tokens_per_s_high"])
+    assert steady["quality_metric"] == "accuracy" and (steady["quality_low"], steady["quality_high"]) == pytest.approx(
+        uncertainty.wilson(0.8, 500))
+    assert table.loc["random-tokens", ["quality", "quality_low", "quality_metric"]].isna().all()  # synthetic: none
+    assert table.loc["oom-run", ["tokens_per_s_low", "cost_per_1m_tokens_low", "unstable"]].isna().all()

@@ -14,6 +14,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -265,7 +266,8 @@ def window_figures(steps: pd.DataFrame) -> dict:
     if len(times) < 2 or times.sum() <= 0 or tokens.sum() <= 0:
         return {"window_steps": len(times)}
     ratio, low, high = uncertainty.ratio_interval(list(tokens), list(times))
-    # window mean = sum(tokens) / sum(times); median-based = mean(tokens) / median(time)
+    # window mean = sum(tokens) / sum(times); median-based = mean(tokens) / median(time); their ratio, window
+    # mean / median-based, is median(time) / mean(time) whatever the tokens per step. Negative: the mean is below.
     mean_vs_median = (np.median(times) / times.mean()) - 1
     half = len(times) // 2
     drift = float(np.median(times[-half:]) / np.median(times[:half]) - 1) if half >= 2 else math.nan
@@ -280,29 +282,93 @@ def window_figures(steps: pd.DataFrame) -> dict:
             "unstable_reason": "; ".join(reasons) or None}
 
 
-def add_step_figures(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Prepared runs plus, for each measured run (measured_runs) with per-step records, the figures of
-    its window (window_figures): ``tokens_per_s_low``/``_high`` (its 95% within-run interval: the
-    measurement noise of that process, not run-to-run variation), ``tokens_per_s_median_based``,
-    ``mean_vs_median``, ``drift``, ``unstable`` and ``unstable_reason``. Null where there are no steps."""
-    runs = runs.copy()
+WINDOW_COLUMNS = ["window_steps", "low_ratio", "high_ratio", "mean_vs_median", "drift", "unstable", "unstable_reason"]
+# The figures each run's window gives (add_step_figures) that collect stores in the table (columns.py): a run
+# without steps (a result set compared without them) keeps what collect computed from its steps.
+STORED_WINDOW_FIGURES = ("tokens_per_s_low", "tokens_per_s_high", "tokens_per_s_median_based", "unstable", "unstable_reason")
+# Per run, the figures that scale as 1 / throughput and their interval's columns (from the throughput interval).
+RUN_PER_THROUGHPUT = {"cost_per_1m_tokens": ("cost_per_1m_tokens_low", "cost_per_1m_tokens_high"),
+                      "projected_cost": ("projected_cost_low", "projected_cost_high")}
+# What the report computes per run and collect writes into metrics.parquet, both through run_figures'
+# functions (prepare's quality, add_step_figures' window): the same numbers in the table and the report.
+RUN_FIGURES = ("quality_metric", "quality", "quality_low", "quality_high", *STORED_WINDOW_FIGURES,
+               *(column for pair in RUN_PER_THROUGHPUT.values() for column in pair))
+
+
+def _window_table(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """window_figures of each measured run (measured_runs) that has measured steps, indexed like ``runs``."""
     figures = {}
     if not steps.empty and "measured" in steps:
         window = steps[steps["measured"].astype(bool) & steps["run_id"].isin(measured_runs(runs)["run_id"])]
         figures = {run_id: window_figures(group) for run_id, group in window.groupby("run_id", sort=False)}
-    table = pd.DataFrame.from_dict(figures, orient="index").reindex(index=runs["run_id"], columns=[
-        "window_steps", "low_ratio", "high_ratio", "mean_vs_median", "drift", "unstable", "unstable_reason"])
+    table = pd.DataFrame.from_dict(figures, orient="index").reindex(index=runs["run_id"], columns=WINDOW_COLUMNS)
+    return table.set_axis(runs.index)
+
+
+def add_step_figures(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Prepared runs plus, for each measured run (measured_runs) with per-step records, the figures of
+    its window (window_figures): ``tokens_per_s_low``/``_high`` (its 95% within-run interval: the
+    measurement noise of that process, not run-to-run variation), ``tokens_per_s_median_based``,
+    ``mean_vs_median``, ``drift``, ``unstable`` and ``unstable_reason``; and the intervals of its cost
+    figures (RUN_PER_THROUGHPUT) from the throughput interval. Null where there are no steps, except the
+    STORED_WINDOW_FIGURES a table from collect already holds (computed there by this function)."""
+    runs = runs.copy()
+    table = _window_table(runs, steps)
     speed = runs["tokens_per_s"].astype(float).to_numpy()
     ratios = table[["low_ratio", "high_ratio", "mean_vs_median", "drift"]].astype(float).to_numpy().T
+    fresh = {
+        "tokens_per_s_low": pd.array(speed * ratios[0], dtype="Float64"),
+        "tokens_per_s_high": pd.array(speed * ratios[1], dtype="Float64"),
+        # mean_vs_median = window mean / median-based - 1, so the median-based figure is the window mean / (1 + it)
+        "tokens_per_s_median_based": pd.array(speed / (1 + ratios[2]), dtype="Float64"),
+        "unstable": pd.array(table["unstable"].to_numpy(), dtype="boolean"),
+        "unstable_reason": pd.array(table["unstable_reason"].to_numpy(), dtype="string"),
+    }
+    has_window = table["low_ratio"].notna().to_numpy()
+    for column, values in fresh.items():
+        values = pd.Series(values, index=runs.index)
+        runs[column] = values.where(has_window, runs[column].astype(values.dtype)) if column in runs else values
     runs["window_steps"] = pd.array(table["window_steps"].to_numpy(), dtype="Int64")
-    runs["tokens_per_s_low"] = pd.array(speed * ratios[0], dtype="Float64")
-    runs["tokens_per_s_high"] = pd.array(speed * ratios[1], dtype="Float64")
-    runs["tokens_per_s_median_based"] = pd.array(speed * (1 + ratios[2]), dtype="Float64")
     runs["mean_vs_median"] = pd.array(ratios[2], dtype="Float64")
     runs["drift"] = pd.array(ratios[3], dtype="Float64")
-    runs["unstable"] = pd.array(table["unstable"].to_numpy(), dtype="boolean")
-    runs["unstable_reason"] = pd.array(table["unstable_reason"].to_numpy(), dtype="string")
+    return add_cost_intervals(runs)
+
+
+def add_cost_intervals(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each run's RUN_PER_THROUGHPUT intervals from its throughput interval: cost = price / throughput, so
+    the throughput interval's high end gives the cost's low end (an interval reaching 0 tokens/s leaves
+    the cost unbounded)."""
+    speed = runs["tokens_per_s"].astype(float)
+    low, high = runs["tokens_per_s_low"].astype(float), runs["tokens_per_s_high"].astype(float)
+    for column, (low_column, high_column) in RUN_PER_THROUGHPUT.items():
+        value = runs[column].astype(float)
+        runs[low_column] = pd.array(value * speed / high.where(high > 0), dtype="Float64")
+        unbounded = (low <= 0) & value.notna() & speed.notna()
+        runs[high_column] = pd.array((value * speed / low.where(low > 0)).mask(unbounded, math.inf), dtype="Float64")
     return runs
+
+
+def run_figures(table: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The RUN_FIGURES of each row of a run table (collect's, costs included) from its rows and its runs'
+    steps (read_steps): what the report shows per run, for collect to store. Indexed like ``table``."""
+    figured = add_step_figures(prepare(table), steps)
+    return figured[list(RUN_FIGURES)].set_axis(table.index)
+
+
+STEP_COLUMNS = ["run_id", "step", "measured", "step_time_s", "tokens", "loss"]
+
+
+def read_steps(step_files: list[str | Path]) -> pd.DataFrame:
+    """The per-step records of the runs (results/runs/<run_id>/steps.parquet: the run_id is the folder's
+    name) in one table; files that do not exist are skipped."""
+    frames = []
+    for path in map(Path, step_files):
+        if path.is_file():
+            frame = pd.read_parquet(path)
+            frame["run_id"] = path.parent.name
+            frames.append(frame)
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=STEP_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Costs are computed here (scripts/ftbench/report/cost.py) from the measured throughput and the price table, and
 MFU from the achieved TFLOP/s and the GPU peak table (config/gpus.yaml), so a price or peak change
-re-runs this step and the report, never a training run.
+re-runs this step and the report, never a training run. Each run's 95% intervals and stability come from
+its row and its steps.parquet through analysis.run_figures, the report's own functions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench import atomic
-from ftbench.report import cost, projection, summary
+from ftbench.report import analysis, cost, projection, summary
 from ftbench.measure import gpu_table, metrics
 from ftbench.report.columns import COLUMNS, row_from_result
 
@@ -41,7 +42,9 @@ def build_table(result_files: list[str | Path], prices: cost.Prices | None = Non
         frame = typed(frame)
         if warnings_out is not None:
             warnings_out.extend(cost_warnings)
-    return frame
+    # The intervals and stability the report shows, from each run's steps.parquet (beside its metrics.json)
+    steps = analysis.read_steps([Path(path).with_name("steps.parquet") for path in result_files])
+    return typed(frame.assign(**analysis.run_figures(frame, steps)))
 
 
 def add_mfu(rows: list[dict], gpu_peaks: str | Path, warnings_out: list[str] | None = None) -> None:

@@ -122,7 +122,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),
     "eval_time_s": ("Float64", "seconds of evaluation"),
-    "wall_time_s": ("Float64", "seconds of the whole training job"),
+    "wall_time_s": ("Float64", "seconds of the whole training job: from its process start (interpreter start, imports, data "
+                               "and model loading included; a warm-started job from its client's start, warmstart.py) to the "
+                               "end of training and evaluation, before its result is written; ddp/fsdp: the longest of its "
+                               "ranks' processes (each started by torchrun); holds overhead_s, train_time_s and eval_time_s"),
     # cost: computed at collect from config/prices.yaml (conventions: scripts/ftbench/report/cost.py), so a price
     # change re-runs collect and report, never training. Null where the device has no price (a warning says so).
     "gpu_model": ("string", "price-table model the device matched ('cpu' for a CPU run); null when none matched"),
@@ -140,6 +143,30 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "projected_cost": ("Float64", "$ of the configured training budget: projected_gpu_hours x price_per_device_hour"),
     "energy_cost_per_1m_tokens": ("Float64", "electricity $ per million tokens from NVML energy (GPU boards only); null without NVML"),
     "projected_energy_cost": ("Float64", "electricity $ of the training budget from NVML energy; null without NVML"),
+    # 95% intervals and stability: computed at collect from the row and the run's steps.parquet by the functions the
+    # report computes them with (scripts/ftbench/report/analysis.py run_figures), so they are what the report shows
+    "quality_metric": ("string", "the figure that judges the run for its task: accuracy (classification, image_classification) | "
+                                 "token accuracy (causal_lm, seq2seq) | answer token accuracy (vision_language) | recall@1 "
+                                 "(image_text_retrieval); null without it, and for synthetic data (its accuracy measures nothing)"),
+    "quality": ("Float64", "the run's value of quality_metric (eval_accuracy, eval_token_accuracy or eval_recall_at_1), in [0, 1]"),
+    "quality_low": ("Float64", "95% Wilson interval of quality on eval_samples (eval sequences for language models): low end"),
+    "quality_high": ("Float64", "95% Wilson interval of quality on eval_samples: high end"),
+    "tokens_per_s_low": ("Float64", "95% within-run interval of tokens_per_s, low end: the ratio interval (sum of tokens over "
+                                    "sum of step times, t on the measured steps of steps.parquet) relative to its mean, times "
+                                    "tokens_per_s; the measurement noise of this process, not run-to-run variation (repeats "
+                                    "give that); null without a measured window of 2 steps or more (status ok or timeout)"),
+    "tokens_per_s_high": ("Float64", "95% within-run interval of tokens_per_s: high end (see tokens_per_s_low)"),
+    "tokens_per_s_median_based": ("Float64", "tokens per measured step / median measured step time, relative to the window "
+                                             "mean and scaled like the interval (tokens_per_s x mean / median step time); "
+                                             "below tokens_per_s: a stretch of fast steps, above: slow ones"),
+    "unstable": ("boolean", "tokens_per_s and tokens_per_s_median_based differ by more than 3% of the latter, or the median "
+                            "step time of the window's second half differs from its first half's by more than 5%: "
+                            "tokens_per_s is not a stable figure; null without a measured window"),
+    "unstable_reason": ("string", "why the run is unstable, with the figures (the report's note); null when it is not"),
+    "cost_per_1m_tokens_low": ("Float64", "95% interval of cost_per_1m_tokens, low end: at tokens_per_s_high (cost = price / throughput)"),
+    "cost_per_1m_tokens_high": ("Float64", "95% interval of cost_per_1m_tokens, high end: at tokens_per_s_low (inf when that is 0)"),
+    "projected_cost_low": ("Float64", "95% interval of projected_cost, low end: at tokens_per_s_high"),
+    "projected_cost_high": ("Float64", "95% interval of projected_cost, high end: at tokens_per_s_low"),
 }
 
 

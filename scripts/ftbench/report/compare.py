@@ -180,7 +180,8 @@ def compare(sets: list[tuple[str | None, str | Path]], out: str | Path, prices: 
         print(f"note: {note}", file=sys.stderr)
     atomic.write_parquet(out / "compare.parquet", merged)
     atomic.write_csv(out / "compare.csv", merged)
-    # Result sets carry no per-step records: intervals come from repeats where a configuration has three.
+    # Result sets carry no per-step records: a run's within-run interval and stability are the ones collect stored
+    # from its steps (sets from an older ftbench have none); configurations with three repeats get theirs from the repeats.
     steps = pd.DataFrame(columns=report_page.STEP_COLUMNS)
     runs = analysis.add_step_figures(analysis.prepare(merged, across_machines=True,
                                                       gpu_table=gpu_tables.load_peaks(gpu_table) if gpu_table else None), steps)

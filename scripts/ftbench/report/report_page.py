@@ -23,11 +23,13 @@ TABLE_COLUMNS = [
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
     "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images",
-    "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token", "energy_cost_per_1m_tokens",
+    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_ci95", "cost_per_1k_samples", "cost_per_1k_images",
+    "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
 ]
 ALWAYS_SHOWN = {"run_id", "status", "status_reason"}
+# The runs table's interval text of each cost figure (analysis.RUN_PER_THROUGHPUT), as the configurations table names it.
+RUN_INTERVAL_TEXT = {"cost_per_1m_tokens": "cost_ci95", "projected_cost": "projected_cost_ci95"}
 RUN_TITLES = {
     "steps": "optimizer steps: the measured window (timed) + the warmup before it (not timed), and the planned total "
              "when the run stopped early",
@@ -40,6 +42,8 @@ RUN_TITLES = {
     "estimate_over_allocated": "memory estimate / CUDA peak allocated (what the estimate models); reserved adds the allocator's cache",
     "estimate_over_rss": "memory estimate / the process's peak resident memory (CPU runs)",
     "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
+    "cost_ci95": "95% interval of the run's $ per 1M tokens: its within-run throughput interval's ends (cost = price / throughput)",
+    "projected_cost_ci95": "95% interval of the run's training-budget cost, from its within-run throughput interval",
 }
 CONFIG_TABLE_COLUMNS = ["configuration", "method", "runs", "ok", "measured", "tokens_per_s", "tokens_per_s_ci95", "interval_basis",
                         "tokens_per_s_cv", "unstable", "unstable_runs", "cost_per_1m_tokens", "cost_ci95", "QUALITY", "quality_ci95",
@@ -110,18 +114,8 @@ CONVENTIONS = [
     "Budget: projected wall hours of the configured training budget at the measured throughput; GPU-hours = hours x GPUs; "
     "energy cost = NVML J per token x tokens x $ per kWh (GPU boards only).",
 ]
-STEP_COLUMNS = ["run_id", "step", "measured", "step_time_s", "tokens", "loss"]
-
-
-def read_steps(step_files: list[str | Path]) -> pd.DataFrame:
-    frames = []
-    for path in map(Path, step_files):
-        if path.is_file():
-            frame = pd.read_parquet(path)
-            frame["run_id"] = path.parent.name
-            frames.append(frame)
-    frames = [f for f in frames if not f.empty]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=STEP_COLUMNS)
+# The per-step records: read once per report (analysis.read_steps), as collect reads them.
+STEP_COLUMNS, read_steps = analysis.STEP_COLUMNS, analysis.read_steps
 
 
 def shown_columns(frame: pd.DataFrame, columns: list[str], always: set[str]) -> list[str]:
@@ -166,6 +160,8 @@ def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
     runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s")
                                  for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
     runs["quality_ci95"] = [span(low, high, "quality") for low, high in zip(runs["quality_low"], runs["quality_high"])]
+    for column, (low_column, high_column) in analysis.RUN_PER_THROUGHPUT.items():
+        runs[RUN_INTERVAL_TEXT[column]] = [span(low, high, column) for low, high in zip(runs[low_column], runs[high_column])]
     gpu = runs["device"].eq("cuda").fillna(False).astype(bool)
     runs["estimate_over_allocated"] = runs["memory_estimate_ratio"].where(gpu)
     runs["estimate_over_rss"] = runs["memory_estimate_ratio"].where(~gpu)
@@ -338,7 +334,7 @@ def run_notes(runs: pd.DataFrame, configs: pd.DataFrame) -> list[str]:
         notes.append(f"{int(synthetic.sum())} run(s) trained on synthetic (random-token) data: no quality figure is shown "
                      "for them, since their accuracy measures nothing.")
     for _, row in runs[runs["unstable"].eq(True).fillna(False)].iterrows():
-        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its tokens/s ({fmt(row['tokens_per_s'])}, "
+        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its window-mean tokens/s ({fmt(row['tokens_per_s'])}, "
                      f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
     for _, row in configs[configs["unstable"].eq(True)].iterrows():
         notes.append(f"Unstable: {row['configuration']} varies by {row['tokens_per_s_cv']:.1%} (CV of tokens/s over "

@@ -15,6 +15,48 @@ MAX_LISTED = 15
 REASON_CHARS = 160
 
 
+# What a run that is not ok needs, by outcome. Its row is its result: rerunning snakemake alone never trains
+# it again (a changed setting does, being another run). Only a cause that can pass is worth another try.
+RUN_IN_THE_LOG = "logs/train/<run_id>.log"
+UNEXPECTED = "failed, unexpected error"
+ADVICE = {
+    "timeout": "retry with more time: it was slower than its walltime estimate; delete results/runs/<run_id>/ and rerun "
+               "snakemake with --set-resources train:runtime=<minutes>",
+    "oom": "fix, a retry would run out again: a smaller batch_size, gradient_checkpointing: true, auto_batch_size: true "
+           "or a GPU with more memory",
+    "diverged": "fix, a retry would diverge again (same seed): a lower learning_rate, or bf16 / fp32 instead of fp16",
+    "unsupported": "fix, a retry would be refused again: run it on a machine that can (its reason says what it lacks), "
+                   "or leave it out of the experiment (exclude)",
+    "failed": "fix, a retry would fail again: its reason names the setting or data to change (README: Troubleshooting); "
+              "a changed setting trains it by itself, a repaired data file once results/runs/<run_id>/ is deleted",
+    UNEXPECTED: f"retry if its cause has passed: an unexpected error, traceback in {RUN_IN_THE_LOG}; if it was a passing "
+               "fault (a node, driver or network), delete results/runs/<run_id>/ and rerun snakemake to retry it",
+}
+# measure.metrics.failed_metrics ends the reason of an error ftbench did not name (no FtbenchError) with this:
+# its cause is unknown, so it may be a passing fault. A named error (config, source, manifest) is not.
+UNEXPECTED_MARK = "(traceback in the job log)"
+
+
+def advice_kind(status, reason) -> str:
+    """The ADVICE entry for a run that is not ok: its status, or UNEXPECTED for a failed run whose error
+    ftbench did not name (UNEXPECTED_MARK) and for an unknown status."""
+    if status == "failed" and isinstance(reason, str) and reason.endswith(UNEXPECTED_MARK):
+        return UNEXPECTED
+    return status if status in ADVICE else UNEXPECTED
+
+
+def advice_lines(not_ok: pd.DataFrame) -> list[str]:
+    """One line per kind of advice the runs that are not ok need, naming (a few of) their runs."""
+    kinds = pd.Series([advice_kind(status, reason) for status, reason in zip(not_ok["status"], not_ok["status_reason"])],
+                      index=not_ok.index, dtype=object)
+    lines = []
+    for kind in (k for k in ADVICE if k in set(kinds)):
+        runs = not_ok.loc[kinds == kind, "run_id"].astype(str).tolist()
+        named = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        lines.append(f"  -> {kind} ({named}): {ADVICE[kind]}")
+    return lines
+
+
 def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
     counts = frame["status"].value_counts()
     others = sorted(set(counts.index) - set(OUTCOMES))
@@ -29,8 +71,45 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
         lines.append(f"  {row['status']:<11} {row['run_id']}: {reason}")
     if len(not_ok) > MAX_LISTED:
         lines.append(f"  ... and {len(not_ok) - MAX_LISTED} more not ok: see the status column of the table")
+    lines.extend(advice_lines(not_ok))
     lines.append(f"table: {table_path}")
     return "\n".join(lines) + "\n"
+
+
+# A failed job (no row: Snakemake reports it) ends its log with ftbench's one line when ftbench named the
+# error: a config, source or data problem (cli.run), to fix before a rerun can pass. Terminated jobs
+# (errors.TerminatedError, scancel or preemption) are named too, but a rerun trains them again.
+TERMINATED_MARK = "was terminated (SIGTERM)"
+
+
+def failed_job_errors(started: float, logs: Path = Path("logs"), results: Path = Path("results")) -> list[tuple[Path, str]]:
+    """(log, its last line) of each job of this invocation (log written since ``started``) that ended on a
+    named error other than a termination: the ``ftbench:`` line cli.run prints before exiting 1. A train
+    job whose run has its metrics.json ended well: its error is the run's failed row."""
+    found = []
+    for log in sorted(logs.rglob("*.log")) if logs.is_dir() else []:
+        if log.stat().st_mtime < started:
+            continue
+        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        named = last.startswith("ftbench: ") and not last.startswith("ftbench: warning") and TERMINATED_MARK not in last
+        if named and not (log.parent.name == "train" and (results / "runs" / log.stem / "metrics.json").is_file()):
+            found.append((log, last))
+    return found
+
+
+def failed_jobs_lines(started: float) -> list[str]:
+    """What to do about this invocation's failed jobs: those that ended on a named error, each with its
+    line (to fix: a rerun alone fails again); the others may have failed on a passing cause."""
+    named = failed_job_errors(started)
+    lines = [f"  fix {log}: {' '.join(last.split())[:REASON_CHARS]}" for log, last in named[:MAX_LISTED]]
+    if named:
+        lines.append("ftbench: some jobs failed on an error to fix (listed above): fix what each names, then rerun "
+                     "snakemake (a rerun alone fails again); any other failed job is retried by that rerun")
+    else:
+        lines.append("ftbench: some jobs failed (their logs are named above), none on an error ftbench named (terminated, "
+                     "killed, out of host memory, a node or network fault): rerun snakemake to retry them")
+    return lines
 
 
 def print_outcome(started: float, failed_jobs: bool) -> None:
@@ -45,6 +124,6 @@ def print_outcome(started: float, failed_jobs: bool) -> None:
         lines.append("ftbench: no table from this invocation: a job failed before collect (see its error above)")
     lines.append(f"report: {report.resolve()}" if report.is_file() else "report: not built")
     if failed_jobs:
-        lines.append("ftbench: some jobs failed (their logs are named above); rerun snakemake to retry them")
+        lines.extend(failed_jobs_lines(started))
     lines.append("=" * 100)
     print("\n".join(lines), file=sys.stderr, flush=True)
