@@ -1,4 +1,4 @@
-"""The report in a real browser: headless Chromium (Debian's ``chromium``) opens report_page.html from disk.
+"""The report in a real browser: headless Chromium (Debian's ``chromium``) opens report.html from disk.
 
 Checks that every image decoded (naturalWidth > 0), that the runs table has one row per run, that
 sorting works, and that the page logged no console error, threw no exception and asked for no network
