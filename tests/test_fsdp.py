@@ -4,26 +4,52 @@ same data; what is refused; the per-GPU memory estimate under sharding and offlo
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
-from ftbench.experiment import config as ftconfig
+from ftbench.experiment import config as ftconfig, feasibility
 from ftbench.train import ddp, fsdp, modeling, run_state
 from ftbench.experiment import matrix
 from ftbench.measure import memory_estimate
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 
-from test_families import lm_config, llama_def, llama_spec, only_spec, prepare_for
+from test_families import LLAMA_OVERRIDES, lm_config, llama_def, llama_spec, only_spec, prepare_for
 
 
 @pytest.fixture(scope="module")
 def llama_data(tmp_path_factory) -> Path:
     return prepare_for(llama_spec(), tmp_path_factory.mktemp("fsdp-tokens"))
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory, minilm_dir) -> Path:
+    """A tiny Llama saved as a checkpoint folder (with the MiniLM tokenizer): one process and two FSDP ranks
+    then load the same weights, where config-built models are initialised differently under fsdp (on the
+    meta device, each rank its own shards)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("fsdp-llama-checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA_OVERRIDES, "vocab_size": len(tokenizer)})).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def checkpoint_spec(folder: Path, **settings) -> RunSpec:
+    return only_spec(lm_config({"task": "causal_lm", "source": {"kind": "path", "path": str(folder)}}, **settings))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_data(llama_checkpoint, tmp_path_factory) -> Path:
+    return prepare_for(checkpoint_spec(llama_checkpoint), tmp_path_factory.mktemp("fsdp-checkpoint-tokens"))
 
 
 def tiny_llama(spec: RunSpec):
@@ -82,13 +108,27 @@ def test_fsdp_is_accepted_at_parse_time():
 
 
 @pytest.mark.parametrize("settings, words", [
-    ({"method": "qlora"}, "4-bit"),
+    ({"method": "qlora", "fsdp_cpu_offload": True}, "4-bit"),
     ({"optimizer": "adamw_8bit"}, "8-bit"),
 ])
 def test_what_fsdp2_cannot_shard_is_unsupported(settings, words):
-    with pytest.raises(UnsupportedConfiguration, match=words):
-        fsdp.check_supported(RunSpec(parallel="fsdp", **settings))
-    fsdp.check_supported(RunSpec(parallel="ddp", **settings))  # only fsdp refuses them
+    assert words in feasibility.unsupported_reason(RunSpec(parallel="fsdp", **settings))
+    assert feasibility.unsupported_reason(RunSpec(parallel="ddp", **settings)) is None  # only fsdp refuses them
+
+
+def test_qlora_under_fsdp_is_supported_and_stores_its_packed_weights_in_the_run_dtype():
+    """FSDP2 gathers parameters in the run's dtype: packed 4-bit bytes stored in another dtype would be cast."""
+    spec = RunSpec(parallel="fsdp", method="qlora", precision="bf16")
+    assert feasibility.unsupported_reason(spec) is None
+    assert modeling._bnb_config(spec).bnb_4bit_quant_storage == torch.bfloat16
+    assert modeling._bnb_config(spec.replace(parallel="ddp")).bnb_4bit_quant_storage == torch.uint8
+
+
+def test_where_an_fsdp_model_is_built():
+    gpu = torch.device("cuda", 0)
+    assert fsdp.build_device(llama_spec(parallel="fsdp", num_gpus=2), gpu).type == "meta"  # config-built: shapes only
+    assert fsdp.build_device(llama_spec(parallel="fsdp", num_gpus=2, method="qlora"), gpu) == gpu  # 4-bit on the GPU
+    assert fsdp.build_device(llama_spec(parallel="ddp", num_gpus=2), gpu) == gpu
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,12 +168,12 @@ def test_estimate_shards_states_and_moves_them_to_the_host_with_offload():
     # lora_dropout 0: dropout masks would differ between one process and two.
     {"method": "lora", "lora_dropout": 0.0, "gradient_checkpointing": True, "fsdp_reshard_after_forward": False},
 ], ids=["full", "lora-gc-noreshard"])
-def test_fsdp_two_ranks_train_like_one_process(settings, llama_data, tmp_path):
-    """Same global batch (4 x 2 ranks against 8 x 1), same order: the same losses and the same final weights
-    (the eval loss, computed sharded on both ranks, is a function of them)."""
-    single, _ = train(llama_spec(batch_size=8, **settings), llama_data, tmp_path)
-    spec = llama_spec(batch_size=4, parallel="fsdp", num_gpus=2, **settings)
-    metrics, ranks = train(spec, llama_data, tmp_path)
+def test_fsdp_two_ranks_train_like_one_process(settings, llama_checkpoint, checkpoint_data, tmp_path):
+    """Same weights (a checkpoint), same global batch (4 x 2 ranks against 8 x 1), same order: the same losses
+    and the same final weights (the eval loss, computed sharded on both ranks, is a function of them)."""
+    single, _ = train(checkpoint_spec(llama_checkpoint, batch_size=8, **settings), checkpoint_data, tmp_path)
+    spec = checkpoint_spec(llama_checkpoint, batch_size=4, parallel="fsdp", num_gpus=2, **settings)
+    metrics, ranks = train(spec, checkpoint_data, tmp_path)
     assert metrics["status"] == "ok", metrics.get("status_reason")
     assert metrics["world_size"] == 2 and len(ranks) == 2
     assert metrics["hosts"]  # where the ranks ran
@@ -141,12 +181,32 @@ def test_fsdp_two_ranks_train_like_one_process(settings, llama_data, tmp_path):
     # Each rank's loss is the mean over its half of the batch: their mean is the one process's loss.
     rank_losses = [[step["loss"] for step in r["steps"]] for r in ranks]
     mean_losses = [sum(pair) / 2 for pair in zip(*rank_losses)]
-    single_out = tmp_path / llama_spec(batch_size=8, **settings).run_id / "steps.parquet"
+    single_out = tmp_path / checkpoint_spec(llama_checkpoint, batch_size=8, **settings).run_id / "steps.parquet"
     import pandas as pd
     assert mean_losses == pytest.approx(pd.read_parquet(single_out)["loss"].tolist(), abs=2e-4)
     assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=2e-4)
     assert ranks[1]["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"])  # both ranks evaluated
     assert "fsdp" in metrics["flops_counted_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_config_built_model_is_initialised_shard_by_shard(method, llama_data, tmp_path):
+    """Under fsdp a config-built model is built on the meta device and each rank initialises only its shards:
+    the run must start where a freshly initialised model starts, as the one-process run does (loss near
+    ln(vocabulary) on uniform random tokens: unit norms, small normal weights, the rotary tables, LoRA's B at
+    zero; memory left uninitialised would give a loss far off, or NaN) and train to the end."""
+    single, _ = train(llama_spec(batch_size=8, method=method), llama_data, tmp_path)
+    metrics, ranks = train(llama_spec(batch_size=4, parallel="fsdp", num_gpus=2, method=method), llama_data, tmp_path)
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert metrics["trainable_params"] == single["trainable_params"]
+    vocabulary = LLAMA_OVERRIDES["vocab_size"]
+    first = [r["steps"][0]["loss"] for r in ranks]
+    assert all(abs(loss - math.log(vocabulary)) < 0.3 for loss in first), first  # random init: no better than chance
+    single_first = pd.read_parquet(tmp_path / llama_spec(batch_size=8, method=method).run_id / "steps.parquet")["loss"][0]
+    assert abs(sum(first) / 2 - single_first) < 0.1
+    assert all(math.isfinite(step["loss"]) for r in ranks for step in r["steps"])
+    assert metrics["total_steps"] == len(ranks[0]["steps"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -109,15 +109,13 @@ def test_diverged_loss_stops_before_the_update(monkeypatch, llama_data):  # noqa
     assert metrics["status"] == "diverged" and metrics["diverged_step"] == 0 and steps == []
 
 
-def test_data_parallel_is_refused_as_unsupported():
-    from ftbench.train import hf_engine
+def test_data_parallel_is_refused_as_unsupported(llama_data):  # noqa: F811
+    from ftbench.experiment import feasibility
 
-    run = type("R", (), {"spec": llama_spec().replace(engine="hf_trainer", parallel="ddp"),
-                         "dist": type("D", (), {"active": True})(), "device": torch.device("cpu")})()
-    from ftbench.errors import UnsupportedConfiguration
-
-    with pytest.raises(UnsupportedConfiguration, match="parallel 'single' only"):
-        hf_engine.train_steps(run, None)
+    spec = llama_spec().replace(engine="hf_trainer", parallel="ddp", num_gpus=2)
+    assert "parallel 'single' only" in feasibility.unsupported_reason(spec)
+    metrics, steps = trainer.train_run(spec, llama_data)  # refused before anything is built
+    assert metrics["status"] == "unsupported" and "parallel 'single' only" in metrics["status_reason"] and steps == []
 
 
 @pytest.mark.parametrize("optimizer, device, expected", [

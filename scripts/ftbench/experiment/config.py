@@ -19,7 +19,7 @@ import yaml
 from ftbench import runspec
 from ftbench.data import sources
 from ftbench.errors import ConfigError
-from ftbench.experiment import batching_modes
+from ftbench.experiment import batching_modes, feasibility
 from ftbench.runspec import RunSpec
 from ftbench.tasks import registry
 
@@ -259,6 +259,10 @@ def experiment_warnings(config: dict) -> list[str]:
     for index in unused["include"]:
         messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix or an earlier include already has; "
                         "it is measured once")
+    for run in matrix.expand_runs(config):
+        reason = feasibility.unsupported_reason(run)
+        if reason:
+            messages.append(f"run {run.run_id} is recorded as unsupported without training: {reason}")
     return messages
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ftbench import atomic
-from ftbench.train import fsdp, modeling, trainer
+from ftbench.train import modeling, trainer
 from ftbench.cluster import lifeline
 from ftbench.train.devices import Distributed, choose_device
 from ftbench.errors import ManifestError, UnsupportedConfiguration
@@ -46,7 +46,6 @@ def launch(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, ti
     try:
         device, _ = choose_device(spec, Distributed())
         modeling.check_supported(spec, device)
-        fsdp.check_supported(spec)
     except UnsupportedConfiguration as exc:
         return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
     shutil.rmtree(rank_dir, ignore_errors=True)

@@ -152,9 +152,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     timed by its callbacks, not at the loop's edges."""
     from transformers import Trainer
 
-    spec, device = run.spec, run.device
-    if spec.parallel != "single" or run.dist.active:
-        raise UnsupportedConfiguration(f"engine hf_trainer runs parallel 'single' only in this version (not {spec.parallel!r})")
+    spec, device = run.spec, run.device  # parallel 'single' only: experiment.feasibility refuses the others
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")

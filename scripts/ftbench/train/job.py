@@ -26,6 +26,7 @@ from ftbench import atomic
 from ftbench.cluster import lifeline
 from ftbench.cluster.gpu_slots import GpuSlots, assign_gpus
 from ftbench.errors import FtbenchError, ManifestError, TerminatedError
+from ftbench.experiment import feasibility
 from ftbench.measure import environment
 from ftbench.measure.metrics import STEP_FIELDS, failed_metrics
 from ftbench.runspec import RunSpec
@@ -90,6 +91,9 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
 
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
              stop: StopSignal) -> tuple[dict, list[dict]]:
+    reason = feasibility.unsupported_reason(spec)
+    if reason:  # known from the settings alone: no GPU held, no model built
+        return {"run_id": spec.run_id, "status": "unsupported", "status_reason": reason}, []
     slots = GpuSlots()
     assigned = assign_gpus(spec.num_gpus if spec.device != "cpu" else 0, slots)
     if assigned is not None:

@@ -231,6 +231,9 @@ def _bnb_config(spec: RunSpec):
         bnb_4bit_quant_type=spec.qlora_quant_type,
         bnb_4bit_use_double_quant=spec.qlora_double_quant,
         bnb_4bit_compute_dtype=DTYPES[compute],
+        # Under fsdp the packed weights are stored in the dtype FSDP2 gathers parameters in (the run's), so it
+        # shards them as floating-point tensors and never casts (and so corrupts) the packed bytes: train/fsdp.py.
+        bnb_4bit_quant_storage=DTYPES[spec.precision] if spec.parallel == "fsdp" else torch.uint8,
         llm_int8_skip_modules=OUTPUT_HEADS,
     )
 

@@ -33,6 +33,7 @@ from ftbench.data import prepared
 from ftbench.measure import environment, flops, gpu_monitor
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.errors import UnsupportedConfiguration
+from ftbench.experiment import feasibility
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
 from ftbench.runspec import RunSpec
@@ -78,6 +79,9 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
 
 def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distributed, metrics: dict) -> tuple[Run, dict]:
     """The run before its first step: its device, verified data, the model as built; (run, manifest)."""
+    reason = feasibility.unsupported_reason(spec)  # the job asked first; a run trained without a job asks here
+    if reason:
+        raise UnsupportedConfiguration(reason)
     # Test-only fault injection (faults.py), read once per run; without FTBENCH_INJECT_FAULT it does nothing.
     injector = faults.Injector.from_env(spec.run_id, dist.rank)
     device, note = choose_device(spec, dist)
