@@ -184,7 +184,12 @@ def start_warm_process():
 
 
 def get_train_runtime(wildcards, attempt=1):
-    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt, local=not workflow.non_local_exec)
+    """The job's one time limit: sbatch -t, what `snakemake -n` shows, and the train rule's --time-limit-s.
+    The first Snakemake to estimate it (the one that plans the invocation, or a dry run) decides the speed
+    of GPU runs and puts it in the environment, which the jobs it submits inherit (sbatch --export=ALL): the
+    Snakemake inside a job, on a node whose GPU it may not see, reads that decision and gets the same number."""
+    os.environ.setdefault(ftbench_resources.TRAIN_SPEED_ENV, ftbench_resources.train_speed(local=not _cluster_jobs()))
+    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt)
 
 
 def get_train_mem_mb(wildcards, attempt=1):

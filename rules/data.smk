@@ -1,5 +1,10 @@
 rule prepare_data:
-    """Tokenise one dataset for one tokenizer and sequence length into Parquet shards + manifest."""
+    """Tokenise one dataset for one tokenizer and sequence length into Parquet shards + manifest.
+
+    Shared by every run, of any experiment in this folder, with the same data id. Its params are exactly what
+    the data id hashes (ftbench/experiment/matrix.py: data_preparations), never a model's name or architecture:
+    another experiment naming other models on the same tokenizer finds them unchanged and re-prepares nothing,
+    and a check of one model alone (its vocab_size, its positions) runs in that model's train job."""
     output:
         directory("results/data/{data_id}"),
     log:

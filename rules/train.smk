@@ -26,8 +26,10 @@ rule train:
         runtime=get_train_runtime,
     conda:
         "../envs/train.yaml"
-    # --time-limit-s is the job's walltime (runtime is in minutes): training stops early enough to
-    # evaluate and write its results with status=timeout instead of being killed with nothing.
+    # --time-limit-s is the job's walltime, the very `runtime` (minutes) the scheduler gets (sbatch -t) and
+    # `snakemake -n` shows: one number per job, decided where the invocation is planned (get_train_runtime).
+    # The job keeps its own margin inside it: training stops early enough to evaluate and write its results
+    # with status=timeout instead of being killed with nothing.
     # --watch-pid $PPID: this shell's parent is Snakemake; locally the job ends when it dies (lifeline.py).
     shell:
         "python -m ftbench train --spec-file {params.spec_file:q} --data {input.data}"

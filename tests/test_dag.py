@@ -7,6 +7,7 @@ config work on a copy of its folder.
 from __future__ import annotations
 
 import copy
+import re
 
 import pandas as pd
 import pytest
@@ -152,3 +153,76 @@ def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
     process = dry_run(snakemake_runner, tmp_path)
     assert job_counts(process) == {"prepare_data": 1, "train": len(runs), "collect": 1, "report": 1, "all": 1}
     assert train_run_ids(process) == {run.run_id for run in runs}
+
+
+def test_two_experiments_sharing_data_in_one_folder_rerun_nothing(tmp_path, tiny_config_factory, tiny_model_dir,
+                                                                   snakemake_runner):
+    """Two experiment files in one folder on one dataset, tokenizer and seq_len, naming different models (the
+    second a config-built BERT on the first's tokenizer, and one with a vocab_size its tokenizer contradicts):
+    the second prepares nothing and retrains none of the first's runs, its bad model fails in its own row only,
+    and the first again trains nothing (collect and report make the folder's table the first's again)."""
+    tokenizer = {"kind": "path", "path": str(tiny_model_dir)}
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
+             "max_position_embeddings": 128}
+
+    def config_model(**overrides):
+        return {"source": {"kind": "config", "architecture": "BertConfig", "tokenizer": tokenizer,
+                           "overrides": {**shape, **overrides}}, "task": "classification"}
+
+    first = tiny_config_factory()
+    second = tiny_config_factory(models={"wide": config_model(), "bad_vocab": config_model(vocab_size=7)},
+                                 matrix={"model": ["wide", "bad_vocab"], "dataset": ["tiny"], "method": ["lora"]})
+    first_file, second_file = write_config(tmp_path, first, "first.yaml"), write_config(tmp_path, second, "second.yaml")
+    data_ids = {run.data_id for run in matrix.expand_runs(first) + matrix.expand_runs(second)}
+    assert len(data_ids) == 1
+
+    def run(configfile, *args):
+        process = snakemake_runner(tmp_path, *args, configfile=configfile)
+        assert process.returncode == 0, snakemake_failure(process)
+        return process
+
+    run(first_file)
+    data = tmp_path / "results" / "data" / data_ids.pop()
+    stamps = {path: path.stat().st_mtime_ns for path in [data, *data.iterdir()]}
+    trained = {path: path.stat().st_mtime_ns for path in (tmp_path / "results" / "runs").glob("*/metrics.json")}
+    assert len(trained) == 2
+
+    assert job_counts(run(second_file, "-n")) == {"train": 2, "collect": 1, "report": 1, "all": 1}
+    run(second_file)
+    assert {path: path.stat().st_mtime_ns for path in [data, *data.iterdir()]} == stamps  # not prepared again
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet").set_index("model")
+    assert table.loc["wide", "status"] == "ok", table.loc["wide", "status_reason"]
+    # Its vocab_size fails its own job (its row), never the data the others share.
+    assert table.loc["bad_vocab", "status"] == "failed"
+
+    assert job_counts(run(first_file, "-n")) == {"collect": 1, "report": 1, "all": 1}  # no prepare_data, no train
+    run(first_file)
+    assert {path: path.stat().st_mtime_ns for path in trained} == trained  # the first's runs were never retrained
+    assert {path: path.stat().st_mtime_ns for path in [data, *data.iterdir()]} == stamps
+    process = run(first_file, "-n")
+    assert job_counts(process) == {} and "Nothing to be done" in process.stdout + process.stderr
+
+
+def test_the_printed_runtime_is_the_time_limit_the_job_gets(tmp_path, tiny_config_factory, snakemake_runner, monkeypatch):
+    """One time limit per job: the runtime `snakemake -n` shows (what sbatch -t gets) is the --time-limit-s of
+    the job's command, and it is the same whether the speed was decided here or handed down to a job's own
+    Snakemake (FTBENCH_TRAIN_SPEED, set by the planning Snakemake), with or without a GPU where it runs."""
+    from ftbench.cluster import resources
+
+    defaults = {**tiny_config_factory()["defaults"], "max_steps": 200_000}  # long enough to leave the floor on a CPU
+    config = tiny_config_factory(defaults=defaults, matrix={"model": ["tiny"], "dataset": ["tiny"], "num_gpus": [0, 1]})
+    write_config(tmp_path, config)
+    runs = {run.run_id: run for run in matrix.expand_runs(config)}
+    limits = {}
+    for speed in ("gpu", "cpu"):
+        monkeypatch.setenv(resources.TRAIN_SPEED_ENV, speed)
+        process = snakemake_runner(tmp_path, "-n", "-p")
+        assert process.returncode == 0, snakemake_failure(process)
+        for block in (process.stdout + process.stderr).split("rule train:")[1:]:
+            run_id = re.search(r"wildcards: run_id=(\S+)", block).group(1)
+            runtime = int(re.search(r"resources: .*\bruntime=(\d+)", block).group(1))
+            assert re.search(rf"--time-limit-s \$\(\( {runtime} \* 60 \)\)", block), block
+            assert runtime == resources.train_runtime_minutes(runs[run_id], environ={resources.TRAIN_SPEED_ENV: speed})
+            limits[speed, runs[run_id].num_gpus] = runtime
+    assert len(limits) == 4
+    assert limits["gpu", 1] < limits["cpu", 1] == limits["cpu", 0] == limits["gpu", 0]

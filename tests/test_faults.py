@@ -236,7 +236,7 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
     monkeypatch.setattr(trainer, "scaler_step", signalled_after_the_third_step)
     out = tmp_path / "run" / "metrics.json"
     spec = cpu_spec(max_steps=50, warmup_steps=1)
-    with pytest.raises(errors.TerminatedError, match=r"terminated \(SIGTERM\) after step 2: no result written"):
+    with pytest.raises(errors.TerminatedError, match=r"terminated by the scheduler \(SIGTERM\) at step 3 of 50: no result written; Snakemake submits it again if it has retries left"):
         cli.train(["--spec", spec.to_json(), "--data", str(prepared_data[0]), "--out", str(out)])
     assert len(steps_done) == 3  # it stopped before step 3, not at the end of the run
     assert not out.exists() and not out.with_name("steps.parquet").exists()

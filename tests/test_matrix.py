@@ -353,6 +353,48 @@ def test_models_sharing_a_tokenizer_share_prepared_data():
     assert runs[0].data_id == runs[1].data_id
 
 
+def test_a_preparation_is_what_shapes_the_data_whichever_model_or_experiment_asks():
+    """Two experiments naming different models on one tokenizer (a checkpoint, a config-built model with a bad
+    vocab_size) get one data id and one identical preparation: no model name, no architecture in it, so the
+    prepare_data rule's params do not change between them and neither fails nor re-prepares the other's data."""
+    tokenizer = {"kind": "hub", "name": "org/bert"}
+    first = base_config(models={"bert": {"source": tokenizer}}, matrix={"model": ["bert"], "dataset": ["rt"]})
+    wide = {"kind": "config", "architecture": "BertConfig", "overrides": {"hidden_size": 1024, "vocab_size": 7}, "tokenizer": tokenizer}
+    second = base_config(models={"wide": {"source": wide, "max_seq_len": 512}}, matrix={"model": ["wide"], "dataset": ["rt"]})
+    (one,), (other,) = matrix.expand_runs(first), matrix.expand_runs(second)
+    assert one.data_id == other.data_id
+    preparations = matrix.data_preparations([one]), matrix.data_preparations([other])
+    assert preparations[0] == preparations[1]
+    job = preparations[0][one.data_id]
+    assert "model" not in job
+    assert job["model_def"] == {"task": "classification", "source": {"kind": "config", "tokenizer": tokenizer}}
+
+
+def test_config_models_without_a_tokenizer_share_data_by_vocab_size_alone():
+    def model(**overrides):
+        return {"source": {"kind": "config", "architecture": "LlamaConfig", "overrides": overrides}, "task": "causal_lm"}
+
+    models = {"small": model(hidden_size=64, vocab_size=1000), "large": model(hidden_size=256, vocab_size=1000),
+              "other_vocab": model(hidden_size=64, vocab_size=2000)}
+    synthetic = {"synthetic": {"source": {"kind": "synthetic"}}}
+    config = base_config(models=models, datasets=synthetic, matrix={"model": list(models), "dataset": ["synthetic"]})
+    runs = {run.model: run for run in matrix.expand_runs(config)}
+    assert runs["small"].data_id == runs["large"].data_id != runs["other_vocab"].data_id
+    job = matrix.data_preparations(list(runs.values()))[runs["small"].data_id]
+    assert job["model_def"] == {"task": "causal_lm", "source": {"kind": "config", "overrides": {"vocab_size": 1000}}}
+
+
+def test_image_models_keep_their_whole_source_in_the_data():
+    """An image model's config and processor shape its pixels and image tokens: its source is the data's."""
+    source = {"kind": "config", "architecture": "ViTConfig", "overrides": {"patch_size": 4}, "tokenizer": {"kind": "hub", "name": "t"}}
+    other = {**source, "overrides": {"patch_size": 8}}
+    models = {"a": {"source": source, "task": "image_classification"}, "b": {"source": other, "task": "image_classification"}}
+    images = {"img": {"source": {"kind": "hub", "name": "org/img"}, "image_column": "image", "label_column": "label"}}
+    runs = matrix.expand_runs(base_config(models=models, datasets=images, matrix={"model": ["a", "b"], "dataset": ["img"]}))
+    assert runs[0].data_id != runs[1].data_id
+    assert matrix.data_preparations(runs)[runs[0].data_id]["model_def"] == {"task": "image_classification", "source": source}
+
+
 def test_shard_size_is_part_of_the_data_id():
     small = matrix.expand_runs(base_config(data={"shard_size_mb": 1}))
     large = matrix.expand_runs(base_config(data={"shard_size_mb": 256}))

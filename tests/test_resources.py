@@ -163,6 +163,32 @@ def test_locally_a_gpu_run_on_a_machine_without_a_gpu_is_estimated_at_the_cpu_ra
     assert resources.train_runtime_minutes(run, local=True) == EXPECTED["gpu_bf16"][2]
 
 
+def test_the_speed_decided_for_the_invocation_wins_over_where_the_estimate_is_made(representative_runs, monkeypatch):
+    """The Snakemake inside a cluster job sees no GPU (or another node's) and is not a cluster executor: it
+    must still get the number that was submitted, which the planning Snakemake handed down in the environment."""
+    run = representative_runs[2]["gpu_bf16"]
+    at_gpu, at_cpu = EXPECTED["gpu_bf16"][2], resources.train_runtime_minutes(run, environ={resources.TRAIN_SPEED_ENV: "cpu"})
+    assert at_cpu > 10 * at_gpu
+    monkeypatch.setattr(resources, "local_gpu_visible", lambda: False)
+    submitted = resources.train_runtime_minutes(run, environ={})  # where jobs are submitted: a GPU node's speed
+    handed_down = {resources.TRAIN_SPEED_ENV: resources.train_speed(local=False, environ={})}
+    for local in (False, True):  # inside the job, whichever executor it counts as, with no GPU visible
+        assert resources.train_runtime_minutes(run, 1, local=local, environ=handed_down) == submitted == at_gpu
+        assert resources.train_runtime_minutes(run, 2, local=local, environ=handed_down) == 2 * at_gpu
+    # Locally with no GPU, decided once for the invocation: the CPU's speed, in the dry run and the job alike.
+    local_decision = {resources.TRAIN_SPEED_ENV: resources.train_speed(local=True, environ={})}
+    assert local_decision == {resources.TRAIN_SPEED_ENV: "cpu"}
+    assert resources.train_runtime_minutes(run, environ=local_decision) == at_cpu
+    # A CPU run is at the CPU's speed whatever was decided.
+    cpu_run = representative_runs[2]["cpu"]
+    assert resources.train_runtime_minutes(cpu_run, environ={resources.TRAIN_SPEED_ENV: "gpu"}) == EXPECTED["cpu"][2]
+
+
+def test_a_wrong_speed_in_the_environment_is_refused():
+    with pytest.raises(resources.FtbenchError, match=f"{resources.TRAIN_SPEED_ENV}='fast': expected gpu or cpu"):
+        resources.train_speed(local=True, environ={resources.TRAIN_SPEED_ENV: "fast"})
+
+
 def test_no_gpu_is_visible_where_cuda_visible_devices_hides_them(monkeypatch):
     resources.local_gpu_visible.cache_clear()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -33,6 +33,9 @@ TRAIN_CPUS_PER_GPU = 4
 # CPU cores of a training run without a GPU (num_gpus 0) on a cluster: enough to measure a small model;
 # locally such a run takes all of --cores instead.
 TRAIN_CPU_THREADS_CLUSTER = 8
+# The environment variable that carries an invocation's walltime speed ("gpu" or "cpu", train_speed) from the
+# Snakemake that plans it to the Snakemake inside each of its jobs; set it yourself to choose.
+TRAIN_SPEED_ENV = "FTBENCH_TRAIN_SPEED"
 # Walltime floor (minutes): short enough to backfill well, long enough for a job's fixed costs
 # (queue-side start, imports, model and data load, evaluation, writing results) on a slow file system.
 TRAIN_RUNTIME_FLOOR_MIN = 10
@@ -123,17 +126,36 @@ def train_partition(environ: Mapping[str, str]) -> str:
     return environ.get("FTBENCH_GPU_PARTITION") or environ.get("SBATCH_PARTITION", "")
 
 
-def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False) -> int:
+def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False,
+                          environ: Mapping[str, str] = os.environ) -> int:
     """Walltime (minutes) of a training job: startup + margin x the compute estimate, at least
-    TRAIN_RUNTIME_FLOOR_MIN, doubled on each retry. The train rule passes it to the job as its time
-    limit, so a run that is slower than guessed stops itself with status=timeout and what it measured.
+    TRAIN_RUNTIME_FLOOR_MIN, doubled on each retry. The one time limit of the job: the scheduler's (sbatch -t),
+    what `snakemake -n` shows, and, through the train rule's `{resources.runtime}`, the job's --time-limit-s,
+    inside which the job keeps its own margin to evaluate and write a run that is slower than guessed
+    (status=timeout).
 
-    On a cluster a GPU run gets a GPU node: GPU speed. Locally (``local``) the estimate is for the device
-    the run will find here: a GPU run on a machine with no GPU visible falls back to the CPU (device
-    auto), so it is estimated at the CPU's rate, not timed out at a GPU's."""
-    on_gpu = run.uses_gpu and (not local or local_gpu_visible())
+    A GPU run is estimated at the speed train_speed decided for the invocation (``environ``), never at that
+    of wherever this is evaluated: the Snakemake inside a cluster job, on a node whose GPU it may not see,
+    must get the number that was submitted."""
+    on_gpu = run.uses_gpu and train_speed(local, environ) == "gpu"
     seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run, on_gpu)
     return max(TRAIN_RUNTIME_FLOOR_MIN, math.ceil(seconds / 60)) * 2 ** (attempt - 1)
+
+
+def train_speed(local: bool, environ: Mapping[str, str] = os.environ) -> str:
+    """The speed ("gpu" or "cpu") GPU runs are estimated at: TRAIN_SPEED_ENV where set, else decided here.
+    On a cluster a GPU run gets a GPU node: "gpu". Locally (``local``) the run finds this machine's device,
+    and with no GPU visible falls back to the CPU (device auto): "cpu", not timed out at a GPU's speed.
+
+    The Snakemake that plans the invocation records its decision in TRAIN_SPEED_ENV (rules/common.smk);
+    sbatch hands its environment to the job (--export=ALL), so the Snakemake inside the job reads the decision
+    instead of making its own on a node where it may see no GPU."""
+    decided = environ.get(TRAIN_SPEED_ENV, "").strip().lower()
+    if decided in ("gpu", "cpu"):
+        return decided
+    if decided:
+        raise FtbenchError(f"{TRAIN_SPEED_ENV}={environ[TRAIN_SPEED_ENV]!r}: expected gpu or cpu (or unset)")
+    return "gpu" if not local or local_gpu_visible() else "cpu"
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import itertools
 import json
 from typing import Any
 
+from ftbench.tasks.task_types import IMAGE_TASKS
 from ftbench.runspec import RUN_DEFAULTS, SPEC_VERSION, RunSpec, normalise, readable_name
 
 # Target size of one Parquet shard of prepared data (config key data.shard_size_mb).
@@ -97,15 +98,14 @@ def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -
 
 def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, config: dict,
             image_size: int | None = None) -> str:
-    """One prepared dataset per (dataset, tokenizer or image processor, sequence length, image size): shared
-    by every run that needs it."""
-    source = model_def["source"]
-    # A config-built model without a tokenizer: its architecture (vocab size) defines the token data.
-    tokenizer_source = source.get("tokenizer", source) if source["kind"] == "config" else source
+    """One prepared dataset per (dataset, what of the model shapes the data, sequence length, image size, data
+    settings): shared by every run, of any experiment in the folder, that needs the same. The hash covers
+    exactly what the preparation job receives (``preparation``), so equal ids always mean equal data."""
+    task, shaping = data_model(model_def)
     key = {
         "dataset": dataset_def,
-        "task": model_def.get("task", "classification"),
-        "tokenizer": tokenizer_source,
+        "task": task,
+        "tokenizer": shaping,  # the key's name from when only tokenizers were hashed: text data ids stay as they were
         "seq_len": seq_len,
         "shard_size_mb": shard_size_mb(config),
         "spec_version": SPEC_VERSION,
@@ -113,6 +113,34 @@ def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
     if image_size is not None:
         key["image_size"] = image_size  # only when set: the ids of text data stay as they were
     return f"{dataset_name}-s{seq_len}{f'-i{image_size}' if image_size else ''}-{short_hash(key)}"
+
+
+def data_model(model_def: dict) -> tuple[str, dict]:
+    """(task, source) of what of a model shapes its prepared data, and nothing else (not its name, not the
+    size of its architecture). Text tasks: the tokenizer's source (a checkpoint's own source, a config-built
+    model's ``tokenizer``); a config-built model without a tokenizer gets synthetic tokens below its
+    ``vocab_size``, the one part of its architecture that shapes its data. Image tasks: the model's source
+    as it is (its config and processor give the image size, normalisation and image tokens).
+
+    Checks of one model alone (a vocab_size beside a tokenizer, its positions) belong to that model's checks
+    and its own job: data shared by several models never fails, or is prepared again, for one of them."""
+    task = model_def.get("task", "classification")
+    source = model_def["source"]
+    if task in IMAGE_TASKS or source["kind"] != "config":
+        return task, source
+    if source.get("tokenizer") is not None:
+        return task, source["tokenizer"]
+    vocab = source.get("overrides", {}).get("vocab_size")
+    return task, {"kind": "config", "overrides": {} if vocab is None else {"vocab_size": vocab}}
+
+
+def preparation_model_def(model_def: dict) -> dict:
+    """The model definition the preparation job gets: data_model's parts as a model definition (a text
+    task's tokenizer as a config-built model's ``tokenizer``), the same for every model that shares the data."""
+    task, shaping = data_model(model_def)
+    if task not in IMAGE_TASKS and shaping["kind"] != "config":
+        shaping = {"kind": "config", "tokenizer": shaping}
+    return {"task": task, "source": shaping}
 
 
 def shard_size_mb(config: dict) -> float:
@@ -125,7 +153,9 @@ def short_hash(value: Any) -> str:
 
 
 def data_preparations(runs: list[RunSpec]) -> dict[str, dict]:
-    """The distinct data preparations (prepare_data jobs) the runs need, keyed by data id."""
+    """The distinct data preparations (prepare_data jobs) the runs need, keyed by data id: exactly what the
+    data id hashes, so a preparation is the same whichever model or experiment first asks for it (its
+    JSON is the prepare_data rule's param: no model name, nothing that another experiment names otherwise)."""
     preparations = {}
     for run in runs:
         preparations.setdefault(
@@ -134,8 +164,7 @@ def data_preparations(runs: list[RunSpec]) -> dict[str, dict]:
                 "data_id": run.data_id,
                 "dataset": run.dataset,
                 "dataset_def": run.dataset_def,
-                "model": run.model,  # the first model that reads it: error messages name its config keys
-                "model_def": run.model_def,
+                "model_def": preparation_model_def(run.model_def),
                 "seq_len": run.seq_len,
                 "image_size": run.image_size,
             },

@@ -122,8 +122,19 @@ def print_outcome(started: float, failed_jobs: bool) -> None:
         lines.append(summary.read_text(encoding="utf-8").rstrip("\n"))
     else:
         lines.append("ftbench: no table from this invocation: a job failed before collect (see its error above)")
-    lines.append(f"report: {report.resolve()}" if report.is_file() else "report: not built")
+    lines.append(report_line(report, started, failed_jobs))
     if failed_jobs:
         lines.extend(failed_jobs_lines(started))
     lines.append("=" * 100)
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def report_line(report: Path, started: float, failed_jobs: bool) -> str:
+    """Where this invocation's report is. After a failed job it was not built (it needs every run), and the
+    file there is an earlier invocation's, perhaps of another experiment in this folder: say so, not its path."""
+    if not report.is_file():
+        return "report: not built"
+    if failed_jobs and report.stat().st_mtime < started:
+        return (f"report: not built for this invocation (a job failed first); {report} is an earlier invocation's, "
+                "perhaps of another experiment in this folder")
+    return f"report: {report.resolve()}"

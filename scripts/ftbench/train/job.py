@@ -89,6 +89,18 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
     return metrics
 
 
+def terminated_where(metrics: dict) -> str:
+    """How far a terminated run got, in the loop's own words and numbering ("terminated by the scheduler
+    (SIGTERM) at step 3 of 20": three steps done), so the job's line and the run's reason agree."""
+    reason = metrics.get("status_reason") or ""
+    if "SIGTERM" in reason:
+        return reason
+    step = metrics.get("last_step")
+    if step is None:
+        return "terminated (SIGTERM) before its first training step"
+    return f"terminated (SIGTERM) after its training steps ({step + 1} done), before its results were written"
+
+
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
              stop: StopSignal) -> tuple[dict, list[dict]]:
     reason = feasibility.unsupported_reason(spec)
@@ -112,8 +124,7 @@ def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_
         # as "terminated" (never a row's status: the run has no result).
         measured = {**metrics, "status": "terminated"}
         print(f"{spec.run_id} measured before it was terminated: {json.dumps(measured, default=str)}", flush=True)
-        step = metrics.get("last_step")
-        where = f"after step {step}" if step is not None else "before its first training step"
-        raise TerminatedError(f"run {spec.run_id} was terminated (SIGTERM) {where}: "
-                              "no result written, the next invocation trains it again")
+        raise TerminatedError(f"run {spec.run_id} was {terminated_where(metrics)}: no result written; Snakemake "
+                              "submits it again if it has retries left (profiles/slurm: retries), else the next "
+                              "invocation trains it again")
     return metrics, steps
