@@ -13,7 +13,7 @@ import itertools
 import json
 from typing import Any
 
-from ftbench.tasks.task_types import IMAGE_TASKS
+from ftbench.tasks import registry
 from ftbench.runspec import RUN_DEFAULTS, SPEC_VERSION, RunSpec, normalise, readable_name
 
 # Target size of one Parquet shard of prepared data (config key data.shard_size_mb).
@@ -124,21 +124,21 @@ def data_model(model_def: dict) -> tuple[str, dict]:
 
     Checks of one model alone (a vocab_size beside a tokenizer, its positions) belong to that model's checks
     and its own job: data shared by several models never fails, or is prepared again, for one of them."""
-    task = model_def.get("task", "classification")
+    family = registry.model_family(model_def)
     source = model_def["source"]
-    if task in IMAGE_TASKS or source["kind"] != "config":
-        return task, source
+    if family.modality == "image" or source["kind"] != "config":
+        return family.name, source
     if source.get("tokenizer") is not None:
-        return task, source["tokenizer"]
+        return family.name, source["tokenizer"]
     vocab = source.get("overrides", {}).get("vocab_size")
-    return task, {"kind": "config", "overrides": {} if vocab is None else {"vocab_size": vocab}}
+    return family.name, {"kind": "config", "overrides": {} if vocab is None else {"vocab_size": vocab}}
 
 
 def preparation_model_def(model_def: dict) -> dict:
     """The model definition the preparation job gets: data_model's parts as a model definition (a text
     task's tokenizer as a config-built model's ``tokenizer``), the same for every model that shares the data."""
     task, shaping = data_model(model_def)
-    if task not in IMAGE_TASKS and shaping["kind"] != "config":
+    if registry.family(task).modality != "image" and shaping["kind"] != "config":
         shaping = {"kind": "config", "tokenizer": shaping}
     return {"task": task, "source": shaping}
 
