@@ -124,6 +124,12 @@ def test_qlora_under_fsdp_is_supported_and_stores_its_packed_weights_in_the_run_
     assert modeling._bnb_config(spec.replace(parallel="ddp")).bnb_4bit_quant_storage == torch.uint8
 
 
+def test_offload_needs_a_gpu():
+    """CPU offload moves shards between a GPU and host memory: on a CPU run there is nothing to offload from."""
+    with pytest.raises(UnsupportedConfiguration, match="offload"):
+        modeling.check_supported(RunSpec(parallel="fsdp", fsdp_cpu_offload=True), torch.device("cpu"))
+
+
 def test_where_an_fsdp_model_is_built():
     gpu = torch.device("cuda", 0)
     assert fsdp.build_device(llama_spec(parallel="fsdp", num_gpus=2), gpu).type == "meta"  # config-built: shapes only

@@ -77,7 +77,8 @@ def shard(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> torch.
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     if any(param.is_meta for param in model.parameters()):
-        materialise(model, device)
+        # With offload the shards live in host memory between uses: they are made there.
+        materialise(model, torch.device("cpu") if spec.fsdp_cpu_offload else device)
     return model
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from ftbench.data.sources import load_failure, pretrained_args
@@ -69,6 +71,8 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
     if spec.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
+    if spec.fsdp_cpu_offload and spec.parallel == "fsdp" and device.type != "cuda":
+        raise UnsupportedConfiguration("fsdp_cpu_offload moves shards between a GPU and host memory: needs a CUDA GPU")
     if spec.parallel == "dp" and device.type != "cuda":
         raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
     if spec.compile and spec.parallel == "dp":
@@ -154,7 +158,10 @@ def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantise
         # Quantisation happens on load: save the random weights and load them back quantised, so a
         # Llama-shaped model with no checkpoint can still be measured under QLoRA.
         with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
-            model.save_pretrained(folder)
+            # Written by hand: under torch.distributed, save_pretrained writes on rank 0 only, and every rank
+            # of a QLoRA fsdp run loads its own copy (same seed, same weights).
+            model.config.save_pretrained(folder)
+            safetensors.torch.save_model(model, str(Path(folder) / "model.safetensors"))
             del model
             model = model_class.from_pretrained(folder, **kwargs, **quantised)
     return model
