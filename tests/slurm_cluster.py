@@ -1,8 +1,8 @@
-"""A real single-node SLURM cluster (Debian's slurmctld + slurmd + munge) for tests.
+"""A real SLURM cluster (Debian's slurmctld + slurmd + munge) for tests: one node, or several on one machine.
 
 It installs nothing: `.ci/install-system.sh` installs the Debian packages. `SlurmCluster.start()` writes
 the configuration, starts munged (unless one runs already), slurmctld and slurmd, and waits until the
-node is IDLE; `stop()` stops exactly the daemons it started, by the PIDs they wrote, and puts back any
+nodes are IDLE; `stop()` stops exactly the daemons it started, by the PIDs they wrote, and puts back any
 configuration files it replaced. `unavailable_reason()` says why a machine cannot run one (for a skip).
 A second test run on the same machine waits for the first one's cluster to stop (a lock file).
 
@@ -11,6 +11,17 @@ shared/notes/slurm-on-one-machine.md. The node advertises more CPUs and memory t
 has (`SlurmdParameters=config_overrides`), so jobs shaped like real ones schedule side by side, and 2
 fake GPUs (character devices like /dev/null) so GPU-requesting jobs schedule too;
 `CUDA_VISIBLE_DEVICES` is set in those jobs, and torch still finds no CUDA device and uses the CPU.
+
+Several nodes (``nodes=2``: ftnode1, ftnode2), for multi-node jobs: one slurmd per node on this machine,
+the way SLURM's own "multiple slurmd" test setups run. Each node's line says `NodeHostname=<this host>
+NodeAddr=127.0.0.1 Port=<its own>`; each slurmd is started with `-N <node>` (Debian's 22.05 slurmd takes
+it, though not built with --enable-multiple-slurmd: checked, two nodes register and `srun -N2` runs one
+task on each) and keeps its spool folder, pid file and log apart through `%n` (the node name) in
+SlurmdSpoolDir, SlurmdPidFile and SlurmdLogFile. No network namespaces or /etc/hosts entries: the node
+names resolve nowhere, so a job reaches another node by its NodeAddr (ftbench/train/ddp.py's rendezvous
+does, as on a cluster whose node names are not host names), and a job step knows its node by
+SLURMD_NODENAME (hostname is this machine's on every node). The two nodes share the fake GPU devices
+(nothing opens them). One node is named after this host and started without -N, as on a real machine.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ test-only plugin settings: the profile's own polling, and ftbench's own switch t
 
 The tests share one workdir and build on each other: the matrix with one run that fails inside its job,
 then a run that is cancelled while it trains and is submitted again, after which collect and report run.
-The last test restarts the cluster with a node smaller than a GPU job's usual CPU request.
+The last two tests stop that cluster and start their own: one of two nodes, for multi-node DDP and FSDP
+runs, and one whose node is smaller than a GPU job's usual CPU request.
 """
 
 from __future__ import annotations
