@@ -112,8 +112,11 @@ def get_train_nodes(wildcards):
     """Nodes of the run's job. Multi-node runs need a cluster executor (SLURM): checked here, when the DAG
     is built, because while the Snakefile is parsed Snakemake has not chosen its executor yet. A dry run
     executes with Snakemake's dry-run executor whatever --executor says; the intended one shows in
-    use_threads, which Snakemake turns on for every non-local executor (and for --use-threads)."""
-    cluster = workflow.non_local_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
+    use_threads, which Snakemake turns on for every non-local executor (and for --use-threads). Inside a
+    SLURM job the rule runs in a Snakemake of its own (`srun -n1 ... snakemake --mode remote`, from the
+    jobstep plugin) with the local executor: remote mode means a cluster executor submitted the job, so
+    it is on the cluster (and was checked where it was submitted)."""
+    cluster = workflow.non_local_exec or workflow.remote_exec or (workflow.dryrun and workflow.execution_settings.use_threads)
     run = RUNS[wildcards.run_id]
     with stop_on_ftbench_error():
         ftbench_config.check_nodes(run, config, cluster)

@@ -1,8 +1,8 @@
-"""A real single-node SLURM cluster (Debian's slurmctld + slurmd + munge) for tests.
+"""A real SLURM cluster (Debian's slurmctld + slurmd + munge) for tests: one node, or several on one machine.
 
 It installs nothing: `.ci/install-system.sh` installs the Debian packages. `SlurmCluster.start()` writes
 the configuration, starts munged (unless one runs already), slurmctld and slurmd, and waits until the
-node is IDLE; `stop()` stops exactly the daemons it started, by the PIDs they wrote, and puts back any
+nodes are IDLE; `stop()` stops exactly the daemons it started, by the PIDs they wrote, and puts back any
 configuration files it replaced. `unavailable_reason()` says why a machine cannot run one (for a skip).
 A second test run on the same machine waits for the first one's cluster to stop (a lock file).
 
@@ -11,6 +11,17 @@ shared/notes/slurm-on-one-machine.md. The node advertises more CPUs and memory t
 has (`SlurmdParameters=config_overrides`), so jobs shaped like real ones schedule side by side, and 2
 fake GPUs (character devices like /dev/null) so GPU-requesting jobs schedule too;
 `CUDA_VISIBLE_DEVICES` is set in those jobs, and torch still finds no CUDA device and uses the CPU.
+
+Several nodes (``nodes=2``: ftnode1, ftnode2), for multi-node jobs: one slurmd per node on this machine,
+the way SLURM's own "multiple slurmd" test setups run. Each node's line says `NodeHostname=<this host>
+NodeAddr=127.0.0.1 Port=<its own>`; each slurmd is started with `-N <node>` (Debian's 22.05 slurmd takes
+it, though not built with --enable-multiple-slurmd: checked, two nodes register and `srun -N2` runs one
+task on each) and keeps its spool folder, pid file and log apart through `%n` (the node name) in
+SlurmdSpoolDir, SlurmdPidFile and SlurmdLogFile. No network namespaces or /etc/hosts entries: the node
+names resolve nowhere, so a job reaches another node by its NodeAddr (ftbench/train/ddp.py's rendezvous
+does, as on a cluster whose node names are not host names), and a job step knows its node by
+SLURMD_NODENAME (hostname is this machine's on every node). The two nodes share the fake GPU devices
+(nothing opens them). One node is named after this host and started without -N, as on a real machine.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ NODE_MIN_MEMORY_MB = 32768
 NODE_GPUS = 2
 PARTITION = "debug"  # the default partition
 GPU_PARTITION = "gpu"  # the same node again, for tests that route GPU jobs to their own partition
+NODE_PREFIX = "ftnode"  # names of the nodes of a cluster of several (ftnode1, ftnode2, ...)
+SLURMD_PORT_BASE = 6821  # their slurmd ports: one each, from here up
 
 
 class ClusterUnavailable(RuntimeError):
@@ -88,14 +101,17 @@ def _running(name: str) -> bool:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, cpus: int = NODE_CPUS):
-        """``cpus``: CPUs the node advertises (a small number makes a node too small for the jobs' requests)."""
+    def __init__(self, root: Path, cpus: int = NODE_CPUS, nodes: int = 1):
+        """``cpus``: CPUs each node advertises (a small number makes a node too small for the jobs' requests).
+        ``nodes``: 1 gives one node named after this host; more gives that many nodes (NODE_PREFIX1, ...), each
+        its own slurmd on this machine (the module's docstring says how)."""
         self.root = Path(root)
         self.cpus = cpus
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = [self.host] if nodes == 1 else [f"{NODE_PREFIX}{index}" for index in range(1, nodes + 1)]
         self.log_dir = self.root / "log"
         self.ctld_log = self.log_dir / "slurmctld.log"
-        self.slurmd_log = self.log_dir / "slurmd.log"
+        self.slurmd_logs = [self.log_dir / f"slurmd-{node}.log" for node in self.nodes]
         self.started: list[tuple[str, Path]] = []  # (name, pid file) of daemons this object started
         self._backups: dict[Path, Path | None] = {}
         self._lock = None
@@ -104,13 +120,14 @@ class SlurmCluster:
     # -- configuration -------------------------------------------------------------------------------
     def _write_config(self) -> None:
         state, spool, run, dev = (self.root / name for name in ("state", "spool", "run", "dev"))
-        for folder in (state, spool, run, dev, self.log_dir):
+        for folder in (state, run, dev, self.log_dir, *(spool / node for node in self.nodes)):
             folder.mkdir(parents=True, exist_ok=True)
         for index in range(NODE_GPUS):
             device = dev / f"nvidia{index}"
             if not device.exists():
                 subprocess.run(["mknod", str(device), "c", "1", "3"], check=True)
         mem_mib = max(_memory_mib() - 1024, NODE_MIN_MEMORY_MB)
+        node_lines = "\n".join(self._node_line(node, index, mem_mib) for index, node in enumerate(self.nodes))
         slurm_conf = f"""\
 # Written by tests/slurm_cluster.py for a single-node test cluster; put back when the test ends.
 ClusterName=ftbench-test
@@ -136,20 +153,28 @@ MinJobAge=600
 ReturnToService=2
 GresTypes=gpu
 StateSaveLocation={state}
-SlurmdSpoolDir={spool}
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={run}/slurmctld.pid
-SlurmdPidFile={run}/slurmd.pid
+SlurmdPidFile={run}/slurmd-%n.pid
 SlurmctldLogFile={self.ctld_log}
-SlurmdLogFile={self.slurmd_log}
+SlurmdLogFile={self.log_dir}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem_mib} Gres=gpu:{NODE_GPUS} State=UNKNOWN
+{node_lines}
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 PartitionName={GPU_PARTITION} Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 """
-        gres_conf = f"NodeName={self.host} Name=gpu File={dev}/nvidia[0-{NODE_GPUS - 1}]\n"
+        gres_conf = "".join(f"NodeName={node} Name=gpu File={dev}/nvidia[0-{NODE_GPUS - 1}]\n" for node in self.nodes)
         for path, text in ((SLURM_CONF, slurm_conf), (GRES_CONF, gres_conf)):
             self._replace(path, text)
+
+    def _node_line(self, node: str, index: int, mem_mib: int) -> str:
+        line = f"NodeName={node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem_mib} Gres=gpu:{NODE_GPUS} State=UNKNOWN"
+        if len(self.nodes) == 1:
+            return line  # slurmd finds its node by this host's name, on the default port
+        # Several slurmd on this host: each is started with -N <node>, listens on its own port, and is
+        # known to slurmctld by its node name; NodeHostname says they all run here.
+        return f"{line} NodeHostname={self.host} Port={SLURMD_PORT_BASE + index}"
 
     def _replace(self, path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +208,10 @@ PartitionName={GPU_PARTITION} Nodes=ALL Default=NO MaxTime=INFINITE State=UP
             self._write_config()
             self._start_munge()
             self._daemon("slurmctld", ["-c"], self.root / "run" / "slurmctld.pid")  # -c: no old jobs
-            self._daemon("slurmd", [], self.root / "run" / "slurmd.pid")
+            for node in self.nodes:
+                # -N only with several nodes: a lone node is this host, as on a real machine.
+                self._daemon("slurmd", ["-N", node] if len(self.nodes) > 1 else [],
+                             self.root / "run" / f"slurmd-{node}.pid")
             self._wait_idle(timeout_s)
         except BaseException:
             self.stop()
@@ -217,15 +245,16 @@ PartitionName={GPU_PARTITION} Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        state = ""
+        states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            result = subprocess.run(["scontrol", "show", "node", self.host], capture_output=True, text=True)
-            match = re.search(r"State=(\S+)", result.stdout)
-            state = match.group(1) if match else result.stderr.strip()
-            if state.startswith("IDLE"):
+            for node in self.nodes:
+                result = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True)
+                match = re.search(r"State=(\S+)", result.stdout)
+                states[node] = match.group(1) if match else result.stderr.strip()
+            if all(state.startswith("IDLE") for state in states.values()):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"node {self.host} not IDLE after {timeout_s:.0f} s (state {state}):\n{self.tail_logs()}")
+        raise RuntimeError(f"nodes not IDLE after {timeout_s:.0f} s (states {states}):\n{self.tail_logs()}")
 
     def stop(self) -> None:
         """Cancel the jobs still queued, stop every daemon this object started (last started first) and
@@ -269,7 +298,7 @@ PartitionName={GPU_PARTITION} Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 
     def tail_logs(self, lines: int = 30) -> str:
         parts = []
-        for log in (self.ctld_log, self.slurmd_log):
+        for log in (self.ctld_log, *self.slurmd_logs):
             if log.exists():
                 parts.append(f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
         return "\n".join(parts)

@@ -8,7 +8,8 @@ test-only plugin settings: the profile's own polling, and ftbench's own switch t
 
 The tests share one workdir and build on each other: the matrix with one run that fails inside its job,
 then a run that is cancelled while it trains and is submitted again, after which collect and report run.
-The last test restarts the cluster with a node smaller than a GPU job's usual CPU request.
+The last two tests stop that cluster and start their own: one of two nodes, for multi-node DDP and FSDP
+runs, and one whose node is smaller than a GPU job's usual CPU request.
 """
 
 from __future__ import annotations
@@ -306,32 +307,51 @@ def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[i
     raise AssertionError(f"no train job started running within {timeout_s} s:\n{cluster.tail_logs()}")
 
 
-def test_a_multi_node_run_asks_slurm_for_its_nodes(cluster, tmp_path, tiny_model_dir, tiny_csv, config_home):
-    """num_nodes 2: one job of 2 nodes with gres gpu:N on each (ftbench/train/ddp.py then starts one torchrun per
-    node with srun). This one-node cluster cannot give it 2 nodes: the job stays pending, as submitted."""
-    config = tiny_config(tiny_model_dir, tiny_csv, matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"],
-                                                          "parallel": ["ddp"], "num_gpus": [1], "num_nodes": [2]})
-    configfile = write_config(tmp_path, config, name="config-nodes.yaml")
-    snakemake = subprocess.Popen(snakemake_command(tmp_path, configfile, "--retries", "0"), cwd=tmp_path,
-                                 env=snakemake_env(config_home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    job_id = None
+@pytest.fixture
+def two_nodes(cluster, tmp_path_factory):
+    """A cluster of two nodes (two slurmd on this machine: tests/slurm_cluster.py), in place of the module's
+    one-node cluster, which is stopped first (one cluster at a time on a machine)."""
+    cluster.stop()
+    two = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm-two"), nodes=2)
+    two.start()
     try:
-        deadline = time.monotonic() + 90
-        while job_id is None and time.monotonic() < deadline:
-            out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True).stdout
-            job_id = next((int(line.split()[0]) for line in out.splitlines() if "rule_train_" in line), None)
-            time.sleep(0.5)
-        assert job_id is not None, f"no train job submitted within 90 s:\n{cluster.tail_logs()}"
-        time.sleep(2)  # the scheduler's first look at it
-        info = cluster.job_info(job_id)
+        yield two
     finally:
-        snakemake.terminate()
-        snakemake.wait(timeout=60)
-        if job_id is not None:
-            subprocess.run(["scancel", str(job_id)])
-    assert info["NumNodes"].startswith("2"), info
-    assert info["TresPerNode"] == "gres:gpu:1", info  # per node, not a job total SLURM could spread
-    assert (info["JobState"], info["Reason"]) == ("PENDING", "PartitionNodeLimit"), info
+        two.stop()
+
+
+def test_a_two_node_run_trains_one_process_group_across_both_nodes(two_nodes, tmp_path, tiny_model_dir, tiny_csv,
+                                                                     config_home):
+    """num_nodes 2, DDP and FSDP: each run is one job of 2 nodes with gres gpu:1 on each; its launcher starts one
+    torchrun per node with srun (ftbench/train/ddp.py), the two meet at a c10d rendezvous on the first node and
+    train one gloo process group (the GPUs are fake: torch uses the CPU). One merged row per run names both nodes."""
+    config = tiny_config(tiny_model_dir, tiny_csv, matrix={
+        "model": ["tiny"], "dataset": ["tiny"], "method": ["lora"], "parallel": ["ddp", "fsdp"],
+        "num_gpus": [1], "num_nodes": [2]}, defaults={**tiny_config(tiny_model_dir, tiny_csv)["defaults"], "max_steps": 4})
+    configfile = write_config(tmp_path, config, name="config-nodes.yaml")
+    started = time.monotonic()
+    process = run(tmp_path, configfile, config_home, "results/metrics.parquet", "--retries", "0")
+    print(f"\ntwo-node runs through SLURM: {time.monotonic() - started:.0f} s")
+    assert process.returncode == 0, snakemake_failure(process) + "\n" + _train_logs(tmp_path) + two_nodes.tail_logs()
+    jobs = submitted(process)
+    assert sorted(jobs.values()) == ["collect", "prepare_data", "train", "train"], jobs
+    for job_id in (job_id for job_id, rule in jobs.items() if rule == "train"):
+        info = two_nodes.job_info(job_id)
+        assert (info["JobState"], info["NumNodes"], info["NodeList"]) == ("COMPLETED", "2", "ftnode[1-2]"), info
+        assert info["TresPerNode"] == "gres:gpu:1", info  # per node, not a job total SLURM could spread
+    rows = pd.read_parquet(tmp_path / "results" / "metrics.parquet").set_index("parallel")
+    print(rows[["run_id", "status", "world_size", "hosts", "num_nodes"]].to_string())
+    assert sorted(rows.index) == ["ddp", "fsdp"]
+    for parallel, row in rows.iterrows():
+        assert row["status"] == "ok", (parallel, row.get("status_reason"))
+        assert row["world_size"] == 2 * 1  # num_nodes x processes per node (num_gpus 1)
+        assert row["hosts"] == "ftnode1,ftnode2", (parallel, row["hosts"])  # SLURM's node names, one per rank
+        assert row["num_nodes"] == 2
+
+
+def _train_logs(workdir: Path) -> str:
+    return "\n".join(f"--- {log}\n{log.read_text(errors='replace')[-3000:]}"
+                      for log in sorted((workdir / "logs" / "train").glob("*.log")))
 
 
 def test_small_node_gets_a_fitted_request(cluster, tmp_path_factory, base_config, config_home):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shutil
 import shlex
 import signal
@@ -99,7 +100,7 @@ def run_rank(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, 
                 "terminated": stop.terminate_requested})
         os._exit(1)
     metrics["rank"] = dist.rank
-    metrics["host"] = socket.gethostname()  # a multi-node run's ranks run on several hosts
+    metrics["host"] = host_name()  # a multi-node run's ranks run on several hosts
     atomic.write_json(rank_dir / f"rank{dist.rank}.json", {"rank": dist.rank, "metrics": metrics, "steps": steps,
                                                           "terminated": stop.terminate_requested})
     if metrics["status"] != "ok":
@@ -127,29 +128,77 @@ def node_command(spec: RunSpec, worker_args: list[str], node_rank: str, endpoint
 
 def slurm_command(spec: RunSpec, worker_args: list[str], environ: dict | None = None) -> list[str]:
     """``srun`` of a multi-node run inside its SLURM job: one task per node, each a torchrun (node_command).
+    Run it with srun_environment.
 
     --overlap: the job's own step (this launcher) already holds the first node's CPUs and GPUs, which its
-    torchrun must use too. The rendezvous is on the allocation's first host; its port follows the job id,
-    so two multi-node jobs sharing a first host do not meet each other.
+    torchrun must use too. The job's nodes are slurmctld's (job_nodelist): inside the launcher's step the
+    SLURM_* variables describe that step (Snakemake's jobstep plugin starts it with `srun -n1` after
+    clearing them, and SLURM_JOB_NODELIST then names the step's one node). The rendezvous is on the first
+    node, at the address SLURM reaches it by (rendezvous_host); its port follows the job id, so two
+    multi-node jobs sharing a first node do not meet each other. The first node's torchrun hosts the
+    rendezvous store (is_host): torch's own guess, "the endpoint is one of my addresses", is true of every
+    node when several share a machine.
     """
     environ = os.environ if environ is None else environ
     job_id = environ.get("SLURM_JOB_ID")
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not job_id or not nodelist:
+    nodelist = job_id and (job_nodelist(job_id) or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST"))
+    if not nodelist:
         raise RuntimeError(f"num_nodes {spec.num_nodes}: a multi-node run starts inside a SLURM job "
                            "(SLURM_JOB_ID and SLURM_JOB_NODELIST unset)")
-    endpoint = f"{first_host(nodelist)}:{RDZV_PORT_BASE + int(job_id) % RDZV_PORT_SPAN}"
+    endpoint = f"{rendezvous_host(nodelist)}:{RDZV_PORT_BASE + int(job_id) % RDZV_PORT_SPAN}"
     torchrun = " ".join(shlex.quote(part) for part in node_command(spec, worker_args, "NODE_RANK", endpoint, job_id))
     # $SLURM_NODEID is each task's own node index: expanded by the task's shell, not here.
-    script = "exec " + torchrun.replace("--node-rank=NODE_RANK", '--node-rank="$SLURM_NODEID"')
+    script = "exec " + torchrun.replace("--node-rank=NODE_RANK", '--node-rank="$SLURM_NODEID" '
+                                        '--rdzv-conf=is_host=$(( SLURM_NODEID == 0 ))')
     gpus = [f"--gpus-per-node={spec.num_gpus}"] if spec.uses_gpu else []
-    return ["srun", "--overlap", f"--nodes={spec.num_nodes}", "--ntasks-per-node=1", *gpus, "bash", "-c", script]
+    return ["srun", "--overlap", f"--nodes={spec.num_nodes}", f"--ntasks={spec.num_nodes}", "--ntasks-per-node=1",
+            *gpus, "bash", "-c", script]
+
+
+def srun_environment(environ: dict) -> dict:
+    """The environment of a multi-node run's srun: the launcher's, less the SLURM_* and SRUN_* variables of
+    its own step (its SLURM_NNODES=1, SLURM_NTASKS=1, ... make srun see a one-node allocation: "Only
+    allocated 1 nodes asked for 2"), so srun asks slurmctld for the job's; SLURM_JOB_ID (which job) and
+    SLURM_CONF (which cluster) stay. srun gives each task its own SLURM_* (SLURM_NODEID, SLURMD_NODENAME)."""
+    return {name: value for name, value in environ.items()
+            if not name.startswith(("SLURM_", "SRUN_")) or name in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list ("gpu[01-04]" -> "gpu01"), as scontrol expands it."""
     return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                           check=True).stdout.split()[0]
+
+
+def job_nodelist(job_id: str) -> str | None:
+    """The nodes of a SLURM job (`scontrol show job`: "gpu[07-08]"), or None if scontrol does not say."""
+    match = re.search(r"\bNodeList=(\S+)", _scontrol("-o", "show", "job", str(job_id)) or "")
+    return match.group(1) if match and match.group(1) != "(null)" else None
+
+
+def rendezvous_host(nodelist: str) -> str:
+    """Where the other nodes reach the allocation's first node: its NodeAddr (`scontrol show node`), the
+    address SLURM itself uses for it. That is the node name unless slurm.conf says otherwise (a node name
+    that is no host name, or several nodes on one machine); the name if scontrol does not say."""
+    node = first_host(nodelist)
+    match = re.search(r"\bNodeAddr=(\S+)", _scontrol("-o", "show", "node", node) or "")
+    return match.group(1) if match and match.group(1) != "(null)" else node
+
+
+def _scontrol(*args: str) -> str | None:
+    """scontrol's output, or None if it fails."""
+    try:
+        result = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def host_name() -> str:
+    """The node this rank runs on: SLURM's node name inside a SLURM job step (SLURMD_NODENAME, what the
+    scheduler and its users call the node, and the one name that tells apart nodes sharing a machine),
+    else the machine's host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 # c10d rendezvous ports of multi-node runs: RDZV_PORT_BASE + job id modulo RDZV_PORT_SPAN.
@@ -173,7 +222,10 @@ def run_ddp(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, t
     processes = max(1, spec.num_gpus)
     args = worker_args(spec, data_dir, rank_dir, threads, time_limit_s)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (threads or processes) // processes)))
-    command = slurm_command(spec, args) if spec.num_nodes > 1 else ddp_command(processes, args)
+    if spec.num_nodes > 1:
+        command, env = slurm_command(spec, args), srun_environment(env)
+    else:
+        command = ddp_command(processes, args)
     process = subprocess.Popen(command, env=env)
     # If Snakemake dies (lifeline.py), the job ends its torchrun and ranks before it exits.
     end_all = lambda: end_torchrun(process, rank_dir, grace_s=1.0)  # noqa: E731
