@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from ftbench.tasks import registry
-from ftbench.tasks import registry
 from ftbench.data import prepared
 from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix

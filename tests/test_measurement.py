@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 import types
@@ -711,7 +712,7 @@ def test_sampler_without_gpus_gives_null_not_zero():
 
 
 def test_sampler_without_nvml_gives_null_not_zero(monkeypatch):
-    monkeypatch.setattr(gpu_monitor, "_nvml", lambda: None)
+    monkeypatch.setattr(gpu_monitor, "_nvml", lambda module=None: None)
     sampler = gpu_monitor.GpuSampler([0])
     assert not sampler.available
     sampler.start()
@@ -755,12 +756,56 @@ def test_run_samples_at_the_interval_its_spec_gives(monkeypatch, llama_data):
     assert metrics["status"] == "ok" and built == [0.25]
 
 
-def sample_with(monkeypatch, fake: FakeNvml) -> tuple[dict, gpu_monitor.GpuSampler]:
-    monkeypatch.setattr(gpu_monitor, "nvml_handles", lambda indices: (fake, list(indices)))
-    sampler = gpu_monitor.GpuSampler([0, 1], interval_s=0.01)
+def sample_with(monkeypatch, fake: FakeNvml) -> tuple[dict, gpu_monitor.Sampling]:
+    """What the sampler process does between "start" and "stop", here in this process on a stand-in NVML."""
+    sampling = gpu_monitor.Sampling(fake, [0, 1])
+    sampling.begin()
+    for _ in range(4):
+        time.sleep(0.01)
+        sampling.sample()
+    return sampling.end(), sampling
+
+
+FAKE_NVML_MODULE = """
+import types
+def nvmlInit(): pass
+def nvmlDeviceGetHandleByUUID(uuid): return int(uuid.rsplit("-", 1)[1])
+_energy = {0: iter([1_000, 51_000]), 1: iter([5_000, 35_000])}
+def nvmlDeviceGetTotalEnergyConsumption(handle): return next(_energy[handle])
+def nvmlDeviceGetUtilizationRates(handle): return types.SimpleNamespace(gpu=60 if handle == 0 else 80)
+def nvmlDeviceGetPowerUsage(handle): return 200_000
+def nvmlDeviceGetMemoryInfo(handle): return types.SimpleNamespace(used=(1 + handle) * 2**30)
+"""
+
+
+def test_the_sampler_process_samples_between_start_and_stop(monkeypatch, tmp_path):
+    """The run's process only writes start and stop: the sampling happens in a process of its own (no
+    interpreter lock shared with the loop), which answers with the window's summary."""
+    (tmp_path / "fake_nvml.py").write_text(FAKE_NVML_MODULE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(gpu_monitor, "gpu_uuids", lambda indices: [f"GPU-{index}" for index in indices])
+    sampler = gpu_monitor.GpuSampler([0, 1], interval_s=0.01, nvml_module="fake_nvml")
+    assert sampler.available
     sampler.start()
-    time.sleep(0.1)
-    return sampler.stop(), sampler
+    time.sleep(0.3)
+    result = sampler.stop()
+    assert result["energy_j"] == pytest.approx(80.0)  # the driver counters' difference, summed over the GPUs
+    assert result["gpu_util_mean"] == pytest.approx(70.0)
+    assert result["gpu_mem_used_peak_mb"] == 2048.0
+    assert result["nvml_samples"] >= 4
+    assert not sampler.available  # the process has ended
+
+
+def test_a_sampler_never_started_ends_its_process(monkeypatch, tmp_path):
+    (tmp_path / "fake_nvml.py").write_text(FAKE_NVML_MODULE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(gpu_monitor, "gpu_uuids", lambda indices: [f"GPU-{index}" for index in indices])
+    sampler = gpu_monitor.GpuSampler([0], interval_s=0.01, nvml_module="fake_nvml")
+    process = sampler._process
+    assert sampler.stop() == gpu_monitor.NULL_RESULT  # an OOM before the window: no figures, no stray process
+    assert process.poll() is not None
 
 
 def test_sampler_energy_from_the_driver_counter(monkeypatch):

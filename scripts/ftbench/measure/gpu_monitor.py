@@ -1,18 +1,23 @@
-"""GPU utilisation, memory and power sampled through NVML in a background thread.
+"""GPU utilisation, memory and power sampled through NVML, in a process of its own.
 
-Energy comes from the driver's energy counter (total millijoules since boot, Volta and newer) read at
-the start and end of the measured window; where a GPU has no counter it is integrated from the
-sampled power. Without NVML (CPU runs, other vendors) every figure is None: a missing measurement is
-never reported as zero.
+Why a process: a sampling thread in the training process takes the interpreter's lock for every NVML call,
+and on a launch-bound run (a small batch, the GPU waiting on Python's kernel launches) that cost the loop
+5-10% of its throughput (H100, 1B Llama at batch 2: NVML on / off 0.93, scripts/benchmark_overhead.py). A
+separate process (``python -m ftbench.measure.gpu_monitor``) shares no lock with the loop: the run's
+process only writes "start" and "stop" to its pipe, outside the timed steps' work.
 
-Cost: one NVML query per GPU per interval (``gpu_sample_interval_s``, default 0.5 s) from a sleeping
-thread; the GIL is held only for the call itself. scripts/benchmark_overhead.py measures the effect on
-throughput.
+Energy comes from the driver's energy counter (total millijoules since boot, Volta and newer) read at the
+start and end of the measured window; where a GPU has no counter it is integrated from the sampled power.
+Without NVML (CPU runs, other vendors) every figure is None: a missing measurement is never reported as zero.
 """
 
 from __future__ import annotations
 
-import threading
+import importlib
+import json
+import select
+import subprocess
+import sys
 import time
 
 NULL_RESULT = {
@@ -22,33 +27,27 @@ NULL_RESULT = {
     "energy_j": None,
     "nvml_samples": 0,
 }
+NVML_MODULE = "pynvml"  # nvidia-ml-py; the sampler process may be given another (tests give a stand-in)
 
 
-def _nvml():
+def _nvml(module: str = NVML_MODULE):
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
+        nvml = importlib.import_module(module)
+        nvml.nvmlInit()
+        return nvml
     except Exception:  # library missing, no driver, unsupported vendor  # noqa: BLE001
         return None
 
 
-def nvml_handles(cuda_indices: list[int]):
-    """NVML handles for the given CUDA device ordinals (matched by UUID, so CUDA_VISIBLE_DEVICES is honoured)."""
-    nvml = _nvml()
-    if nvml is None:
-        return None, []
-    import torch
+def gpu_uuids(cuda_indices: list[int]) -> list[str]:
+    """NVML's UUIDs of the given CUDA device ordinals (so CUDA_VISIBLE_DEVICES is honoured)."""
+    import torch  # deferred: only a run that has GPUs asks
 
-    handles = []
+    uuids = []
     for index in cuda_indices:
         uuid = str(torch.cuda.get_device_properties(index).uuid)
-        try:
-            handles.append(nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"))
-        except Exception:  # noqa: BLE001
-            return None, []
-    return nvml, handles
+        uuids.append(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    return uuids
 
 
 def driver_version() -> str | None:
@@ -62,24 +61,17 @@ def driver_version() -> str | None:
         return None
 
 
-class GpuSampler:
-    """Samples the run's GPUs between ``start()`` and ``stop()``; ``stop()`` returns the summary."""
+class Sampling:
+    """The samples of some GPUs (NVML handles) over a window, and their summary. Runs in the sampler process."""
 
-    def __init__(self, cuda_indices: list[int], interval_s: float = 0.5):
-        self.interval_s = interval_s
-        self.nvml, self.handles = nvml_handles(cuda_indices) if cuda_indices else (None, [])
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    def __init__(self, nvml, handles: list):
+        self.nvml, self.handles = nvml, handles
         self.util: list[float] = []
         self.power_w: list[float] = []
         self.mem_peak_bytes = 0
         self._energy_start: list[int | None] = []
         self._t0 = 0.0
         self.duration_s = 0.0
-
-    @property
-    def available(self) -> bool:
-        return bool(self.handles)
 
     def _energy_mj(self) -> list[int | None]:
         readings = []
@@ -90,7 +82,7 @@ class GpuSampler:
                 readings.append(None)
         return readings
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         for handle in self.handles:
             try:
                 self.util.append(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -99,26 +91,14 @@ class GpuSampler:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def start(self) -> None:
-        if not self.available:
-            return
+    def begin(self) -> None:
         self._energy_start = self._energy_mj()
         self._t0 = time.perf_counter()
-        self._sample()
-        self._thread = threading.Thread(target=self._loop, name="ftbench-nvml", daemon=True)
-        self._thread.start()
+        self.sample()
 
-    def stop(self) -> dict:
-        if not self.available or self._thread is None:
-            return dict(NULL_RESULT)
-        self._stop.set()
-        self._thread.join()
+    def end(self) -> dict:
         self.duration_s = time.perf_counter() - self._t0
-        self._sample()
+        self.sample()
         end = self._energy_mj()
         samples_per_gpu = max(1, len(self.power_w) // len(self.handles))
         # Power of all the run's GPUs together: mean per-GPU sample x number of GPUs.
@@ -133,4 +113,75 @@ class GpuSampler:
             "gpu_power_mean_w": energy / self.duration_s if energy is not None and self.duration_s else power_total,
             "energy_j": energy,
             "nvml_samples": len(self.util),
+            "nvml_window_s": self.duration_s,
         }
+
+
+class GpuSampler:
+    """Samples the run's GPUs between ``start()`` and ``stop()`` from a sampler process; ``stop()`` returns
+    the summary. Started (the process launched, NVML opened) when made, before the measured window."""
+
+    def __init__(self, cuda_indices: list[int], interval_s: float = 0.5, nvml_module: str = NVML_MODULE):
+        self.interval_s = interval_s
+        self._process: subprocess.Popen | None = None
+        self._started = False
+        if cuda_indices and _nvml(nvml_module) is not None:
+            request = {"uuids": gpu_uuids(cuda_indices), "interval_s": interval_s, "nvml_module": nvml_module}
+            self._process = _launch(request)
+
+    @property
+    def available(self) -> bool:
+        return self._process is not None
+
+    def start(self) -> None:
+        if self.available:
+            self._process.stdin.write("start\n")
+            self._process.stdin.flush()
+            self._started = True
+
+    def stop(self) -> dict:
+        if not self.available:
+            return dict(NULL_RESULT)
+        try:
+            if not self._started:
+                return dict(NULL_RESULT)
+            self._process.stdin.write("stop\n")
+            self._process.stdin.flush()
+            line = self._process.stdout.readline()
+            return {key: value for key, value in json.loads(line).items() if key in NULL_RESULT} if line else dict(NULL_RESULT)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.stdin.close()
+            self._process.wait(timeout=10)
+            self._process = None
+
+
+def _launch(request: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ftbench.measure.gpu_monitor", json.dumps(request)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+
+def serve(request: dict, commands=sys.stdin, out=sys.stdout) -> int:
+    """The sampler process: open the GPUs, then on "start" sample every ``interval_s`` until "stop" (or the
+    run's process closes the pipe), and print the summary as one JSON line."""
+    nvml = _nvml(request.get("nvml_module", NVML_MODULE))
+    handles = [nvml.nvmlDeviceGetHandleByUUID(uuid) for uuid in request["uuids"]] if nvml else []
+    sampling = Sampling(nvml, handles)
+    if commands.readline().strip() != "start":
+        return 0  # the run ended before its window began
+    sampling.begin()
+    while True:
+        ready, _, _ = select.select([commands], [], [], float(request["interval_s"]))
+        if ready:
+            break  # "stop", or the pipe closed
+        sampling.sample()
+    out.write(json.dumps(sampling.end() if handles else NULL_RESULT) + "\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(json.loads(sys.argv[1])))

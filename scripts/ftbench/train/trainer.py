@@ -196,7 +196,11 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     loop.model.train()
     train_started = time.perf_counter()
     synchronize(device)
-    figures, steps, window = _take_steps(run, loop, shape, warmup, sampler, loop_times)
+    try:
+        figures, steps, window = _take_steps(run, loop, shape, warmup, sampler, loop_times)
+    except BaseException:
+        sampler.close()  # an OOM or a stop on the way out: the sampler process ends with the window
+        raise
     figures.update(sampler.stop())
     figures["train_time_s"] = time.perf_counter() - train_started
     figures.update(total_steps=loop.total_steps, grad_accum_steps=spec.grad_accum_steps, **warmup.figures(len(steps)))
