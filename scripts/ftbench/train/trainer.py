@@ -111,11 +111,8 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
         _use_largest_batch(run, metrics)
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
     shape = flops.ModelShape.of(run.model)
-    if run.dist.rank == 0 and run.spec.parallel == "fsdp":
-        # The counter runs the whole model's forward and backward on one device: what fsdp avoids.
-        metrics["flops_counted_error"] = "not counted under fsdp (the model is sharded over the ranks)"
-    elif run.dist.rank == 0:
-        metrics.update(_count_flops(run, shape))
+    if run.dist.rank == 0 and run.spec.parallel != "fsdp":  # fsdp: every rank counts once sharded (_set_up_loop)
+        metrics.update(_count_flops(run, shape, run.model))
     engine = hf_engine.train_steps if run.spec.engine == "hf_trainer" else train_steps
     figures, steps = engine(run, shape, loop_times)
     metrics.update(figures)
@@ -183,6 +180,7 @@ class _Loop:
     share: int  # this process's share of each global micro-batch: DataParallel takes all, a DDP rank a slice
     total_steps: int
     local_gpus: list[int]  # the GPUs this process drives (peaks, sampling)
+    flop_check: dict  # fsdp: the FLOP cross-check, counted on the sharded model by every rank
 
 
 def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None) -> tuple[dict, list[dict]]:
@@ -190,7 +188,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     the figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
     spec, device, dist = run.spec, run.device, run.dist
     loop_times = {} if loop_times is None else loop_times
-    loop = _set_up_loop(run)
+    loop = _set_up_loop(run, shape)
     warmup = Warmup.of(spec, loop.total_steps)
     sampler = gpu_monitor.GpuSampler(loop.local_gpus, spec.gpu_sample_interval_s)
     loop.model.train()
@@ -202,6 +200,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
         sampler.close()  # an OOM or a stop on the way out: the sampler process ends with the window
         raise
     figures.update(sampler.stop())
+    figures.update(loop.flop_check)
     figures["train_time_s"] = time.perf_counter() - train_started
     figures.update(total_steps=loop.total_steps, grad_accum_steps=spec.grad_accum_steps, **warmup.figures(len(steps)))
     window_s = (window[1] - window[0]) if window[0] is not None and window[1] is not None else None
@@ -216,12 +215,16 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     return figures, steps
 
 
-def _set_up_loop(run: Run) -> _Loop:
+def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     spec, device = run.spec, run.device
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     model = _wrap_model(run)
+    # A sharded model's forward and backward need every rank (all-gathers, reduce-scatters): each counts
+    # one micro-batch on it, before the peaks are reset. The gathered parameters are whole at compute time,
+    # so the counter sees the same matmuls as on one device.
+    flop_check = _count_flops(run, shape, model) if spec.parallel == "fsdp" else {}
     optimizer = make_optimizer(spec, model, device)
     # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
     # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
@@ -230,7 +233,7 @@ def _set_up_loop(run: Run) -> _Loop:
         torch.cuda.reset_peak_memory_stats(index)
     return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), make_grad_scaler(spec, device),
                  autocast_args(device, spec.precision), training_order(run, total_steps),
-                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, local_gpus)
+                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, local_gpus, flop_check)
 
 
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict):
@@ -314,9 +317,9 @@ def _count_batch(record: dict, batch: Batch) -> None:
     record["capacity_tokens"] += batch.capacity_tokens
 
 
-def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
-    """torch.utils.flop_counter on one micro-batch, beside the analytic count for the same (padded)
-    batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
+def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> dict:
+    """torch.utils.flop_counter on one micro-batch through ``model``, beside the analytic count for the same
+    (padded) batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
     spec, split = run.spec, run.train_split
     indices = np.arange(min(spec.batch_size, len(split)))
     batch = registry.family(run.task).collate(split, indices, run.pad_id).to(run.device)
@@ -328,10 +331,10 @@ def _count_flops(run: Run, shape: flops.ModelShape) -> dict:
     # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
     pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
     try:
-        counted = flops.counted_flops(run.model, batch.inputs, autocast_args(run.device, spec.precision))
+        counted = flops.counted_flops(model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
         # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
-        run.model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
     analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len) + pictures,
                                 n * inputs_len**2 + pictures * (pictures // n), n * targets_len, n * targets_len**2,
