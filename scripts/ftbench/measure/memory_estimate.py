@@ -198,6 +198,36 @@ def _block_counts(block: torch.nn.Module) -> tuple[int, int, int]:
     return other, quantised, trainable
 
 
+def facts_from_config(settings: dict, spec: RunSpec, classifier: bool, num_labels: int = 2) -> ModelFacts:
+    """A model's facts from its config settings alone (``model_shape.with_defaults``), before anything is built:
+    parameters by kind from the shape (model_shape's counts), adapters from the run's LoRA targets, 4-bit
+    weights (QLoRA: every block Linear), trainable ones by method. ``classifier``: a head of ``num_labels``
+    outputs (else a language model's head over the vocabulary, tied or not)."""
+    shape = model_shape.from_config(settings)
+    linears = model_shape.block_linears(settings)
+    layers, width, vocab = shape.attention_layers, shape.width, shape.vocab_size or 0
+    per_block = model_shape.block_parameters(settings)
+    tied = settings.get("tie_word_embeddings", not model_shape.gated(settings))
+    head = (num_labels * (width + 1)) if classifier else (0 if tied else vocab * width)
+    total = layers * per_block + model_shape.embedding_parameters(settings) + head
+    targets = [] if spec.method == "full" else \
+        [(fan_in, fan_out) for name, fan_in, fan_out in linears if spec.lora_targets == "all-linear" or name in spec.lora_targets]
+    adapters = sum(spec.lora_rank * (fan_in + fan_out) for fan_in, fan_out in targets)
+    quantised = sum(fan_in * fan_out for _, fan_in, fan_out in linears) if spec.method == "qlora" else 0
+    trainable_block = per_block if spec.method == "full" else adapters
+    trainable = total if spec.method == "full" else layers * adapters + (head if classifier else 0)
+    lm_head = 0 if classifier else vocab * width
+    return ModelFacts(
+        quantised=layers * quantised, other=total - layers * quantised + layers * adapters, trainable=trainable,
+        shape=shape, norm="rms" if model_shape.gated(settings) else "layer",
+        mlp="gated" if model_shape.gated(settings) else "plain",
+        dropout=float(next((settings[key] for key in ("hidden_dropout_prob", "resid_pdrop", "dropout") if key in settings), 0.0)),
+        quick_gelu=settings.get("hidden_act") == "quick_gelu",
+        adapted_inputs=tuple(fan_in for _ in range(layers) for fan_in, _ in targets),
+        blocks=((per_block - quantised + adapters, quantised, trainable_block),) * layers,
+        head_trainable=lm_head if spec.method == "full" else 0)
+
+
 def vocab_of(model) -> int | None:
     """The vocabulary of a built model's config, or of a model's facts."""
     if isinstance(model, ModelFacts):
