@@ -7,6 +7,7 @@
     python -m ftbench compare ...        merge result sets from several machines into one report
     python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
     python -m ftbench plan X.yaml        each run's memory estimate: whether it fits each GPU, the largest batch that does
+    python -m ftbench projection-check M.parquet   short runs' projections of the long runs of the same configuration, vs measured
     python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
 
@@ -223,6 +224,26 @@ def plan_table(run: RunSpec, planned: dict) -> str:
     return "\n".join(lines)
 
 
+def projection_check(argv: list[str]) -> None:
+    """The projection checked against reality: runs of one configuration that differ only in their steps (as
+    config/examples/projection-check.yaml makes them), the short run's projected job time for the long run's
+    steps beside the long run's measured one, and the ratio."""
+    import pandas as pd
+
+    from ftbench.report import projection
+    from ftbench.runspec import settings_fields
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench projection-check", description=projection_check.__doc__)
+    parser.add_argument("metrics", help="results/metrics.parquet")
+    args = parser.parse_args(argv)
+    settings = [f.name for f in settings_fields()]
+    table = projection.projection_check(pd.read_parquet(args.metrics), settings)
+    if table.empty:
+        raise FtbenchError(f"{args.metrics}: no two finished runs of one configuration with different steps")
+    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 60):
+        print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+
+
 def repair_data(argv: list[str]) -> None:
     """A prepared data folder whose shards were damaged (a tampered or truncated file, a lost shard) is
     prepared again; if the source still gives the same data, the shards are put back and the runs trained
@@ -247,6 +268,7 @@ COMMANDS = {
     "compare": compare,
     "check": check,
     "plan": plan,
+    "projection-check": projection_check,
     "repair-data": repair_data,
     "schema": schema,
 }

@@ -50,9 +50,12 @@ def run_estimate(run: RunSpec, data_root: str | Path | None = None, batch_size: 
     manifest = manifest or prepared_manifest(run, data_root) or {}
     manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run), **manifest}
     figures = family.memory_estimate(facts, run, manifest)
-    packed = run.batching in ("pack", "padding_free")
-    figures["plan_note"] = ("packed rows taken as full (data not prepared yet: its mean length is unknown)"
-                            if packed and memory_estimate.mean_tokens(manifest) is None else None)
+    notes = []
+    if run.batching in ("pack", "padding_free") and memory_estimate.mean_tokens(manifest) is None:
+        notes.append("packed rows taken as full (data not prepared yet: its mean length is unknown)")
+    if run.parallel == "dp" and run.devices > 1:
+        notes.append("dp: GPU 0 also gathers every replica's outputs, not modelled (the estimate is a replica's)")
+    figures["plan_note"] = "; ".join(notes) or None
     return figures
 
 
