@@ -6,6 +6,8 @@
     python -m ftbench report ...         figures and results/report.html (rule report)
     python -m ftbench compare ...        merge result sets from several machines into one report
     python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
+    python -m ftbench plan X.yaml        each run's memory estimate: whether it fits each GPU, the largest batch that does
+    python -m ftbench projection-check M.parquet   short runs' projections of the long runs of the same configuration, vs measured
     python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
 
@@ -184,6 +186,64 @@ def check(argv: list[str]) -> None:
         print(f"  {run.run_id}")
 
 
+def plan(argv: list[str]) -> None:
+    """Before anything trains: each run's memory estimate (from its model's config alone), whether it fits each
+    GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
+    fits there."""
+    from ftbench.experiment import config, memory_plan
+    from ftbench.measure import gpu_table
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench plan", description=plan.__doc__)
+    parser.add_argument("experiment", help="experiment YAML file")
+    parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table with memory_gb (default: %(default)s)")
+    parser.add_argument("--data-root", default="results/data",
+                        help="prepared data (packed runs read their mean tokens per row there; default: %(default)s)")
+    args = parser.parse_args(argv)
+    gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
+    runs = matrix.expand_runs(config.load_config(args.experiment))
+    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity)")
+    for run in runs:
+        print(plan_table(run, memory_plan.plan_run(run, gpus, args.data_root)))
+
+
+def plan_table(run: RunSpec, planned: dict) -> str:
+    """One run's plan as text: its estimate and largest parts, then one line per GPU."""
+    lines = [f"\n{run.run_id}  ({run.parallel}, {run.devices} GPU{'s' if run.devices > 1 else ''}, batch {run.batch_size})"]
+    if planned["memory_estimate_mb"] is None:
+        return "\n".join(lines + [f"  no estimate: {planned['memory_estimate_note']}"])
+    parts = sorted(planned["memory_estimate_parts_mb"].items(), key=lambda item: -item[1])
+    shown = ", ".join(f"{name} {value:,.0f}" for name, value in parts if value >= 1)
+    lines.append(f"  estimate {planned['memory_estimate_mb']:,.0f} MiB per GPU = peak of: {shown}")
+    if planned.get("memory_estimate_host_mb"):
+        lines.append(f"  host memory (offloaded states) {planned['memory_estimate_host_mb']:,.0f} MiB per process")
+    if planned.get("plan_note"):
+        lines.append(f"  note: {planned['plan_note']}")
+    lines.append(f"  {'GPU':<12} {'capacity':>10} {'fits':>11} {'largest batch':>14}")
+    for row in planned["gpus"]:
+        lines.append(f"  {row['gpu']:<12} {row['capacity_mib']:>10,.0f} {row['fits']:>11} {row['largest_batch'] or 'none':>14}")
+    return "\n".join(lines)
+
+
+def projection_check(argv: list[str]) -> None:
+    """The projection checked against reality: runs of one configuration that differ only in their steps (as
+    config/examples/projection-check.yaml makes them), the short run's projected job time for the long run's
+    steps beside the long run's measured one, and the ratio."""
+    import pandas as pd
+
+    from ftbench.report import projection
+    from ftbench.runspec import settings_fields
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench projection-check", description=projection_check.__doc__)
+    parser.add_argument("metrics", help="results/metrics.parquet")
+    args = parser.parse_args(argv)
+    settings = [f.name for f in settings_fields()]
+    table = projection.projection_check(pd.read_parquet(args.metrics), settings)
+    if table.empty:
+        raise FtbenchError(f"{args.metrics}: no two finished runs of one configuration with different steps")
+    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 60):
+        print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+
+
 def repair_data(argv: list[str]) -> None:
     """A prepared data folder whose shards were damaged (a tampered or truncated file, a lost shard) is
     prepared again; if the source still gives the same data, the shards are put back and the runs trained
@@ -207,6 +267,8 @@ COMMANDS = {
     "report": report,
     "compare": compare,
     "check": check,
+    "plan": plan,
+    "projection-check": projection_check,
     "repair-data": repair_data,
     "schema": schema,
 }

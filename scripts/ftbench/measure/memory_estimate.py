@@ -38,13 +38,48 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   kept gathered) plus two blocks (the one computing and the one prefetched), or every block with
   fsdp_reshard_after_forward off (all stay gathered from their forward to their backward). Gradients add
   two blocks' unsharded gradients in the reduce dtype, before their reduce-scatter.
-It ignores allocator fragmentation, CUDA context and library workspaces: compare it with CUDA
+- gradient accumulation (grad_accum_steps > 1): every micro-batch after the first starts its backward pass
+  with the gradients accumulated so far (all of them; under fsdp this GPU's shard): the "accumulated" part
+  is added to the start of the backward pass.
+- ddp (DistributedDataParallel, per GPU): the reducer keeps its own flat fp32 copy of every trainable
+  parameter's gradient (its all-reduce buckets, "ddp_buckets"), allocated when the model is wrapped and alive
+  for the whole run, so it sits beside the activations at the start of the backward pass. The second step
+  rebuilds the buckets in the order gradients became ready and, seen on two H100s (Llama 1B shape, bf16,
+  2 x 1024), holds a second copy through that whole step ("ddp_rebuild"): the run's peak, which counts every
+  step, is the single-GPU peak plus two copies, the steady state plus one. With gradient accumulation the
+  no_sync micro-batches' gradients ("accumulated") stand beside the buckets instead and the rebuild step adds
+  nothing more (seen: single + two copies on every step). The trainer wraps with gradient_as_bucket_view, so
+  the gradients are views into the buckets at the end of the backward pass (no third copy there); that does
+  not shrink the buckets held at its start (zero_grad(set_to_none) drops the views every step).
+- token positions: a padded batch holds batch x seq_len positions (its longest row, the peak's batch);
+  pack holds the batch's real tokens in rows of seq_len, padding_free in one row. The real tokens of a batch
+  are batch x the training split's mean tokens per row (the manifest's tokens / rows): what activations and
+  logits are counted over.
+- kernels liger (traced on an H100 with saved-tensor hooks, Llama layers, bf16: 7,688 fewer bytes per
+  layer-token at width 576 / MLP 1,536, where these terms give 7,680): fused RMSNorm keeps its input and
+  not its fp32 normalised copy (8 x width per layer, two norms; none with adapters, whose frozen norms
+  already keep only their input), SwiGLU recomputes the SiLU (one MLP-wide tensor in the compute dtype);
+  fused linear cross-entropy builds no logits: it keeps the gradient of the final hidden states (fp32,
+  4 x width per token), the output head's weight gradient (4 bytes per trainable head parameter, computed in
+  the forward pass) and one chunk of logits (chunk x vocab fp32, chunk the next power of two of
+  tokens / ceil(vocab / width)).
+- qlora under fsdp (the 4-bit base kept in the compute dtype's storage and sharded 1/world): per GPU the
+  packed 4-bit bytes / world, the quantisation constants whole on every GPU, the other parameters and the
+  adapters' gradients and AdamW state / world; gathered, each unit's packed bytes as stored (4-bit stays
+  4-bit) plus its other parameters in the compute dtype.
+- workspace: the cuBLAS(Lt) workspace the caching allocator holds from the first matmul on (32 MiB, read
+  from memory_allocated around one bf16 matmul on an H100 / H200, torch 2.11). Seen on a tiny ViT (2.7M
+  parameters, 64 x 65 tokens, H200): the forward pass added what the activation model says (183 MiB measured,
+  188 estimated), the rest of the 0.70 ratio was constant memory of this kind (about 70 MiB); negligible
+  beside a large model.
+It ignores allocator fragmentation and the CUDA context: compare it with CUDA
 max_memory_allocated (not reserved), and expect it to be low by a margin on small models.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftbench.measure import model_shape
@@ -84,6 +119,12 @@ ADAPTER_WIDTH_BYTES = {("rms", True): -6, ("rms", False): -8, ("layer", True): 2
 QLORA_MLP_BYTES = {"gated": 6, "plain": 2}
 LORA_DROPOUT_MASK_BYTES = 1  # per element of an adapted Linear's input: CUDA's fused dropout keeps a bool mask
 GATE_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w1")
+# The fp32 gradient copy DistributedDataParallel's reducer keeps (its all-reduce buckets), per trainable parameter.
+DDP_BUCKET_BYTES = 4
+WORKSPACE_BYTES = 32 * 2**20  # cuBLAS(Lt) workspace held by the caching allocator (see the module's docstring)
+# The fraction either side of the estimate within which a measured peak is expected (the model's error band, as
+# seen on an H100: 1B/8B full and FSDP runs 1.00-1.12 of the measured peak).
+ERROR_BAND = 0.10
 
 
 def architecture_traits(model: torch.nn.Module) -> tuple[str, str]:
@@ -102,28 +143,32 @@ def hidden_dropout(config) -> float:
     return 0.0
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs of a model: read from the built module (``facts_of``) or, before anything is
+    built, from its config alone (``facts_from_config``, torch-free: ``python -m ftbench plan``)."""
+
+    quantised: int  # 4-bit weights, counted as the parameters they stand for
+    other: int  # every other parameter
+    trainable: int
+    shape: model_shape.ConfigShape
+    norm: str = "layer"  # "rms" | "layer"
+    mlp: str = "plain"  # "gated" | "plain"
+    dropout: float = 0.0  # hidden dropout
+    quick_gelu: bool = False
+    adapted_inputs: tuple[int, ...] = ()  # input widths of the Linears that carry a LoRA adapter
+    # per repeated block (the fsdp units): (parameters cast to the compute dtype when gathered, 4-bit ones, trainable)
+    blocks: tuple[tuple[int, int, int], ...] = ()
+    head_trainable: int = 0  # trainable parameters of the output head over the vocabulary (liger's weight gradient)
+
+    @property
+    def total(self) -> int:
+        return self.quantised + self.other
+
+
 def adapted_linears(model: torch.nn.Module) -> list[int]:
     """Input widths of the Linear layers that carry a LoRA adapter (peft's LoRA layers have lora_A)."""
     return [module.in_features for module in model.modules() if len(getattr(module, "lora_A", None) or ()) > 0]
-
-
-def adapter_bytes_per_layer_token(model: torch.nn.Module, spec: RunSpec, norm: str, mlp: str, inter: int, width: int,
-                                  layers: int, sixteen_bit: bool) -> float:
-    """What adapters change in the activations kept per layer and token (see the module's docstring)."""
-    inputs = adapted_linears(model)
-    per_element = 2 if sixteen_bit else 4
-    added = len(inputs) * spec.lora_rank * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
-    if spec.lora_dropout:
-        added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
-    per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(norm, sixteen_bit)] * width
-    if spec.method == "qlora" and sixteen_bit:
-        per_layer += QLORA_MLP_BYTES[mlp] * inter
-    return per_layer
-
-
-# Why a run gets no estimate (memory_estimate_mb null, this in memory_estimate_note), rather than a wrong one.
-NOT_MODELLED_COMPILED = ("not modelled for compiled runs: torch.compile fuses elementwise work and keeps fewer "
-                         "activations than eager autograd (seen: estimate 1.59x the measured peak)")
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -140,30 +185,80 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int, int]:
     return quantised, other, trainable
 
 
-def estimate(model: torch.nn.Module, spec: RunSpec, logits_vocab: int | None) -> dict:
+def facts_of(model: torch.nn.Module) -> ModelFacts:
+    """The facts of a built model (LoRA and 4-bit layers as built)."""
+    quantised, other, trainable = parameter_counts(model)
+    config = getattr(model, "config", None)
+    norm, mlp = architecture_traits(model)
+    blocks = tuple(_block_counts(block) for block in repeated_blocks(model))
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head_weight = getattr(head, "weight", None)
+    return ModelFacts(quantised, other, trainable, model_shape.from_transformers_config(config), norm, mlp,
+                      hidden_dropout(config), getattr(config, "hidden_act", None) == "quick_gelu",
+                      tuple(adapted_linears(model)), blocks,
+                      head_weight.numel() if head_weight is not None and head_weight.requires_grad else 0)
+
+
+def _block_counts(block: torch.nn.Module) -> tuple[int, int, int]:
+    quantised, other, trainable = parameter_counts(block)
+    return other, quantised, trainable
+
+
+def facts_from_config(settings: dict, spec: RunSpec, classifier: bool, num_labels: int = 2) -> ModelFacts:
+    """A model's facts from its config settings alone (``model_shape.with_defaults``), before anything is built:
+    parameters by kind from the shape (model_shape's counts), adapters from the run's LoRA targets, 4-bit
+    weights (QLoRA: every block Linear), trainable ones by method. ``classifier``: a head of ``num_labels``
+    outputs (else a language model's head over the vocabulary, tied or not)."""
+    shape = model_shape.from_config(settings)
+    linears = model_shape.block_linears(settings)
+    layers, width, vocab = shape.attention_layers, shape.width, shape.vocab_size or 0
+    per_block = model_shape.block_parameters(settings)
+    tied = settings.get("tie_word_embeddings", not model_shape.gated(settings))
+    head = (num_labels * (width + 1)) if classifier else (0 if tied else vocab * width)
+    total = layers * per_block + model_shape.embedding_parameters(settings) + head
+    targets = [] if spec.method == "full" else \
+        [(fan_in, fan_out) for name, fan_in, fan_out in linears if spec.lora_targets == "all-linear" or name in spec.lora_targets]
+    adapters = sum(spec.lora_rank * (fan_in + fan_out) for fan_in, fan_out in targets)
+    quantised = sum(fan_in * fan_out for _, fan_in, fan_out in linears) if spec.method == "qlora" else 0
+    trainable_block = per_block if spec.method == "full" else adapters
+    trainable = total if spec.method == "full" else layers * adapters + (head if classifier else 0)
+    lm_head = 0 if classifier else vocab * width
+    return ModelFacts(
+        quantised=layers * quantised, other=total - layers * quantised + layers * adapters, trainable=trainable,
+        shape=shape, norm="rms" if model_shape.gated(settings) else "layer",
+        mlp="gated" if model_shape.gated(settings) else "plain",
+        dropout=float(next((settings[key] for key in ("hidden_dropout_prob", "resid_pdrop", "dropout") if key in settings), 0.0)),
+        quick_gelu=settings.get("hidden_act") == "quick_gelu",
+        adapted_inputs=tuple(fan_in for _ in range(layers) for fan_in, _ in targets),
+        blocks=((per_block - quantised + adapters, quantised, trainable_block),) * layers,
+        head_trainable=lm_head if spec.method == "full" else 0)
+
+
+def vocab_of(model) -> int | None:
+    """The vocabulary of a built model's config, or of a model's facts."""
+    if isinstance(model, ModelFacts):
+        return model.shape.vocab_size
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def mean_tokens(manifest: dict | None) -> float | None:
+    """Real tokens per row of the prepared training split (the manifest's tokens / rows); None when unknown."""
+    train = ((manifest or {}).get("splits") or {}).get("train") or {}
+    return train["tokens"] / train["rows"] if train.get("tokens") and train.get("rows") else None
+
+
+def estimate(model, spec: RunSpec, logits_vocab: int | None, mean_tokens: float | None = None) -> dict:
     """The estimate (MiB) and its parts; or, for a run the model does not describe, nulls and a note.
-    ``logits_vocab``: the vocabulary a language model's logits run over (None: a head without such logits,
-    a classifier's)."""
+    ``model``: the built module or its ``ModelFacts``. ``logits_vocab``: the vocabulary a language model's
+    logits run over (None: a head without such logits, a classifier's). ``mean_tokens``: real tokens per row
+    of the training split (the manifest's tokens / rows), what packed batches hold; None: rows are full."""
     if spec.compile:
         return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": NOT_MODELLED_COMPILED}
-    quantised, other, trainable = parameter_counts(model)
-    sixteen_bit = spec.precision in ("bf16", "fp16")
-    constants = 0.0159 if spec.qlora_double_quant else 0.0625
-    parts = {
-        "weights": quantised * (0.5 + constants) + other * 4,
-        "weight_copies": other * 2 if sixteen_bit else 0,
-        "gradients": trainable * 4,
-        "optimizer": trainable * OPTIMIZER_BYTES[spec.optimizer],
-        **activation_parts(model, spec, sixteen_bit),
-        "logits": 12 * spec.batch_size * spec.seq_len * (logits_vocab or 0),
-    }
-    if spec.gradient_checkpointing:
-        # Autocast's weight copies are not saved for backward inside checkpointed layers: they go with
-        # autocast's cache when the forward pass ends, and the recompute casts one layer's at a time.
-        parts["weight_copies"] = 0
+    facts = model if isinstance(model, ModelFacts) else facts_of(model)
+    parts = estimate_parts(facts, spec, logits_vocab, mean_tokens)
     host = 0.0
     if spec.parallel == "fsdp":
-        parts, host = sharded(parts, model, spec, trainable)
+        parts, host = sharded(parts, facts, spec)
     return {
         "memory_estimate_mb": peak_bytes(parts) / MIB,
         "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
@@ -172,27 +267,106 @@ def estimate(model: torch.nn.Module, spec: RunSpec, logits_vocab: int | None) ->
     }
 
 
-def activation_parts(model: torch.nn.Module, spec: RunSpec, sixteen_bit: bool) -> dict:
-    """The activations autograd keeps, and with checkpointing the one layer recomputed (bytes)."""
-    config = getattr(model, "config", None)
-    shape = model_shape.from_transformers_config(config)
-    layers, width, inter = shape.attention_layers, shape.width, shape.intermediate
+def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None, mean_tokens: float | None) -> dict:
+    """Every part in bytes, for one GPU before any sharding (see the module's docstring)."""
+    sixteen_bit = spec.precision in ("bf16", "fp16")
+    constants = 0.0159 if spec.qlora_double_quant else 0.0625
+    positions, row = batch_positions(spec, mean_tokens)
+    parts = {
+        "weights": facts.quantised * (0.5 + constants) + facts.other * 4,
+        # Checkpointing: autocast's weight copies are not saved for backward inside checkpointed layers: they go
+        # with autocast's cache when the forward pass ends, and the recompute casts one layer's at a time.
+        "weight_copies": facts.other * 2 if sixteen_bit and not spec.gradient_checkpointing else 0,
+        "gradients": facts.trainable * 4,
+        "optimizer": facts.trainable * OPTIMIZER_BYTES[spec.optimizer],
+        **activation_parts(facts, spec, sixteen_bit, positions, row),
+        "logits": logits_bytes(facts, spec, logits_vocab, positions),
+    }
+    parts["accumulated"] = parts["gradients"] if spec.grad_accum_steps > 1 else 0
+    parts["workspace"] = WORKSPACE_BYTES
+    if spec.parallel == "ddp":
+        parts["ddp_buckets"] = DDP_BUCKET_BYTES * facts.trainable
+        parts["ddp_rebuild"] = parts["ddp_buckets"] if spec.grad_accum_steps == 1 else 0
+    return parts
+
+
+def batch_positions(spec: RunSpec, mean_tokens: float | None) -> tuple[int, int]:
+    """(token positions of one micro-batch on one GPU, the length of its rows). Padded batches: batch x seq_len
+    (the longest batch, the one that makes the peak); pack: the batch's real tokens in rows of seq_len;
+    padding_free: one row of the batch's real tokens."""
     batch, seq = spec.batch_size, spec.seq_len
-    norm, mlp = architecture_traits(model)
-    per_width, per_intermediate = ACTIVATION_BYTES[(norm, mlp, sixteen_bit)]
-    if hidden_dropout(config) > 0:
+    if spec.batching not in ("pack", "padding_free") or not mean_tokens:
+        return batch * seq, seq
+    real = math.ceil(batch * min(float(mean_tokens), seq))
+    if spec.batching == "pack":
+        rows = min(batch, math.ceil(real / seq))
+        return rows * seq, seq
+    return real, real
+
+
+def logits_bytes(facts: ModelFacts, spec: RunSpec, vocab: int | None, positions: int) -> float:
+    """The loss's buffers over the vocabulary at the start of the backward pass: 12 bytes per logit (the
+    fp32 log-softmax output, its gradient and its input's); with Liger's fused linear cross-entropy, no
+    logits: the hidden states' gradient, the head's weight gradient and one chunk of logits."""
+    if not vocab:
+        return 0
+    if spec.kernels != "liger":
+        return 12 * positions * vocab
+    width = facts.shape.width or 1
+    chunk = min(positions, 2 ** math.ceil(math.log2(max(1, math.ceil(positions / math.ceil(vocab / width))))))
+    return 4 * positions * width + 4 * facts.head_trainable + 4 * chunk * vocab
+
+
+def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positions: int, row: int) -> dict:
+    """The activations autograd keeps, and with checkpointing the one layer recomputed (bytes), over the
+    micro-batch's ``positions`` in rows of ``row`` tokens."""
+    shape = facts.shape
+    layers, width, inter = shape.attention_layers, shape.width, shape.intermediate
+    per_width, per_intermediate = ACTIVATION_BYTES[(facts.norm, facts.mlp, sixteen_bit)]
+    if facts.dropout > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
-    if getattr(config, "hidden_act", None) == "quick_gelu":
+    if facts.quick_gelu:
         per_intermediate += QUICK_GELU_BYTES[sixteen_bit]
     per_layer_token = per_width * width + per_intermediate * inter
     if spec.method in ("lora", "qlora"):
-        per_layer_token += adapter_bytes_per_layer_token(model, spec, norm, mlp, inter, width, layers, sixteen_bit)
+        per_layer_token += adapter_bytes_per_layer_token(facts, spec, inter, width, layers, sixteen_bit)
+    if spec.kernels == "liger":
+        per_layer_token -= liger_saved_per_layer_token(facts, spec, sixteen_bit)
     if spec.attn_implementation == "eager":
-        per_layer_token += 5 * shape.heads * seq * (1 if sixteen_bit else 2)
+        per_layer_token += 5 * shape.heads * row * (1 if sixteen_bit else 2)
     if spec.gradient_checkpointing:
         # each layer's fp32 input; one layer's activations, while the backward pass recomputes it
-        return {"activations": batch * seq * layers * 4 * width, "recompute": batch * seq * per_layer_token}
-    return {"activations": batch * seq * layers * per_layer_token, "recompute": 0}
+        return {"activations": positions * layers * 4 * width, "recompute": positions * per_layer_token}
+    return {"activations": positions * layers * per_layer_token, "recompute": 0}
+
+
+def adapter_bytes_per_layer_token(facts: ModelFacts, spec: RunSpec, inter: int, width: int, layers: int,
+                                  sixteen_bit: bool) -> float:
+    """What adapters change in the activations kept per layer and token (see the module's docstring)."""
+    inputs = facts.adapted_inputs
+    per_element = 2 if sixteen_bit else 4
+    added = len(inputs) * spec.lora_rank * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
+    if spec.lora_dropout:
+        added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
+    per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(facts.norm, sixteen_bit)] * width
+    if spec.method == "qlora" and sixteen_bit:
+        per_layer += QLORA_MLP_BYTES[facts.mlp] * inter
+    return per_layer
+
+
+def liger_saved_per_layer_token(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> float:
+    """What Liger's fused RMSNorm and SwiGLU keep less, per layer and token (see the module's docstring)."""
+    saved = 0.0
+    if facts.norm == "rms" and spec.method == "full":
+        saved += 8 * facts.shape.width  # two norms' fp32 normalised copies
+    if facts.mlp == "gated":
+        saved += (2 if sixteen_bit else 4) * facts.shape.intermediate  # the SiLU output, recomputed
+    return saved
+
+
+# Why a run gets no estimate (memory_estimate_mb null, this in memory_estimate_note), rather than a wrong one.
+NOT_MODELLED_COMPILED = ("not modelled for compiled runs: torch.compile fuses elementwise work and keeps fewer "
+                         "activations than eager autograd (seen: estimate 1.59x the measured peak)")
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -216,29 +390,68 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def sharded(parts: dict, model: torch.nn.Module, spec: RunSpec, trainable: int) -> tuple[dict, float]:
+def sharded(parts: dict, facts: ModelFacts, spec: RunSpec) -> tuple[dict, float]:
     """One GPU's parts under FSDP2 (see the module's docstring), and the host bytes that offload holds."""
     world = spec.devices
-    blocks = [sum(p.numel() for p in block.parameters()) for block in repeated_blocks(model)]
-    total = sum(p.numel() for p in model.parameters())
     compute_bytes = 4 if spec.precision == "fp32" else 2
     reduce_bytes = 4 if (spec.fsdp_reduce_dtype or spec.precision) == "fp32" else 2
-    largest = max(blocks, default=total)
-    gathered_params = total if not spec.fsdp_reshard_after_forward else (total - sum(blocks)) + 2 * largest
-    states = {name: parts[name] / world for name in ("weights", "gradients", "optimizer")}
+    blocks = facts.blocks or ((facts.other, facts.quantised, facts.trainable),)
+
+    def gathered(other: int, quantised: int) -> float:  # a unit's parameters as all-gathered: 4-bit stays packed
+        return other * compute_bytes + quantised * 0.5
+
+    in_blocks = (sum(b[0] for b in blocks), sum(b[1] for b in blocks))
+    root = gathered(facts.other - in_blocks[0], facts.quantised - in_blocks[1])
+    largest = max(gathered(b[0], b[1]) for b in blocks)
+    gathered_bytes = root + (2 * largest if spec.fsdp_reshard_after_forward else sum(gathered(b[0], b[1]) for b in blocks))
+    constants = 0.0159 if spec.qlora_double_quant else 0.0625
+    # 4-bit packed bytes and other parameters sharded; the quantisation constants stay whole on every GPU.
+    states = {"weights": (facts.quantised * 0.5 + facts.other * 4) / world,
+              "gradients": parts["gradients"] / world, "optimizer": parts["optimizer"] / world}
     host = sum(states.values())
     if spec.fsdp_cpu_offload:
         states = dict.fromkeys(states, 0.0)
-    in_flight = 2 * min(largest, trainable) * reduce_bytes  # unsharded gradients awaiting their reduce-scatter
-    return {**parts, **states, "gradients": states["gradients"] + in_flight,
-            "weight_copies": min(gathered_params, total) * compute_bytes}, host
+    states["weights"] += facts.quantised * constants
+    in_flight = 2 * max(b[2] for b in blocks) * reduce_bytes  # unsharded gradients awaiting their reduce-scatter
+    accumulated = states["gradients"] if spec.grad_accum_steps > 1 else 0
+    return {**parts, **states, "gradients": states["gradients"] + in_flight, "accumulated": accumulated,
+            "weight_copies": min(gathered_bytes, gathered(facts.other, facts.quantised))}, host
 
 
 def peak_bytes(parts: dict) -> float:
     """The parts do not all coexist. The backward pass starts with every kept activation and the logits'
-    buffers and no gradient yet; gradients then grow as activations are freed (with checkpointing, beside
-    the layer inputs and one recomputed layer). The peak is the larger of the two moments."""
+    buffers, no gradient yet (but those accumulated over earlier micro-batches, and DDP's buckets); gradients
+    then grow as activations are freed (with checkpointing, beside the layer inputs and one recomputed layer).
+    The peak is the larger of the two moments."""
     checkpointed = parts["recompute"] > 0  # only checkpointing recomputes; its layer inputs outlast the gradients
-    backward_start = parts["weight_copies"] + parts["activations"] + parts["logits"]
-    backward_end = parts["gradients"] + (parts["activations"] + parts["recompute"] if checkpointed else 0)
-    return parts["weights"] + parts["optimizer"] + max(backward_start, backward_end)
+    held = parts.get("ddp_buckets", 0) + parts.get("ddp_rebuild", 0)
+    backward_start = parts["weight_copies"] + parts["activations"] + parts["logits"] + parts.get("accumulated", 0) + held
+    # gradient_as_bucket_view: at the end the gradients are the buckets (one copy), and the rebuild's second copy
+    backward_end = max(parts["gradients"], parts.get("ddp_buckets", 0)) + parts.get("ddp_rebuild", 0) + \
+        (parts["activations"] + parts["recompute"] if checkpointed else 0)
+    return parts["weights"] + parts["optimizer"] + parts.get("workspace", 0) + max(backward_start, backward_end)
+
+
+def fit(estimate_mb: float, capacity_mb: float, band: float = ERROR_BAND) -> str:
+    """Whether an estimate fits a GPU of ``capacity_mb``: "yes" when even band more fits, "no" when even band
+    less does not, else "borderline"."""
+    if estimate_mb * (1 + band) <= capacity_mb:
+        return "yes"
+    if estimate_mb * (1 - band) > capacity_mb:
+        return "no"
+    return "borderline"
+
+
+def largest_fitting_batch(estimate_at, capacity_mb: float, band: float = ERROR_BAND, cap: int = 4096) -> int:
+    """The largest per-GPU batch whose estimate, plus the error band, fits ``capacity_mb`` (0: not even 1);
+    ``estimate_at(batch)`` gives the estimate in MiB. The estimate grows with the batch: bisection."""
+    if estimate_at(1) * (1 + band) > capacity_mb:
+        return 0
+    low, high = 1, 2
+    while high <= cap and estimate_at(high) * (1 + band) <= capacity_mb:
+        low, high = high, high * 2
+    high = min(high, cap + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if estimate_at(middle) * (1 + band) <= capacity_mb else (low, middle)
+    return low

@@ -77,3 +77,73 @@ def _first(settings: dict, keys: tuple[str, ...], default: int) -> int:
 
 def _is_count(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+# --- parameter counts from the shape alone (the memory plan reads them before anything is built) -------------
+
+# transformers' defaults of the config classes a config-built model names (``source.architecture``), for the keys
+# its overrides leave out; read here without importing transformers (which imports torch).
+ARCHITECTURE_DEFAULTS = {
+    "LlamaConfig": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "vocab_size": 32000, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "MistralConfig": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False},
+    "Qwen2Config": {"model_type": "qwen2", "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 151936, "tie_word_embeddings": False},
+    "BertConfig": {"model_type": "bert", "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2,
+                   "hidden_dropout_prob": 0.1},
+    "ViTConfig": {"model_type": "vit", "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                  "num_attention_heads": 12, "image_size": 224, "patch_size": 16, "num_channels": 3},
+    "GPT2Config": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+                   "n_positions": 1024, "resid_pdrop": 0.1, "tie_word_embeddings": True},
+}
+GATED_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "olmo", "granite")  # RMSNorm, gated MLP
+ENCODER_LINEARS = ("query", "key", "value", "dense")  # BERT/ViT attention, then attention output, MLP in, MLP out
+
+
+def with_defaults(architecture: str | None, settings: dict | None) -> dict:
+    """A config's settings over its architecture's defaults (a config.json already holds them all)."""
+    return {**ARCHITECTURE_DEFAULTS.get(architecture or "", {}), **(settings or {})}
+
+
+def gated(settings: dict) -> bool:
+    """RMSNorm and a gated MLP (Llama-family decoders); else LayerNorm and a plain MLP."""
+    return settings.get("model_type") in GATED_TYPES
+
+
+def block_linears(settings: dict) -> list[tuple[str, int, int]]:
+    """(name, input width, output width) of one block's Linear layers, named as the architecture names them."""
+    shape = from_config(settings)
+    width, inter = shape.width, shape.intermediate
+    if gated(settings):
+        heads = shape.heads or 1
+        kv = _first(settings, ("num_key_value_heads",), heads) * (width // heads)
+        return [("q_proj", width, width), ("k_proj", width, kv), ("v_proj", width, kv), ("o_proj", width, width),
+                ("gate_proj", width, inter), ("up_proj", width, inter), ("down_proj", inter, width)]
+    return [("query", width, width), ("key", width, width), ("value", width, width), ("dense", width, width),
+            ("dense", width, inter), ("dense", inter, width)]
+
+
+def block_parameters(settings: dict) -> int:
+    """Parameters of one block: its Linears (with biases where the architecture has them) and its two norms."""
+    linears = block_linears(settings)
+    width = from_config(settings).width
+    weights = sum(fan_in * fan_out for _, fan_in, fan_out in linears)
+    if gated(settings):
+        return weights + 2 * width  # no biases (Llama), two RMSNorm weights
+    return weights + sum(fan_out for _, _, fan_out in linears) + 4 * width  # biases; two LayerNorms
+
+
+def embedding_parameters(settings: dict) -> int:
+    """The input side: token (or patch) embeddings, learned positions, the final norm."""
+    shape = from_config(settings)
+    width = shape.width
+    if settings.get("model_type") == "vit":
+        patch, channels = settings.get("patch_size", 16), settings.get("num_channels", 3)
+        tokens = (settings.get("image_size", 224) // patch) ** 2 + 1
+        return channels * patch * patch * width + width + (tokens + 1) * width + 2 * width
+    positions = 0 if gated(settings) else _first(settings, ("max_position_embeddings", "n_positions"), 0) * width
+    token_types = settings.get("type_vocab_size", 0) * width  # BERT's segment embeddings
+    pooler = width * width + width if settings.get("model_type") == "bert" else 0  # BERT's pooler (a classifier's input)
+    return (shape.vocab_size or 0) * width + positions + token_types + pooler + (1 if gated(settings) else 2) * width

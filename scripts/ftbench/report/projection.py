@@ -3,9 +3,19 @@
 The budget is experiment-wide (config key ``budget``): ``tokens`` or ``samples``, times ``epochs``.
 It is applied when results are collected, so changing it retrains nothing.
 - tokens of the budget: tokens x epochs, or samples x epochs x the run's measured tokens per sample;
-- projected_hours = budget tokens / measured tokens_per_s (global throughput of the run's devices);
+- projected_train_hours = budget tokens / measured tokens_per_s (global throughput of the run's devices);
+- projected_eval_hours: what evaluation adds at the run's cadence: the seconds of one measured evaluation pass
+  (eval_time_s / the passes the run made) x the passes of the budget's steps (one every eval_every steps, where
+  the run has that setting, plus the final one); the budget's steps are its tokens / the measured tokens per step;
+- projected_overhead_hours: one job's start (process start to the first step: imports, data, model load, whose
+  load_time_s is part of it) and end, as measured (overhead_s); checkpoint saves: none in the plan today;
+- projected_hours = train + eval + overhead: the job's wall hours, what costs are billed on;
 - projected_pflops = budget tokens x the run's analytic model FLOPs per token (scripts/ftbench/measure/flops.py).
-A run without a measured window (oom, unsupported, ...) gets nulls.
+A run without a measured window (oom, unsupported, ...) gets nulls; a missing eval or overhead figure counts 0.
+
+Checked against reality (config/examples/projection-check.yaml, ``python -m ftbench projection-check``): the
+same configuration run short and long; ``projection_check`` pairs them and puts the short run's projection of
+the long run (same formula, for the long run's steps) beside the long run's measured job time.
 """
 
 from __future__ import annotations
@@ -14,7 +24,10 @@ import math
 
 import pandas as pd
 
-PROJECTION_COLUMNS = ("projected_tokens", "projected_hours", "projected_pflops")
+PROJECTION_COLUMNS = ("projected_tokens", "projected_hours", "projected_pflops", "projected_train_hours",
+                      "projected_eval_hours", "projected_overhead_hours")
+# Settings that may differ between the short and the long run of one configuration (the rest must be equal).
+LENGTH_SETTINGS = ("max_steps", "epochs", "seed", "repeat")
 
 
 def _number(value) -> float | None:
@@ -44,10 +57,77 @@ def project(row: dict, budget: dict | None) -> dict:
     if tokens is None or not rate:
         return out
     out["projected_tokens"] = tokens
-    out["projected_hours"] = tokens / rate / 3600.0
+    out["projected_train_hours"] = tokens / rate / 3600.0
+    per_step = tokens_per_step(row)
+    out["projected_eval_hours"] = eval_seconds(row, tokens / per_step if per_step else None) / 3600.0
+    out["projected_overhead_hours"] = (_number(row.get("overhead_s")) or 0.0) / 3600.0
+    out["projected_hours"] = out["projected_train_hours"] + out["projected_eval_hours"] + out["projected_overhead_hours"]
     if tflops is not None:
         out["projected_pflops"] = tokens * (tflops * 1e12 / rate) / 1e15
     return out
+
+
+def tokens_per_step(row: dict) -> float | None:
+    """Real tokens of one optimizer step (all devices), over the measured window."""
+    tokens, steps = _number(row.get("measured_tokens")), _number(row.get("measured_steps"))
+    return tokens / steps if tokens and steps else None
+
+
+def eval_passes(steps: float | None, eval_every) -> int:
+    """Evaluation passes of a run of ``steps`` steps: one every ``eval_every`` steps (if the run has that
+    setting) and the final one."""
+    every = _number(eval_every)
+    return 1 + (int(steps // every) if every and steps else 0)
+
+
+def eval_seconds(row: dict, steps: float | None) -> float:
+    """Evaluation seconds of a run of ``steps`` steps at this run's cadence and measured seconds per pass."""
+    measured = _number(row.get("eval_time_s"))
+    if not measured:
+        return 0.0
+    eval_every = row.get("eval_every")  # the eval_every setting, where this ftbench has it
+    per_pass = measured / eval_passes(_number(row.get("total_steps")), eval_every)
+    return per_pass * eval_passes(steps, eval_every)
+
+
+def job_seconds(row: dict, steps: float) -> float | None:
+    """A run's job time (process start to end) for ``steps`` optimizer steps, projected from this run: its
+    training loop (warmup included) plus the further steps at its measured window's rate, evaluation at its
+    cadence, its overhead."""
+    loop, total = _number(row.get("train_time_s")), _number(row.get("total_steps"))
+    window, measured = _number(row.get("measured_time_s")), _number(row.get("measured_steps"))
+    if loop is None or not total or not window or not measured:
+        return None
+    return loop + (steps - total) * window / measured + eval_seconds(row, steps) + (_number(row.get("overhead_s")) or 0.0)
+
+
+def measured_job_seconds(row: dict) -> float | None:
+    """A run's measured job time, process start to end: overhead_s + train_time_s + eval_time_s."""
+    loop = _number(row.get("train_time_s"))
+    if loop is None:
+        return None
+    return loop + (_number(row.get("eval_time_s")) or 0.0) + (_number(row.get("overhead_s")) or 0.0)
+
+
+def projection_check(frame: pd.DataFrame, settings: list[str]) -> pd.DataFrame:
+    """Pairs of runs of one configuration (every column of ``settings`` equal but LENGTH_SETTINGS) that ran
+    different numbers of steps: the shortest run's projection of each longer one beside that run's measured
+    job time, and their ratio (projected / measured)."""
+    keys = [name for name in settings if name in frame.columns and name not in LENGTH_SETTINGS]
+    ok = frame[frame["status"] == "ok"] if "status" in frame.columns else frame
+    rows = []
+    for _, group in ok.groupby([ok[key].astype("string").fillna("") for key in keys], sort=False):
+        ordered = group.sort_values("total_steps").to_dict("records")
+        short = ordered[0]
+        for long in ordered[1:]:
+            if long["total_steps"] == short["total_steps"]:
+                continue
+            projected, measured = job_seconds(short, float(long["total_steps"])), measured_job_seconds(long)
+            rows.append({"short_run": short["run_id"], "long_run": long["run_id"], "short_steps": short["total_steps"],
+                         "long_steps": long["total_steps"], "projected_long_s": projected, "measured_long_s": measured,
+                         "ratio": projected / measured if projected and measured else None})
+    return pd.DataFrame(rows, columns=["short_run", "long_run", "short_steps", "long_steps", "projected_long_s",
+                                       "measured_long_s", "ratio"])
 
 
 def add_projections(frame: pd.DataFrame, budgets: dict | list | None) -> pd.DataFrame:

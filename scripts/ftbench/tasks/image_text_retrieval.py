@@ -425,7 +425,8 @@ def memory_estimate(model, spec, manifest: dict) -> dict:
         if figures["memory_estimate_mb"] is None:
             return figures  # not modelled (a compiled run), with the reason
         for name, value in figures["memory_estimate_parts_mb"].items():
-            parts[name] = parts.get(name, 0.0) + value
+            # one process, one cuBLAS workspace: the towers share it
+            parts[name] = max(parts.get(name, 0.0), value) if name == "workspace" else parts.get(name, 0.0) + value
     return {"memory_estimate_mb": estimate_module.peak_bytes(parts), "memory_estimate_parts_mb": parts,
             "memory_estimate_note": None, "memory_estimate_host_mb": None}
 

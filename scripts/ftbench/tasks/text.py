@@ -205,8 +205,9 @@ class TextFamily(TaskFamily):
         return TokenAccumulator(shift=False)
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
-        """memory_estimate.py's model, with the logits over the vocabulary a language model computes."""
-        return memory_estimate.estimate(model, spec, getattr(model.config, "vocab_size", None))
+        """memory_estimate.py's model, with the logits over the vocabulary a language model computes, over the
+        tokens a batch holds (packed batches: the training split's mean tokens per row)."""
+        return memory_estimate.estimate(model, spec, memory_estimate.vocab_of(model), memory_estimate.mean_tokens(manifest))
 
 
 # ---------------------------------------------------------------------------------------------------

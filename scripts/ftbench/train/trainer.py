@@ -30,6 +30,7 @@ from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, 
 from ftbench.tasks import registry
 from ftbench.tasks.base import Batch, TokenisedSplit
 from ftbench.data import prepared
+from ftbench.experiment import memory_plan
 from ftbench.measure import environment, flops, gpu_monitor
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.errors import UnsupportedConfiguration
@@ -90,6 +91,11 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                    world_size=spec.devices if (device.type == "cuda" or dist.active) else 1)
     modeling.check_supported(spec, device)
     manifest = prepared.verify(data_dir)
+    if device.type == "cuda":  # not launched to discover an OOM the estimate predicts (unless confirm_oom)
+        reason = memory_plan.predicted_not_to_fit(spec, torch.cuda.get_device_properties(device).total_memory,
+                                                  metrics["device_name"], manifest)
+        if reason:
+            raise torch.OutOfMemoryError(reason)
     set_seed(spec.seed)
     load_started = time.perf_counter()
     train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
@@ -145,7 +151,10 @@ def _wrap_model(run: Run) -> torch.nn.Module:
     if spec.parallel == "fsdp":
         model = fsdp.shard(model, spec, device)  # in place: run.model is the sharded model from here on
     elif run.dist.active:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second fp32 copy beside them
+        # at the end of the backward pass (measure/memory_estimate.py).
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        gradient_as_bucket_view=True)
     if spec.compile:
         model = torch.compile(model)
     return model

@@ -1,0 +1,128 @@
+"""What fits, before anything trains: each run's memory estimate from its model's config alone, against the
+GPUs of config/gpus.yaml (``python -m ftbench plan X.yaml``), and the check a train job makes on its own GPU
+before it builds the model (train/trainer.py ``_prepare``).
+
+The estimate is measure/memory_estimate.py's, from ``facts_from_config`` (parameter counts by kind derived
+from the config's shape, no model built, torch-free). A GPU's verdict allows for the estimate's error band
+(memory_estimate.ERROR_BAND, +-10%): "yes" when the estimate plus the band fits, "no" when even the estimate
+less the band does not, "borderline" between. The largest fitting batch is the largest per-GPU batch whose
+estimate plus the band fits. Capacity: the table's memory_gb taken as GiB (an "80 GB" H100 shows 79.6 GiB to
+CUDA), less CUDA_CONTEXT_MIB for the context and library handles the allocator does not count.
+
+Packed batches (pack, padding_free) hold the training split's real tokens: from the prepared data's manifest
+where the data is prepared (``data_root``), else full rows (an upper bound, said in the note).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ftbench.data import prepared, sources
+from ftbench.data.tokenizers import tokenizer_source
+from ftbench.measure import memory_estimate, model_shape
+from ftbench.runspec import RunSpec
+from ftbench.tasks.registry import model_family
+
+CUDA_CONTEXT_MIB = 512  # CUDA context, cuBLAS/cuDNN handles: memory a GPU loses outside the caching allocator
+MIB_PER_GIB = 1024
+
+
+def run_estimate(run: RunSpec, data_root: str | Path | None = None, batch_size: int | None = None,
+                 manifest: dict | None = None) -> dict:
+    """The run's estimate (memory_estimate's figures, plus ``plan_note``), from its model's config alone; packed
+    batches from ``manifest``, else the prepared data's under ``data_root``."""
+    run = run.replace(batch_size=batch_size) if batch_size else run
+    family = model_family(run.model_def)
+    source = run.model_def["source"]
+    settings = sources.local_model_config(source)
+    if settings is None:
+        return _no_estimate("the model's config is not readable here (a hub model): no estimate before it is loaded")
+    if family.images_beside_text:
+        return _no_estimate("a dual encoder's towers are not planned from the config yet (the train job estimates them)")
+    settings = model_shape.with_defaults(source.get("architecture"), settings)
+    if settings.get("text_config") or settings.get("vision_config"):
+        return _no_estimate("a multimodal config is not planned from the config yet")
+    vocab = settings.get("vocab_size") or tokenizer_vocab(run.model_def)
+    settings = {**settings, "vocab_size": vocab} if vocab else settings
+    labels = len(run.dataset_def.get("labels") or ()) or 2
+    facts = memory_estimate.facts_from_config(settings, run, family.takes_num_labels, labels)
+    manifest = manifest or prepared_manifest(run, data_root) or {}
+    manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run), **manifest}
+    figures = family.memory_estimate(facts, run, manifest)
+    notes = []
+    if run.batching in ("pack", "padding_free") and memory_estimate.mean_tokens(manifest) is None:
+        notes.append("packed rows taken as full (data not prepared yet: its mean length is unknown)")
+    if run.parallel == "dp" and run.devices > 1:
+        notes.append("dp: GPU 0 also gathers every replica's outputs, not modelled (the estimate is a replica's)")
+    figures["plan_note"] = "; ".join(notes) or None
+    return figures
+
+
+def _no_estimate(note: str) -> dict:
+    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": note, "plan_note": None}
+
+
+def tokenizer_vocab(model_def: dict) -> int | None:
+    """The vocabulary of a local tokenizer folder (tokenizer.json or vocab.txt), read without transformers."""
+    source = tokenizer_source(model_def)
+    if not source or source.get("kind") not in ("path", "package"):
+        return None
+    try:
+        folder = Path(sources.resolve_location(source))
+        if (folder / "tokenizer.json").is_file():
+            data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+            vocab = data.get("model", {}).get("vocab") or {}
+            added = {token["id"] for token in data.get("added_tokens") or ()} - set(vocab.values() if isinstance(vocab, dict) else ())
+            return len(vocab) + len(added) or None
+        if (folder / "vocab.txt").is_file():
+            return sum(1 for _ in (folder / "vocab.txt").open(encoding="utf-8")) or None
+    except (OSError, ValueError, Exception):  # noqa: BLE001 - a plan goes on without the tokenizer's vocabulary
+        return None
+    return None
+
+
+def prepared_manifest(run: RunSpec, data_root: str | Path | None) -> dict | None:
+    """The run's prepared data manifest, where it is prepared already."""
+    if data_root is None:
+        return None
+    path = Path(data_root) / run.data_id / prepared.MANIFEST_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def capacity_mib(gpu: dict) -> float:
+    """The memory training can allocate on a GPU of the table (see the module's docstring)."""
+    return gpu["memory_gb"] * MIB_PER_GIB - CUDA_CONTEXT_MIB
+
+
+def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None) -> dict:
+    """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch."""
+    figures = run_estimate(run, data_root)
+    rows = []
+    for gpu in gpus:
+        if not gpu.get("memory_gb") or figures["memory_estimate_mb"] is None:
+            continue
+        capacity = capacity_mib(gpu)
+        largest = memory_estimate.largest_fitting_batch(
+            lambda batch: run_estimate(run, data_root, batch)["memory_estimate_mb"], capacity)
+        rows.append({"gpu": gpu["name"], "capacity_mib": capacity,
+                     "fits": memory_estimate.fit(figures["memory_estimate_mb"], capacity), "largest_batch": largest})
+    return {**figures, "gpus": rows}
+
+
+def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, manifest: dict | None = None) -> str | None:
+    """The status_reason of a run predicted not to fit its own GPU ("no": beyond the error band), else None.
+    A run with auto_batch_size searches for what fits instead, and one without an estimate is launched."""
+    if run.auto_batch_size or getattr(run, "confirm_oom", False):
+        return None
+    figures = run_estimate(run, manifest=manifest)
+    estimate = figures["memory_estimate_mb"]
+    capacity = capacity_bytes / 2**20 - CUDA_CONTEXT_MIB
+    if estimate is None or memory_estimate.fit(estimate, capacity) != "no":
+        return None
+    return (f"predicted not to fit: estimate {estimate / MIB_PER_GIB:.1f} GiB > {capacity / MIB_PER_GIB:.1f} GiB on "
+            f"{device_name} (set confirm_oom: true to run it anyway)")
+
