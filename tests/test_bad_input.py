@@ -538,3 +538,85 @@ def test_a_broken_json_lines_file_names_the_key_and_the_file(tmp_path):
     path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"\n')
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.source: .*broken.jsonl cannot be read as json"):
         prepared.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Image files: every image is decoded once at preparation; a bad one is one line naming the file and its
+# row (or, with on_bad_image: skip, a dropped row counted as bad_image); a missing file is refused at parse time.
+
+VIT = {"task": "image_classification", "source": {
+    "kind": "config", "architecture": "ViTConfig", "overrides": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                                "intermediate_size": 64, "patch_size": 4, "image_size": 16}}}
+
+
+def _image_table(tmp_path, bad: dict[str, bytes | None]) -> dict:
+    """A folder of 24 good PNGs plus the ``bad`` files (name -> bytes; None: named in the table, absent)."""
+    from conftest import png_bytes, write_image_folder
+
+    names = [f"img{index}.png" for index in range(24)] + list(bad)
+    rows = pd.DataFrame({"file": names, "label": ["cat" if index % 3 else "dog" for index in range(len(names))]})
+    write_image_folder(tmp_path, rows.iloc[:24], "good.csv")
+    for name, raw in bad.items():
+        if raw is not None:
+            (tmp_path / name).write_bytes(raw)
+    rows.to_csv(tmp_path / "labels.csv", index=False)
+    return {"source": {"kind": "path", "path": str(tmp_path / "labels.csv")}, "image_column": "file", "label_column": "label",
+            "train_size": 16, "eval_size": 6}
+
+
+def _bad_images() -> dict:
+    from conftest import png_bytes
+
+    return {"truncated.png": png_bytes(99)[:60], "notes.png": b"this is a text file, not an image\n", "gone.png": None}
+
+
+@pytest.mark.parametrize("name, why", [
+    ("truncated.png", r"cannot be decoded \((OSError|SyntaxError|UnidentifiedImageError)"),
+    ("notes.png", r"cannot be decoded \(UnidentifiedImageError"),
+    ("gone.png", r"does not exist"),
+])
+def test_a_bad_image_is_one_line_naming_the_file_and_its_row(tmp_path, name, why):
+    row = 25  # after the 24 good images
+    dataset_def = _image_table(tmp_path, {name: _bad_images()[name]})
+    with pytest.raises(FtbenchError) as raised:
+        registry.prepare("imgs", dataset_def, VIT, 32, tmp_path / "out", 128, "vit", 16)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("config key datasets.imgs: 1 bad image(s): image file ")
+    assert name in message and f"data row {row})" in message and "on_bad_image: skip" in message
+    assert __import__("re").search(why, message), message
+
+
+def test_on_bad_image_skip_drops_the_rows_and_counts_them(tmp_path):
+    dataset_def = _image_table(tmp_path, _bad_images())
+    manifest = registry.prepare("imgs", {**dataset_def, "on_bad_image": "skip"}, VIT, 32, tmp_path / "out", 128, "vit", 16)
+    assert manifest["rows_dropped"]["train"]["bad_image"] == 3
+    assert manifest["splits"]["train"]["rows"] == 16 and manifest["splits"]["eval"]["rows"] == 6
+
+
+def test_a_missing_image_file_is_refused_at_parse_time(tmp_path):
+    """snakemake -n must not say all is well when the table names a file that is not there."""
+    dataset_def = _image_table(tmp_path, {"gone.png": None})
+    config = {"models": {"vit": VIT}, "datasets": {"imgs": dataset_def},
+              "defaults": {"method": "full", "batch_size": 4, "max_steps": 3, "warmup_steps": 1, "device": "cpu",
+                           "num_gpus": 0, "image_size": 16},
+              "matrix": {"model": ["vit"], "dataset": ["imgs"]}}
+    with pytest.raises(FtbenchError, match=r"^config key datasets.imgs.image_column: 1 image file\(s\) do not exist: "
+                                           r".*gone.png \(split 'train', data row 25\)"):
+        ftbench_config.validate_config(config)
+    config["datasets"]["imgs"]["on_bad_image"] = "skip"
+    ftbench_config.validate_config(config)
+
+
+def test_a_16_bit_grey_png_is_scaled_not_clipped_to_white(tmp_path):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from ftbench.data import images
+
+    grey = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)
+    buffer = io.BytesIO()
+    Image.fromarray(grey).save(buffer, format="PNG")
+    pixels = images.decode(buffer.getvalue(), 8, None)
+    assert pixels.min() == 0 and pixels.max() == 245 and len(np.unique(pixels)) > 32

@@ -17,7 +17,7 @@ import jsonschema
 import yaml
 
 from ftbench import runspec
-from ftbench.data import sources
+from ftbench.data import images, sources
 from ftbench.errors import ConfigError
 from ftbench.experiment import batching_modes
 from ftbench.runspec import RunSpec
@@ -225,6 +225,7 @@ def check_references(config: dict) -> None:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
     check_budget(config)
     check_dataset_columns(config, runs)
+    check_image_files(config, runs)
     for run in runs:
         check_run(run, config)
         limit = sources.model_max_seq_len(models[run.model])
@@ -407,6 +408,20 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
                     f"config key datasets.{name}.{key}: column {column!r} is not in {location}; "
                     f"expected one of its columns: {', '.join(map(str, header))}"
                 )
+
+
+def check_image_files(config: dict, runs: list[RunSpec]) -> None:
+    """Image paths of a local table that name no file, before any job (with on_bad_image: skip, preparation
+    drops them instead). Decoding every image is preparation's: here each path is only stat-ed."""
+    image_datasets = {run.dataset for run in runs if registry.model_family(run.model_def).modality == "image"}
+    for name in sorted(image_datasets):
+        where = f"datasets.{name}"
+        missing = images.missing_image_files(config["datasets"][name], where)
+        if missing:
+            more = f"; and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ConfigError(f"config key {where}.image_column: {len(missing)} image file(s) do not exist: "
+                              f"{'; '.join(missing[:3])}{more}; fix the paths (relative ones start from "
+                              f"{where}.image_folder, else the data file's folder), or set {where}.on_bad_image: skip")
 
 
 def check_gpu_limit(config: dict, limit: int | None) -> None:

@@ -199,6 +199,7 @@ def _caption_frames(dataset_name: str, dataset_def: dict, dropped: dict):
         frame = frame[frame["caption"].astype(str).str.strip() != ""]
         dropped[name] = {"missing_or_empty": before - len(frame)}
         tables[name] = frame.reset_index(drop=True)
+    tables = images.check_images(tables, dataset_def, where, folder, dropped)
     # Stratified by class where the captions come from classes (each class in both splits).
     return (*images.train_and_eval(tables, dataset_def, where), folder)
 
