@@ -433,6 +433,38 @@ def test_a_misspelt_config_override_is_refused_with_the_setting_it_resembles():
     modeling.check_overrides(transformers.GPT2Config, {"n_embd": 32, "hidden_size": 32}, "x")  # attribute_map names pass
 
 
+@pytest.mark.parametrize("architecture, overrides, message", [
+    ("LlamaConfig", {"hidden_size": 64, "num_hidden_layer": 2},
+     r"overrides: 'num_hidden_layer' \(did you mean 'num_hidden_layers'\?\) is not a setting of LlamaConfig"),
+    ("GPT2Config", {"n_embd": 32, "n_layers": 2}, r"overrides: 'n_layers' \(did you mean 'n_layer'\?\)"),
+    ("CLIPConfig", {"text_config": {"hiden_size": 32}}, r"overrides.text_config: 'hiden_size' \(did you mean 'hidden_size'\?\) "
+                                                         r"is not a setting of CLIPTextConfig"),
+])
+def test_a_misspelt_override_is_refused_at_parse_time(tiny_config_factory, architecture, overrides, message):
+    """Read from the config class's source (no torch import); the job's check_overrides stays as the backstop."""
+    config = tiny_config_factory()
+    config["models"]["tiny"]["source"] = {"kind": "config", "architecture": architecture, "overrides": overrides,
+                                          "tokenizer": MINILM["source"]}
+    with pytest.raises(FtbenchError, match=rf"^config key models.tiny.source.{message}"):
+        ftbench_config.validate_config(config)
+
+
+@pytest.mark.parametrize("architecture", ["GPT2Config", "LlamaConfig", "BertConfig", "T5Config", "ViTConfig", "CLIPConfig",
+                                          "CLIPTextConfig", "LlavaConfig", "SiglipConfig", "Qwen2Config", "BartConfig"])
+def test_parse_time_override_names_cover_what_the_config_class_takes(architecture):
+    """The source-read settings accept every name the job's check (the class itself) accepts."""
+    import inspect
+
+    import transformers
+    from transformers import GenerationConfig, PretrainedConfig
+
+    config_class = getattr(transformers, architecture)
+    real = set(inspect.signature(config_class.__init__).parameters) | set(inspect.signature(PretrainedConfig.__init__).parameters)
+    real |= set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {})) | set(GenerationConfig().to_dict())
+    known, _ = sources.config_settings(architecture)
+    assert real - {"self", "args", "kwargs"} <= known
+
+
 @pytest.mark.parametrize("text, message", [
     ("models: [{name: A100, match: A100}]\nproviders: {aws: {on_demand: {A100: 1.0}}\n", r"not valid YAML"),
     ("models: [{name: A100, match: 5}]\nproviders: {aws: {on_demand: {A100: 1.0}}}\n", r"match 5 must be a regular expression"),
