@@ -158,6 +158,52 @@ def test_manifest_records_the_rows_dropped(tmp_path):
                                                   "duplicates": 1}}
 
 
+def test_dropped_rows_are_results_at_preparation_in_the_runs_summary_and_report(tmp_path, capsys):
+    """Printed once by prepare-data, carried into every run's metrics as rows_dropped_* columns, one line per
+    dataset in summary.txt and the report's data section."""
+    import json
+
+    from ftbench import cli
+    from ftbench.report import columns, summary
+
+    rows = make_rows({"neg": 50, "pos": 50})
+    rows += [dict(rows[0]), dict(rows[1]), {"text": "", "label": "neg"}, {"text": rows[2]["text"], "label": "other"},
+             {"text": rows[3]["text"], "label": "pos" if rows[3]["label"] == "neg" else "neg"}]
+    dataset_def = tiny_dataset_def(labelled_csv_rows(tmp_path, rows), train_size=60, eval_size=30, labels=["neg", "pos"])
+    job = {"dataset": "tiny", "dataset_def": dataset_def, "model_def": MINILM, "seq_len": 32, "model": "m"}
+    cli.prepare_data(["--preparation", json.dumps(job), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "prepared tiny: rows dropped: missing_or_empty 1, other_labels 1, conflicting_labels 2, duplicates 2" in printed
+    figures = prepared.dropped_columns(prepared.verify(tmp_path / "out"))
+    assert figures["rows_dropped_duplicates"] == 2 and figures["rows_dropped_total"] == 6
+    assert figures["rows_dropped_bad_image"] == 0
+    assert prepared.dropped_columns({"rows_dropped": {}})["rows_dropped_total"] is None  # synthetic: not cleaned
+    spec = {"run_id": "r", "dataset": "tiny", "model_def": MINILM, "dataset_def": dataset_def}
+    row = columns.row_from_result({"spec": spec, "metrics": {"status": "ok", **figures}})
+    assert set(figures) <= set(columns.COLUMNS) and row["rows_dropped_conflicting_labels"] == 2
+    frame = pd.DataFrame([row, {**row, "run_id": "r2"}])
+    assert summary.dropped_rows(frame) == [("tiny", "missing_or_empty 1, other_labels 1, conflicting_labels 2, duplicates 2")]
+    assert "data tiny: rows dropped at preparation: missing_or_empty 1" in summary.outcome_summary(frame.assign(status_reason=None), "t")
+
+
+def test_the_default_experiments_dedupe_drops_show_in_the_summary(tmp_path):
+    """config/config.yaml's dataset holds repeated snippets: the drops are a visible result, not a silent cut."""
+    from pathlib import Path
+
+    from ftbench.report import columns, summary
+
+    config = ftbench_config.load_config(Path(__file__).parents[1] / "config" / "config.yaml")
+    name, dataset_def = next(iter(config["datasets"].items()))
+    counts: dict = {}
+    prepared.load_raw_splits(dataset_def, name, dropped=counts)
+    figures = prepared.dropped_columns({"rows_dropped": counts})
+    assert figures["rows_dropped_duplicates"] > 0
+    row = columns.row_from_result({"spec": {"run_id": "r", "dataset": name, "model_def": MINILM, "dataset_def": dataset_def},
+                                   "metrics": {"status": "ok", **figures}})
+    (line,) = summary.dropped_rows_lines(pd.DataFrame([row]))
+    assert line.startswith(f"data {name}: rows dropped at preparation: ") and f"duplicates {figures['rows_dropped_duplicates']}" in line
+
+
 # ---------------------------------------------------------------------------------------------------
 # Models
 
@@ -652,3 +698,16 @@ def test_a_16_bit_grey_png_is_scaled_not_clipped_to_white(tmp_path):
     Image.fromarray(grey).save(buffer, format="PNG")
     pixels = images.decode(buffer.getvalue(), 8, None)
     assert pixels.min() == 0 and pixels.max() == 245 and len(np.unique(pixels)) > 32
+
+
+def test_the_reports_data_section_shows_the_rows_dropped(tmp_path):
+    from test_report import fixture_runs, write_fixture
+
+    from ftbench.report import report_page
+
+    runs, _ = fixture_runs("single")
+    runs = runs.assign(dataset="reviews", rows_dropped_duplicates=12, rows_dropped_also_in_train=3, rows_dropped_total=15)
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert '<h2 id="data">Data</h2>' in page and "<th>reviews</th><td>duplicates 12, also_in_train 3</td>" in page

@@ -38,6 +38,42 @@ DEFAULT_SHARD_SIZE_MB = 128
 
 LABELLED_TEXT_ROLES = {"text": "text_column", "label": "label_column"}
 
+# Why preparation leaves a source row out: the rules of the manifest's rows_dropped (source split -> rule ->
+# rows), in the order a reader meets them. Each is a column of the runs that used the data (rows_dropped_<rule>).
+DROP_REASONS = {
+    "missing_or_empty": "a missing or empty text, label, image or target",
+    "other_labels": "a label that is not among the dataset's labels",
+    "conflicting_labels": "a text given two different labels (every copy dropped; deduplicate)",
+    "duplicates": "a repeated text (one copy kept; deduplicate)",
+    "also_in_train": "an eval row whose text is also in train (named eval splits; deduplicate)",
+    "bad_image": "an image file that is missing, truncated or not an image (on_bad_image: skip)",
+    "empty_answer": "vision_language: an answer with no tokens",
+}
+
+
+def dropped_by_reason(rows_dropped: dict) -> dict[str, int]:
+    """Rows left out per rule over every source split (the manifest's rows_dropped), rules in DROP_REASONS order."""
+    totals: dict[str, int] = {}
+    for counts in (rows_dropped or {}).values():
+        for rule, count in counts.items():
+            totals[rule] = totals.get(rule, 0) + int(count)
+    return dict(sorted(totals.items(), key=lambda item: list(DROP_REASONS).index(item[0]) if item[0] in DROP_REASONS else 99))
+
+
+def dropped_columns(manifest: dict) -> dict:
+    """The run's rows_dropped_<rule> and rows_dropped_total figures from its data's manifest; null for data
+    that is not cleaned (synthetic)."""
+    rows_dropped = manifest.get("rows_dropped") or {}
+    totals = dropped_by_reason(rows_dropped)
+    columns = {f"rows_dropped_{rule}": totals.get(rule, 0) if rows_dropped else None for rule in DROP_REASONS}
+    columns["rows_dropped_total"] = sum(totals.values()) if rows_dropped else None
+    return columns
+
+
+def dropped_summary(rows_dropped: dict) -> str:
+    """``duplicates 12, also_in_train 3`` (rules with no rows left out), or ``none``."""
+    return _dropped_text(dropped_by_reason(rows_dropped))
+
 
 def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", roles: dict[str, str] = LABELLED_TEXT_ROLES,
                     dropped: dict | None = None, purpose: str = "classification"):

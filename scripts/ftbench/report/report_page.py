@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench.report import analysis, figures, pages
+from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
 from ftbench.report.collect import typed
@@ -429,6 +430,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
         figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
         environment=environment(runs),
+        data=summary_text.dropped_rows(runs),
         conventions=CONVENTIONS,
     )
     return written
