@@ -90,6 +90,25 @@ def test_entries_that_change_nothing_are_warned_about(tiny_config_factory):
     assert not ftbench_config.experiment_warnings(tiny_config_factory())
 
 
+@pytest.mark.parametrize("edit, key, when", [
+    (lambda c: c["defaults"].update(fsdp_cpu_offload=True), "defaults.fsdp_cpu_offload", "parallel fsdp"),
+    (lambda c: c["matrix"].update(method=["full"]), "defaults.lora_rank, defaults.lora_targets", "method lora or qlora"),
+    (lambda c: c["defaults"].update(qlora_quant_type="fp4"), "defaults.qlora_quant_type", "method qlora"),
+    (lambda c: c["defaults"].update(warmup_max_steps=20), "defaults.warmup_max_steps", "warmup_until_stable true"),
+    (lambda c: c["matrix"].update(epochs=[2, 3]), "matrix.epochs[0], matrix.epochs[1]", "max_steps is null"),
+    (lambda c: c.update(include=[{"model": "tiny", "dataset": "tiny", "method": "lora", "batch_size": 4,
+                                  "auto_batch_size_max": 64}]), "include[0].auto_batch_size_max", "auto_batch_size true"),
+])
+def test_a_setting_no_run_uses_is_warned_about_naming_the_key(tiny_config_factory, edit, key, when):
+    """Every RunSpec setting that applies only to some runs (its `applies` metadata) warns when given but unused."""
+    config = tiny_config_factory()
+    edit(config)
+    ftbench_config.validate_config(config)
+    messages = [m for m in ftbench_config.experiment_warnings(config) if "no run uses it" in m]
+    assert messages == [f"config key {key}: no run uses it (it applies only with {when}, and no run of the experiment "
+                        "has that); it changes nothing"]
+
+
 def test_warnings_reach_the_user_of_snakemake(tmp_path, tiny_config_factory, snakemake_runner):
     process = dry_run(tmp_path, tiny_config_factory(exclude=[{"method": "qlora"}]), snakemake_runner)
     assert process.returncode == 0, process.stderr[-2000:]

@@ -9,6 +9,7 @@ schema cannot (names that must exist, sources that must be on disk).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.resources
 from pathlib import Path
 from typing import Any, Iterable
@@ -260,7 +261,27 @@ def experiment_warnings(config: dict) -> list[str]:
     for index in unused["include"]:
         messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix or an earlier include already has; "
                         "it is measured once")
-    return messages
+    return messages + unused_settings(config, matrix.expand_runs(config))
+
+
+def unused_settings(config: dict, runs: list[RunSpec]) -> list[str]:
+    """Settings given (in defaults, matrix, include or overrides) that no run uses: a setting that applies only
+    to some runs (RunSpec's ``applies``: lora_* with an adapter, qlora_* with QLoRA, fsdp_* with fsdp, ...)
+    changes nothing when none of the runs is such a run. Given at its default value it is not reported.
+    One warning per condition, naming every key it covers."""
+    unused: dict[str, list[str]] = {}  # applies_when -> keys
+    for field in runspec.settings_fields():
+        meta = field.metadata["setting"]
+        if meta.applies is None or not runs or any(meta.applies(vars(run)) for run in runs):
+            continue
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        for where, block in _settings_blocks(config):
+            # A matrix entry is an axis (a list of values); elsewhere a list is one value (lora_targets).
+            given = _indexed(block.get(field.name), f"{where}.{field.name}") if where == "matrix" else \
+                ([(f"{where}.{field.name}", block[field.name])] if field.name in block else [])
+            unused.setdefault(meta.applies_when, []).extend(key for key, value in given if value != default)
+    return [f"config key {', '.join(keys)}: no run uses it (it applies only with {when}, and no run of the experiment "
+            "has that); it changes nothing" for when, keys in unused.items() if keys]
 
 
 def _check_batching(run: RunSpec, config: dict, family) -> None:
