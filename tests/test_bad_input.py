@@ -730,3 +730,39 @@ def test_the_reports_data_section_shows_the_rows_dropped(tmp_path):
     report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert '<h2 id="data">Data</h2>' in page and "<th>reviews</th><td>duplicates 12, also_in_train 3</td>" in page
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages name what the user may write and where in the file
+
+
+def test_an_undecodable_byte_is_named_by_its_file_offset_and_line(tmp_path):
+    """pandas reports an offset within the block it was decoding; the message gives the file's and the line."""
+    head = "".join(f"review number {index} is fine,{'ab'[index % 2]}\n" for index in range(20000)).encode()
+    path = tmp_path / "reviews.csv"
+    path.write_bytes(b"text,label\n" + head + "caf\xe9 au lait,a\n".encode("latin-1"))
+    offset = len(b"text,label\n" + head) + 3
+    with pytest.raises(FtbenchError, match=rf"is not utf-8 text \(byte 0xe9 at file offset {offset}, line 20002\)"):
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=10, eval_size=10), "tiny")
+
+
+def test_a_broken_json_lines_file_names_its_first_bad_line(tmp_path):
+    path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n{"text": "c", "label": \n')
+    with pytest.raises(FtbenchError, match=r"first bad line 3, column \d+"):
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["defaults"].update(qlora_compute_dtype="fp8"), r"'fp8' is not allowed; expected one of null, 'fp32', 'fp16', 'bf16'$"),
+    (lambda c: c["models"]["tiny"]["source"].update(kind="synthetic"), None),  # schema allows; check_source refuses
+    (lambda c: c["models"]["tiny"]["source"].update(kind="huub"),
+     r"models.tiny.source.kind: 'huub' is not allowed; expected one of 'hub', 'path', 'package', 'config'$"),
+    (lambda c: c["datasets"]["tiny"]["source"].update(kind="huub"),
+     r"datasets.tiny.source.kind: 'huub' is not allowed; expected one of 'hub', 'path', 'package', 'synthetic'$"),
+    (lambda c: c["defaults"].update(auto_batch_size_max=None), r"auto_batch_size_max: expected integer, got null$"),
+])
+def test_messages_name_only_values_the_key_allows(tiny_config_factory, edit, message):
+    config = tiny_config_factory()
+    edit(config)
+    with pytest.raises(FtbenchError, match=message or r"'synthetic' makes random token data; a model needs hub, path, package or config"):
+        ftbench_config.validate_config(config)

@@ -338,10 +338,10 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
                     pass
             return pd.read_json(location, lines=True, encoding=encoding, nrows=nrows)
         return pd.read_parquet(location)
-    except UnicodeDecodeError as exc:
+    except UnicodeDecodeError:
         raise SourceError(
-            f"config key {where}.encoding: {location} is not {encoding} text (byte {exc.object[exc.start]:#04x} at "
-            f"offset {exc.start}); set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
+            f"config key {where}.encoding: {location} is not {encoding} text ({undecodable_at(location, encoding)}); "
+            f"set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
         ) from None
     except LookupError:
         raise ConfigError(f"config key {where}.encoding: {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
@@ -350,9 +350,52 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
     except (ValueError, pd.errors.ParserError, OSError) as exc:
         # pandas (a malformed CSV row, broken JSON) and pyarrow (ArrowInvalid is a ValueError: not Parquet) say
         # what is wrong but not which setting to fix.
-        detail = " ".join(str(exc).split())[:200]
+        detail = " ".join(str(exc).split())[:200] + (bad_json_line(location, encoding) if data_format == "json" else "")
         raise SourceError(f"config key {where}.source: {location} cannot be read as {data_format} ({detail}); "
                           f"fix the file, or set {where}.format to its real format (csv, json or parquet)") from None
+
+
+def _text_bytes(location: Path) -> bytes:
+    """A data file's bytes, decompressed as pandas reads it (by suffix)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}.get(location.suffix.lower(), open)
+    with opener(location, "rb") as handle:
+        return handle.read()
+
+
+def undecodable_at(location: Path, encoding: str) -> str:
+    """Where a file stops being ``encoding`` text: the byte, its offset in the file (pandas' error gives an offset
+    within the block it was decoding) and its line. Offsets of a compressed file are of its decompressed text."""
+    try:
+        raw = _text_bytes(location)
+        raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        compressed = " of the decompressed text" if location.suffix.lower() in COMPRESSION_SUFFIXES else ""
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return f"byte {raw[exc.start]:#04x} at file offset {exc.start}{compressed}, line {line}"
+    except (OSError, EOFError, LookupError):
+        pass
+    return "a byte that does not decode"
+
+
+def bad_json_line(location: Path, encoding: str) -> str:
+    """``; first bad line N`` of a JSON Lines file, where one line is not a JSON object ('' when none is found)."""
+    try:
+        lines = _text_bytes(location).decode(encoding).splitlines()
+    except (OSError, EOFError, ValueError, LookupError):
+        return ""
+    if len(lines) < 2 or lines[0].lstrip().startswith("["):
+        return ""  # one JSON document: the parser's message is all there is
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                return f"; first bad line {number}, column {exc.colno}: {exc.msg}" if hasattr(exc, "colno") else f"; first bad line {number}"
+    return ""
 
 
 def pretrained_args(source: dict) -> tuple[str, dict]:

@@ -141,14 +141,15 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
             return f"config key {names}: unknown key; allowed here: {', '.join(allowed)}"
         return f"config key {names}: unknown key"
     if kind == "enum":
-        allowed = ", ".join(repr(value) for value in error.validator_value)
-        return f"config key {path}: {error.instance!r} is not allowed; expected one of {allowed}"
+        allowed = ", ".join(yaml_value(value) for value in allowed_here(error.absolute_path, error.validator_value))
+        return f"config key {path}: {yaml_value(error.instance)} is not allowed; expected one of {allowed}"
     if kind == "const":
-        return f"config key {path}: expected {error.validator_value!r}, got {error.instance!r}"
+        return f"config key {path}: expected {yaml_value(error.validator_value)}, got {yaml_value(error.instance)}"
     if kind == "type":
         expected = error.validator_value
         expected = " or ".join(expected) if isinstance(expected, list) else expected
-        return f"config key {path}: expected {expected}, got {type(error.instance).__name__} {error.instance!r}"
+        got = "null" if error.instance is None else f"{type(error.instance).__name__} {yaml_value(error.instance)}"
+        return f"config key {path}: expected {expected}, got {got}"
     if kind in ("minItems", "minProperties"):
         if error.validator_value > 1:
             return f"config key {path}: needs at least {error.validator_value} entries, got {len(error.instance)}"
@@ -170,12 +171,36 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
     return f"config key {path}: {' '.join(error.message.split())}"
 
 
+# Source kinds one schema shares between models, datasets and tokenizers, of which each role takes some
+# (sources.check_source refuses the others): a message lists only those of the key's role.
+KINDS_OF_ROLE = {"models": ("hub", "path", "package", "config"), "datasets": ("hub", "path", "package", "synthetic"),
+                 "tokenizer": ("hub", "path", "package")}
+
+
+def allowed_here(path, values: list) -> list:
+    """The enum ``values`` a key at ``path`` may take: a source's kind only the kinds of its role."""
+    parts = list(path)
+    if parts[-2:-1] == ["source"] or parts[-2:-1] == ["tokenizer"]:
+        role = "tokenizer" if parts[-2] == "tokenizer" else parts[0]
+        return [value for value in values if value in KINDS_OF_ROLE.get(role, values)]
+    return list(values)
+
+
+def yaml_value(value: Any) -> str:
+    """A value as it is written in YAML (null, true), strings quoted: a message names what the user may write."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
 def describe_allowed(schema: dict) -> str:
     """A short phrase for what one (sub)schema accepts, e.g. ``null`` or ``integer >= 1``."""
     if "const" in schema:
-        return repr(schema["const"])
+        return yaml_value(schema["const"])
     if "enum" in schema:
-        return "one of " + ", ".join(repr(value) for value in schema["enum"])
+        return "one of " + ", ".join(yaml_value(value) for value in schema["enum"])
     kind = schema.get("type", "value")
     text = " or ".join(kind) if isinstance(kind, list) else kind
     if kind == "array":
