@@ -193,10 +193,12 @@ def test_dropped_rows_are_results_at_preparation_in_the_runs_summary_and_report(
     cli.prepare_data(["--preparation", json.dumps(job), "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     assert "prepared tiny: rows dropped: missing_or_empty 1, other_labels 1, conflicting_labels 2, duplicates 2" in printed
-    figures = prepared.dropped_columns(prepared.verify(tmp_path / "out"))
+    figures = prepared.data_columns(prepared.verify(tmp_path / "out"))
     assert figures["rows_dropped_duplicates"] == 2 and figures["rows_dropped_total"] == 6
     assert figures["rows_dropped_bad_image"] == 0
-    assert prepared.dropped_columns({"rows_dropped": {}})["rows_dropped_total"] is None  # synthetic: not cleaned
+    assert prepared.data_columns({"rows_dropped": {}})["rows_dropped_total"] is None  # synthetic: not cleaned
+    labels = registry.load_split(tmp_path / "out", "eval", prepared.verify(tmp_path / "out")).labels
+    assert figures["eval_majority_class_rate"] == max((labels == 0).mean(), (labels == 1).mean()) >= 0.5
     spec = {"run_id": "r", "dataset": "tiny", "model_def": MINILM, "dataset_def": dataset_def}
     row = columns.row_from_result({"spec": spec, "metrics": {"status": "ok", **figures}})
     assert set(figures) <= set(columns.COLUMNS) and row["rows_dropped_conflicting_labels"] == 2
@@ -215,7 +217,7 @@ def test_the_default_experiments_dedupe_drops_show_in_the_summary(tmp_path):
     name, dataset_def = next(iter(config["datasets"].items()))
     counts: dict = {}
     prepared.load_raw_splits(dataset_def, name, dropped=counts)
-    figures = prepared.dropped_columns({"rows_dropped": counts})
+    figures = prepared.data_columns({"rows_dropped": counts})
     assert figures["rows_dropped_duplicates"] > 0
     row = columns.row_from_result({"spec": {"run_id": "r", "dataset": name, "model_def": MINILM, "dataset_def": dataset_def},
                                    "metrics": {"status": "ok", **figures}})
@@ -362,6 +364,8 @@ def test_config_model_takes_its_tokenizers_vocabulary_through_train_run(tmp_path
     registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path / "data")
     metrics, _ = trainer.train_run(spec, tmp_path / "data")
     assert metrics["status"] == "ok", metrics["status_reason"]
+    # the job carries its data's figures: rows dropped (a result), no majority class for a language model
+    assert metrics["rows_dropped_total"] == 0 and metrics["eval_majority_class_rate"] is None
     implied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SMALL, vocab_size=30522))
     assert metrics["total_params"] == sum(p.numel() for p in implied.parameters())
     assert metrics["total_params"] < sum(p.numel() for p in transformers.GPT2LMHeadModel(

@@ -115,6 +115,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
+    "eval_majority_class_rate": ("Float64", "classification: share of the eval split's most common class, the accuracy of always "
+                                           "answering it (what eval_accuracy is read against; the whole eval split, "
+                                           "also with max_eval_samples); null for other tasks and synthetic data"),
     # data: source rows preparation left out, by rule, summed over the source splits (the data manifest's
     # rows_dropped); null for synthetic data. Filter or sum them like any count: runs.rows_dropped_duplicates.
     **{f"rows_dropped_{rule}": ("Int64", f"source rows dropped: {meaning}") for rule, meaning in prepared.DROP_REASONS.items()},

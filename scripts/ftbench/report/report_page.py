@@ -24,7 +24,7 @@ TABLE_COLUMNS = [
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
     "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images",
+    "eval_perplexity", "eval_samples", "eval_majority_class_rate", "eval_loss", "mfu", "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
 ]

@@ -87,7 +87,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                    world_size=spec.devices if (device.type == "cuda" or dist.active) else 1)
     modeling.check_supported(spec, device)
     manifest = prepared.verify(data_dir)
-    metrics.update(prepared.dropped_columns(manifest))  # rows the data left out are part of the run's result
+    metrics.update(prepared.data_columns(manifest))  # rows dropped, majority-class rate: part of the result
     set_seed(spec.seed)
     load_started = time.perf_counter()
     train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
