@@ -86,7 +86,6 @@ def check_source(source: dict, where: str, role: str) -> None:
         if role != "model":
             raise ConfigError(f"config key {where}.kind: 'config' builds a model; a dataset needs hub, path or package")
         check_architecture(source["architecture"], f"{where}.architecture")
-        check_override_keys(source["architecture"], source.get("overrides") or {}, f"{where}.overrides")
         # Without a tokenizer a config model can still train on synthetic token data.
         if "tokenizer" in source:
             check_source(source["tokenizer"], f"{where}.tokenizer", role="tokenizer")

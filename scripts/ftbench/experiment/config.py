@@ -260,6 +260,11 @@ def check_references(config: dict) -> None:
                 f"config key {_setting_key(config, 'seq_len', run.seq_len)}: {run.seq_len} exceeds model "
                 f"{run.model!r} maximum of {limit} positions; expected a value <= {limit}"
             )
+    # After the runs' checks: a task family's refusal of the architecture itself says more than its settings'.
+    for name, model in models.items():
+        if model["source"]["kind"] == "config":
+            sources.check_override_keys(model["source"]["architecture"], model["source"].get("overrides") or {},
+                                        f"models.{name}.source.overrides")
 
 
 def check_budget(config: dict) -> None:
