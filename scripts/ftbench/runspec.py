@@ -37,10 +37,14 @@ class Setting:
     # When this returns False for a run's settings, the setting has no effect and is normalised to None
     # (so runs that differ only in it share one id).
     applies: Callable[[dict], bool] | None = None
+    # The same in words, for the warning when a setting is given but no run uses it ("method lora or qlora").
+    applies_when: str | None = None
 
 
-def setting(default: Any, doc: str, schema: dict, column: str | None = None, name_part=None, applies=None):
-    meta = Setting(doc=doc, schema=schema, column=column, name_part=name_part, applies=applies)
+def setting(default: Any, doc: str, schema: dict, column: str | None = None, name_part=None, applies=None,
+            applies_when: str | None = None):
+    meta = Setting(doc=doc, schema=schema, column=column, name_part=name_part, applies=applies,
+                   applies_when=applies_when or APPLIES_WHEN.get(applies))
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata={"setting": meta})
     return field(default=default, metadata={"setting": meta})
@@ -56,6 +60,13 @@ def _is_adapter(settings: dict) -> bool:
 
 def _is_qlora(settings: dict) -> bool:
     return settings.get("method") == "qlora"
+
+
+def _is_fsdp(settings: dict) -> bool:
+    return settings.get("parallel") == "fsdp"
+
+
+APPLIES_WHEN = {_is_adapter: "method lora or qlora", _is_qlora: "method qlora", _is_fsdp: "parallel fsdp"}
 
 
 LORA_TARGETS_SCHEMA = {
@@ -134,16 +145,16 @@ class RunSpec:
         True, "fsdp: free each layer's gathered parameters after its forward pass (less memory, one more all-gather in "
         "backward); false keeps them until backward", {"type": "boolean"}, "boolean",
         name_part=lambda s: "noreshard" if s.parallel == "fsdp" and not s.fsdp_reshard_after_forward else None,
-        applies=lambda settings: settings.get("parallel") == "fsdp")
+        applies=_is_fsdp)
     fsdp_cpu_offload: bool = setting(
         False, "fsdp: keep parameters, gradients and optimizer state in host memory between uses (fits larger models, "
         "slower)", {"type": "boolean"}, "boolean",
         name_part=lambda s: "offload" if s.parallel == "fsdp" and s.fsdp_cpu_offload else None,
-        applies=lambda settings: settings.get("parallel") == "fsdp")
+        applies=_is_fsdp)
     fsdp_reduce_dtype: str | None = setting(
         None, "fsdp: dtype of the gradient reduce-scatter (null: the run's precision; fp32 for exact reductions of 16-bit "
         "gradients)", {"enum": [None, "fp32", "bf16", "fp16"]}, "string",
-        applies=lambda settings: settings.get("parallel") == "fsdp")
+        applies=_is_fsdp)
     num_gpus: int = setting(1, "GPUs per node the run asks for (0: CPU); with no GPU visible a 1-GPU run falls back to the CPU",
                             {"type": "integer", "minimum": 0, "maximum": 64}, "Int64")
     num_nodes: int = setting(1, "nodes of a ddp/fsdp run (SLURM only): one torchrun per node, num_gpus on each",
@@ -165,7 +176,8 @@ class RunSpec:
     weight_decay: float = setting(0.0, "AdamW / SGD weight decay", {"type": "number", "minimum": 0, "maximum": 1})
     epochs: float | None = setting(1, "passes over the training split (ignored when max_steps is set)",
                                    {"type": "number", "exclusiveMinimum": 0, "maximum": 1000},
-                                   applies=lambda settings: settings.get("max_steps") is None)
+                                   applies=lambda settings: settings.get("max_steps") is None,
+                                   applies_when="max_steps is null")
     max_steps: int | None = setting(None, "optimizer steps of the run, warmup included (null: epochs decide)",
                                     _nullable({"type": "integer", "minimum": 1}))
     seed: int = setting(0, "random seed of this repeat (the configured seed + repeat index)", {"type": "integer", "minimum": 0}, "Int64")
@@ -178,7 +190,7 @@ class RunSpec:
     auto_batch_size_max: int | None = setting(
         1024, "largest per-device batch auto_batch_size tries; null without auto_batch_size",
         {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64",
-        applies=lambda settings: bool(settings.get("auto_batch_size")))
+        applies=lambda settings: bool(settings.get("auto_batch_size")), applies_when="auto_batch_size true")
     device: str = setting("auto", "auto: the GPUs asked for, or the CPU for a 1-GPU run on a machine without one | cpu | cuda",
                           {"enum": ["auto", "cpu", "cuda"]})
     warmup_steps: int = setting(3, "first steps run but excluded from timing (allocator growth, autotuning, compilation)",
@@ -188,7 +200,7 @@ class RunSpec:
         "recorded", {"type": "boolean"}, "boolean", name_part=lambda s: "stablewarmup" if s.warmup_until_stable else None)
     warmup_max_steps: int | None = setting(
         None, "with warmup_until_stable: the most warmup steps (null: half the run)", _nullable({"type": "integer", "minimum": 1}),
-        applies=lambda settings: bool(settings.get("warmup_until_stable")))
+        applies=lambda settings: bool(settings.get("warmup_until_stable")), applies_when="warmup_until_stable true")
     image_size: int | None = setting(
         None, "image + text models: side of the square images the processor makes (null: the processor's own)",
         _nullable({"type": "integer", "minimum": 8, "maximum": 4096}), "Int64",

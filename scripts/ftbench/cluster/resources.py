@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from ftbench.measure import model_shape
@@ -221,9 +222,19 @@ def train_steps(run: RunSpec, train_examples: int) -> int:
 _MODEL_PARAMS: dict[str, float] = {}
 
 
+def gguf_config(source: dict) -> dict | None:
+    """A local GGUF checkpoint's shape from its file's header (its folder has no config.json); None otherwise."""
+    if not source.get("gguf_file") or source["kind"] not in ("path", "package"):
+        return None
+    try:
+        return model_shape.gguf_settings(Path(sources.resolve_location(source)) / source["gguf_file"])
+    except FtbenchError:
+        return None
+
+
 def model_params(model_def: dict) -> float:
-    """Parameter count from the model's config (a config-built model's overrides, or a local
-    checkpoint's config.json; no weights are read), else DEFAULT_MODEL_PARAMS.
+    """Parameter count from the model's config (a config-built model's overrides, a local checkpoint's
+    config.json, or a local GGUF file's header; no weights are read), else DEFAULT_MODEL_PARAMS.
 
     Transformer blocks: 4 h^2 (attention) + 3 h i (a gated MLP; 2 h i for a plain one, so this is on
     the safe side) per layer, plus the embeddings. Good to ~30%, which the runtime margin absorbs; an
@@ -232,7 +243,7 @@ def model_params(model_def: dict) -> float:
     """
     key = json.dumps(model_def, sort_keys=True)
     if key not in _MODEL_PARAMS:
-        config = sources.local_model_config(model_def["source"]) or {}
+        config = sources.local_model_config(model_def["source"]) or gguf_config(model_def["source"]) or {}
         shape = model_shape.from_config(config)
         params = DEFAULT_MODEL_PARAMS
         if shape.width and shape.layers:

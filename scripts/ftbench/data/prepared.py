@@ -38,6 +38,45 @@ DEFAULT_SHARD_SIZE_MB = 128
 
 LABELLED_TEXT_ROLES = {"text": "text_column", "label": "label_column"}
 
+# Why preparation leaves a source row out: the rules of the manifest's rows_dropped (source split -> rule ->
+# rows), in the order a reader meets them. Each is a column of the runs that used the data (rows_dropped_<rule>).
+DROP_REASONS = {
+    "missing_or_empty": "a missing or empty text, label, image or target",
+    "other_labels": "a label that is not among the dataset's labels",
+    "conflicting_labels": "a text given two different labels (every copy dropped; deduplicate)",
+    "duplicates": "a repeated text (one copy kept; deduplicate)",
+    "also_in_train": "an eval row whose text is also in train (named eval splits; deduplicate)",
+    "bad_image": "an image file that is missing, truncated or not an image (on_bad_image: skip)",
+    "empty_answer": "vision_language: an answer with no tokens",
+}
+
+
+def dropped_by_reason(rows_dropped: dict) -> dict[str, int]:
+    """Rows left out per rule over every source split (the manifest's rows_dropped), rules in DROP_REASONS order."""
+    totals: dict[str, int] = {}
+    for counts in (rows_dropped or {}).values():
+        for rule, count in counts.items():
+            totals[rule] = totals.get(rule, 0) + int(count)
+    return dict(sorted(totals.items(), key=lambda item: list(DROP_REASONS).index(item[0]) if item[0] in DROP_REASONS else 99))
+
+
+def data_columns(manifest: dict) -> dict:
+    """What a run's figures are read against, from its data's manifest: rows_dropped_<rule> and
+    rows_dropped_total (null for data that is not cleaned: synthetic), and the eval split's majority-class rate
+    (classification; null for synthetic data, whose labels are random)."""
+    rows_dropped = manifest.get("rows_dropped") or {}
+    totals = dropped_by_reason(rows_dropped)
+    columns = {f"rows_dropped_{rule}": totals.get(rule, 0) if rows_dropped else None for rule in DROP_REASONS}
+    columns["rows_dropped_total"] = sum(totals.values()) if rows_dropped else None
+    synthetic = (manifest.get("preparation") or {}).get("dataset_def", {}).get("source", {}).get("kind") == "synthetic"
+    columns["eval_majority_class_rate"] = None if synthetic else manifest.get("splits", {}).get("eval", {}).get("majority_class_rate")
+    return columns
+
+
+def dropped_summary(rows_dropped: dict) -> str:
+    """``duplicates 12, also_in_train 3`` (rules with no rows left out), or ``none``."""
+    return _dropped_text(dropped_by_reason(rows_dropped))
+
 
 def load_raw_splits(dataset_def: dict, dataset_name: str = "dataset", roles: dict[str, str] = LABELLED_TEXT_ROLES,
                     dropped: dict | None = None, purpose: str = "classification"):
@@ -268,10 +307,20 @@ def write_prepared(manifest: dict, tables: dict[str, pa.Table], out_dir: Path, s
     for split_name, table in tables.items():
         manifest["splits"][split_name] = {
             **split_figures(table),
+            **majority_class(table, manifest),
             "shards": write_shards(table, out_dir, split_name, manifest["shard_size_mb"]),
         }
     atomic.write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
+
+
+def majority_class(table: pa.Table, manifest: dict) -> dict:
+    """A classification split's majority-class rate (the accuracy of always answering its most common class:
+    what a fine-tuned classifier's accuracy is read against); nothing for data without classes."""
+    if not manifest.get("label_names") or "label" not in table.column_names or table.num_rows == 0:
+        return {}
+    counts = np.bincount(table["label"].to_numpy().astype(np.int64))
+    return {"majority_class_rate": float(counts.max() / table.num_rows)}
 
 
 def write_shards(table: pa.Table, out_dir: Path, split_name: str, shard_size_mb: float) -> list[dict]:

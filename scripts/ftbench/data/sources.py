@@ -8,6 +8,9 @@ or their cache as the machine allows.
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -120,15 +123,128 @@ def check_source(source: dict, where: str, role: str) -> None:
 def check_architecture(architecture: str, where: str) -> None:
     """A config-built model's architecture must be a transformers config class: a misspelt name would
     otherwise pass parsing and fail every run. transformers lists its names lazily, without importing torch."""
-    import difflib
-
-    import transformers
+    import transformers  # deferred: only its lazy index of names is read (no torch)
 
     names = [name for name in dir(transformers) if name.endswith("Config")]
     if architecture not in names:
         close = difflib.get_close_matches(architecture, names, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else " (e.g. LlamaConfig, BertConfig, T5Config)"
         raise ConfigError(f"config key {where}: {architecture!r} is not a transformers config class{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A config class's settings, read from its source file: importing a transformers config class imports torch
+# (configuration_utils -> generation), 3.4 s of every `snakemake -n` on 2 cores; parsing the few files
+# of its class chain measured 30 ms (GPT2Config) to 60 ms (CLIPConfig, with its towers' classes).
+
+
+def _transformers_file(module: str) -> Path | None:
+    """The source file of a transformers module (``models.gpt2.configuration_gpt2``), found without importing it."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*module.split(".")).with_suffix(".py")
+    return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(module: str) -> ast.Module | None:
+    path = _transformers_file(module)
+    return ast.parse(path.read_text(encoding="utf-8")) if path else None
+
+
+def _imported_from(tree: ast.Module, module: str, name: str) -> str | None:
+    """The transformers module a name of ``module`` is imported from (relative imports resolved)."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(alias.name == name for alias in node.names):
+            if not node.level:
+                return (node.module or "").removeprefix("transformers.") if (node.module or "").startswith("transformers") else None
+            base = module.split(".")[: -node.level]
+            return ".".join(base + ([node.module] if node.module else []))
+    return None
+
+
+def _class_settings(module: str, name: str, sub_configs: dict) -> set[str] | None:
+    """Every name a config class takes (fields, __init__ arguments, kwargs it pops, attribute_map names,
+    properties), its base config classes' included; ``sub_configs`` receives nested config key -> (module, class)."""
+    tree = _parsed(module)
+    node = next((n for n in (tree.body if tree else []) if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if node is None:
+        return None
+    known: set[str] = set()
+    for item in ast.walk(node):
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            known.add(item.target.id)
+        elif isinstance(item, ast.FunctionDef):
+            known.add(item.name)
+            if item.name == "__init__":
+                known |= {arg.arg for arg in item.args.args + item.args.kwonlyargs}
+        elif isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+            known.add(item.attr)
+        elif isinstance(item, ast.Call) and isinstance(item.func, ast.Attribute) and item.func.attr in ("pop", "get") \
+                and item.args and isinstance(item.args[0], ast.Constant) and isinstance(item.args[0].value, str):
+            known.add(item.args[0].value)
+    for item in node.body:
+        targets = [item.target] if isinstance(item, ast.AnnAssign) else getattr(item, "targets", [])
+        label = next((t.id for t in targets if isinstance(t, ast.Name)), None)
+        if label in ("attribute_map", "sub_configs") and isinstance(item.value, ast.Dict):
+            for key, value in zip(item.value.keys, item.value.values):
+                if isinstance(key, ast.Constant):
+                    known.add(key.value)
+                if label == "sub_configs" and isinstance(value, ast.Name) and value.id != "AutoConfig":
+                    sub_configs[key.value] = (module if any(isinstance(n, ast.ClassDef) and n.name == value.id for n in tree.body)
+                                              else _imported_from(tree, module, value.id), value.id)
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id.endswith("Config"):
+            local = any(isinstance(n, ast.ClassDef) and n.name == base.id for n in tree.body)
+            inherited = _class_settings(module if local else (_imported_from(tree, module, base.id) or ""), base.id, {})
+            if inherited is None:
+                return None
+            known |= inherited
+    return known
+
+
+@functools.lru_cache(maxsize=None)
+def config_settings(architecture: str) -> tuple[frozenset[str], tuple] | None:
+    """(the settings a transformers config class takes, its nested configs as (key, module, class)), read from
+    source without importing transformers' config machinery; None where the source cannot be read this way
+    (the model's job checks with the class itself: train.modeling.check_overrides)."""
+    import transformers  # deferred: the registry is read at parse time; only its lazy index of names is used
+
+    module = getattr(transformers, "_class_to_module", {}).get(architecture)
+    sub_configs: dict = {}
+    try:
+        own = _class_settings(module, architecture, sub_configs) if module else None
+        generation = _class_settings("generation.configuration_utils", "GenerationConfig", {})
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if own is None or generation is None:
+        return None
+    return frozenset(own | generation), tuple((key, *where) for key, where in sub_configs.items() if where[0])
+
+
+def check_override_keys(architecture: str, overrides: dict, where: str) -> None:
+    """Parse time: every override is a setting of the config class (and a nested config's, e.g. CLIP's
+    text_config): transformers keeps an unknown keyword as a stray attribute, so a misspelt
+    ``num_hidden_layer`` would silently build the default depth."""
+    settings = config_settings(architecture)
+    if settings is None:
+        return
+    known, nested = settings
+    unknown = [key for key in overrides if key not in known]
+    if unknown:
+        close = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
+        hints = ", ".join(f"{key!r}" + (f" (did you mean {close[key][0]!r}?)" if close[key] else "") for key in unknown)
+        raise ConfigError(f"config key {where}: {hints} is not a setting of {architecture}")
+    for key, module, name in nested:
+        if isinstance(overrides.get(key), dict):
+            sub: dict = {}
+            sub_known = _class_settings(module, name, sub)
+            unknown = [item for item in overrides[key] if sub_known is not None and item not in sub_known]
+            if unknown:
+                close = {item: difflib.get_close_matches(item, sorted(sub_known), n=1) for item in unknown}
+                hints = ", ".join(f"{item!r}" + (f" (did you mean {close[item][0]!r}?)" if close[item] else "") for item in unknown)
+                raise ConfigError(f"config key {where}.{key}: {hints} is not a setting of {name}")
 
 
 def dataset_format(location: Path, declared: str | None, where: str = "datasets.dataset") -> str | None:
@@ -221,10 +337,10 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
                     pass
             return pd.read_json(location, lines=True, encoding=encoding, nrows=nrows)
         return pd.read_parquet(location)
-    except UnicodeDecodeError as exc:
+    except UnicodeDecodeError:
         raise SourceError(
-            f"config key {where}.encoding: {location} is not {encoding} text (byte {exc.object[exc.start]:#04x} at "
-            f"offset {exc.start}); set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
+            f"config key {where}.encoding: {location} is not {encoding} text ({undecodable_at(location, encoding)}); "
+            f"set {where}.encoding to the file's encoding, e.g. latin-1 or cp1252"
         ) from None
     except LookupError:
         raise ConfigError(f"config key {where}.encoding: {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
@@ -233,9 +349,52 @@ def read_table_file(location: Path, data_format: str, encoding: str = "utf-8", w
     except (ValueError, pd.errors.ParserError, OSError) as exc:
         # pandas (a malformed CSV row, broken JSON) and pyarrow (ArrowInvalid is a ValueError: not Parquet) say
         # what is wrong but not which setting to fix.
-        detail = " ".join(str(exc).split())[:200]
+        detail = " ".join(str(exc).split())[:200] + (bad_json_line(location, encoding) if data_format == "json" else "")
         raise SourceError(f"config key {where}.source: {location} cannot be read as {data_format} ({detail}); "
                           f"fix the file, or set {where}.format to its real format (csv, json or parquet)") from None
+
+
+def _text_bytes(location: Path) -> bytes:
+    """A data file's bytes, decompressed as pandas reads it (by suffix)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}.get(location.suffix.lower(), open)
+    with opener(location, "rb") as handle:
+        return handle.read()
+
+
+def undecodable_at(location: Path, encoding: str) -> str:
+    """Where a file stops being ``encoding`` text: the byte, its offset in the file (pandas' error gives an offset
+    within the block it was decoding) and its line. Offsets of a compressed file are of its decompressed text."""
+    try:
+        raw = _text_bytes(location)
+        raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        compressed = " of the decompressed text" if location.suffix.lower() in COMPRESSION_SUFFIXES else ""
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return f"byte {raw[exc.start]:#04x} at file offset {exc.start}{compressed}, line {line}"
+    except (OSError, EOFError, LookupError):
+        pass
+    return "a byte that does not decode"
+
+
+def bad_json_line(location: Path, encoding: str) -> str:
+    """``; first bad line N`` of a JSON Lines file, where one line is not a JSON object ('' when none is found)."""
+    try:
+        lines = _text_bytes(location).decode(encoding).splitlines()
+    except (OSError, EOFError, ValueError, LookupError):
+        return ""
+    if len(lines) < 2 or lines[0].lstrip().startswith("["):
+        return ""  # one JSON document: the parser's message is all there is
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                return f"; first bad line {number}, column {exc.colno}: {exc.msg}" if hasattr(exc, "colno") else f"; first bad line {number}"
+    return ""
 
 
 def pretrained_args(source: dict) -> tuple[str, dict]:

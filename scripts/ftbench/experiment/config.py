@@ -9,6 +9,7 @@ schema cannot (names that must exist, sources that must be on disk).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.resources
 from pathlib import Path
 from typing import Any, Iterable
@@ -17,7 +18,7 @@ import jsonschema
 import yaml
 
 from ftbench import runspec
-from ftbench.data import sources
+from ftbench.data import images, sources
 from ftbench.errors import ConfigError
 from ftbench.experiment import batching_modes, feasibility
 from ftbench.runspec import RunSpec
@@ -140,14 +141,15 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
             return f"config key {names}: unknown key; allowed here: {', '.join(allowed)}"
         return f"config key {names}: unknown key"
     if kind == "enum":
-        allowed = ", ".join(repr(value) for value in error.validator_value)
-        return f"config key {path}: {error.instance!r} is not allowed; expected one of {allowed}"
+        allowed = ", ".join(yaml_value(value) for value in allowed_here(error.absolute_path, error.validator_value))
+        return f"config key {path}: {yaml_value(error.instance)} is not allowed; expected one of {allowed}"
     if kind == "const":
-        return f"config key {path}: expected {error.validator_value!r}, got {error.instance!r}"
+        return f"config key {path}: expected {yaml_value(error.validator_value)}, got {yaml_value(error.instance)}"
     if kind == "type":
         expected = error.validator_value
         expected = " or ".join(expected) if isinstance(expected, list) else expected
-        return f"config key {path}: expected {expected}, got {type(error.instance).__name__} {error.instance!r}"
+        got = "null" if error.instance is None else f"{type(error.instance).__name__} {yaml_value(error.instance)}"
+        return f"config key {path}: expected {expected}, got {got}"
     if kind in ("minItems", "minProperties"):
         if error.validator_value > 1:
             return f"config key {path}: needs at least {error.validator_value} entries, got {len(error.instance)}"
@@ -169,12 +171,36 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
     return f"config key {path}: {' '.join(error.message.split())}"
 
 
+# Source kinds one schema shares between models, datasets and tokenizers, of which each role takes some
+# (sources.check_source refuses the others): a message lists only those of the key's role.
+KINDS_OF_ROLE = {"models": ("hub", "path", "package", "config"), "datasets": ("hub", "path", "package", "synthetic"),
+                 "tokenizer": ("hub", "path", "package")}
+
+
+def allowed_here(path, values: list) -> list:
+    """The enum ``values`` a key at ``path`` may take: a source's kind only the kinds of its role."""
+    parts = list(path)
+    if parts[-2:-1] == ["source"] or parts[-2:-1] == ["tokenizer"]:
+        role = "tokenizer" if parts[-2] == "tokenizer" else parts[0]
+        return [value for value in values if value in KINDS_OF_ROLE.get(role, values)]
+    return list(values)
+
+
+def yaml_value(value: Any) -> str:
+    """A value as it is written in YAML (null, true), strings quoted: a message names what the user may write."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
 def describe_allowed(schema: dict) -> str:
     """A short phrase for what one (sub)schema accepts, e.g. ``null`` or ``integer >= 1``."""
     if "const" in schema:
-        return repr(schema["const"])
+        return yaml_value(schema["const"])
     if "enum" in schema:
-        return "one of " + ", ".join(repr(value) for value in schema["enum"])
+        return "one of " + ", ".join(yaml_value(value) for value in schema["enum"])
     kind = schema.get("type", "value")
     text = " or ".join(kind) if isinstance(kind, list) else kind
     if kind == "array":
@@ -225,6 +251,7 @@ def check_references(config: dict) -> None:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
     check_budget(config)
     check_dataset_columns(config, runs)
+    check_image_files(config, runs)
     for run in runs:
         check_run(run, config)
         limit = sources.model_max_seq_len(models[run.model])
@@ -233,6 +260,11 @@ def check_references(config: dict) -> None:
                 f"config key {_setting_key(config, 'seq_len', run.seq_len)}: {run.seq_len} exceeds model "
                 f"{run.model!r} maximum of {limit} positions; expected a value <= {limit}"
             )
+    # After the runs' checks: a task family's refusal of the architecture itself says more than its settings'.
+    for name, model in models.items():
+        if model["source"]["kind"] == "config":
+            sources.check_override_keys(model["source"]["architecture"], model["source"].get("overrides") or {},
+                                        f"models.{name}.source.overrides")
 
 
 def check_budget(config: dict) -> None:
@@ -259,11 +291,32 @@ def experiment_warnings(config: dict) -> list[str]:
     for index in unused["include"]:
         messages.append(f"config key include[{index}]: {config['include'][index]} is a run the matrix or an earlier include already has; "
                         "it is measured once")
-    for run in matrix.expand_runs(config):
+    runs = matrix.expand_runs(config)
+    for run in runs:
         reason = feasibility.unsupported_reason(run)
         if reason:
             messages.append(f"run {run.run_id} is recorded as unsupported without training: {reason}")
-    return messages
+    return messages + unused_settings(config, runs)
+
+
+def unused_settings(config: dict, runs: list[RunSpec]) -> list[str]:
+    """Settings given (in defaults, matrix, include or overrides) that no run uses: a setting that applies only
+    to some runs (RunSpec's ``applies``: lora_* with an adapter, qlora_* with QLoRA, fsdp_* with fsdp, ...)
+    changes nothing when none of the runs is such a run. Given at its default value it is not reported.
+    One warning per condition, naming every key it covers."""
+    unused: dict[str, list[str]] = {}  # applies_when -> keys
+    for field in runspec.settings_fields():
+        meta = field.metadata["setting"]
+        if meta.applies is None or not runs or any(meta.applies(vars(run)) for run in runs):
+            continue
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        for where, block in _settings_blocks(config):
+            # A matrix entry is an axis (a list of values); elsewhere a list is one value (lora_targets).
+            given = _indexed(block.get(field.name), f"{where}.{field.name}") if where == "matrix" else \
+                ([(f"{where}.{field.name}", block[field.name])] if field.name in block else [])
+            unused.setdefault(meta.applies_when, []).extend(key for key, value in given if value != default)
+    return [f"config key {', '.join(keys)}: no run uses it (it applies only with {when}, and no run of the experiment "
+            "has that); it changes nothing" for when, keys in unused.items() if keys]
 
 
 def _check_batching(run: RunSpec, config: dict, family) -> None:
@@ -411,6 +464,20 @@ def check_dataset_columns(config: dict, runs: list[dict]) -> None:
                     f"config key datasets.{name}.{key}: column {column!r} is not in {location}; "
                     f"expected one of its columns: {', '.join(map(str, header))}"
                 )
+
+
+def check_image_files(config: dict, runs: list[RunSpec]) -> None:
+    """Image paths of a local table that name no file, before any job (with on_bad_image: skip, preparation
+    drops them instead). Decoding every image is preparation's: here each path is only stat-ed."""
+    image_datasets = {run.dataset for run in runs if registry.model_family(run.model_def).modality == "image"}
+    for name in sorted(image_datasets):
+        where = f"datasets.{name}"
+        missing = images.missing_image_files(config["datasets"][name], where)
+        if missing:
+            more = f"; and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ConfigError(f"config key {where}.image_column: {len(missing)} image file(s) do not exist: "
+                              f"{'; '.join(missing[:3])}{more}; fix the paths (relative ones start from "
+                              f"{where}.image_folder, else the data file's folder), or set {where}.on_bad_image: skip")
 
 
 def check_gpu_limit(config: dict, limit: int | None) -> None:

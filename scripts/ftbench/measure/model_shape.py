@@ -10,7 +10,9 @@ applies that map first, so it reads what the object's attributes say. Imports no
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -147,3 +149,67 @@ def embedding_parameters(settings: dict) -> int:
     token_types = settings.get("type_vocab_size", 0) * width  # BERT's segment embeddings
     pooler = width * width + width if settings.get("model_type") == "bert" else 0  # BERT's pooler (a classifier's input)
     return (shape.vocab_size or 0) * width + positions + token_types + pooler + (1 if gated(settings) else 2) * width
+# ---------------------------------------------------------------------------------------------------
+# A GGUF checkpoint's shape, from its header (a GGUF folder has no config.json)
+
+# GGUF metadata key (after "<architecture>.") -> the config.json name from_config reads.
+GGUF_KEYS = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+             "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+             "context_length": "max_position_embeddings", "vocab_size": "vocab_size"}
+
+
+def gguf_settings(path: str | Path) -> dict | None:
+    """A GGUF file's shape as config.json names it (hidden_size, num_hidden_layers, ..., vocab_size: the
+    tokenizer's token count where the header gives no vocab_size), read from the metadata at the start of the
+    file only: gguf.GGUFReader maps and parses every tensor too (1.7 s for a 98 MB file on 2 cores; this reads
+    the header in 60 ms, 140 ms with the gguf import). None when the file is not GGUF or cannot be read."""
+    # gguf deferred: only GGUF models need its constants, and this module is read at parse time.
+    from gguf import GGUF_MAGIC, GGUFValueType
+
+    try:
+        with open(path, "rb") as handle:
+            magic, version = struct.unpack("<II", handle.read(8))
+            if magic != GGUF_MAGIC or version < 2:
+                return None
+            _, kv_count = struct.unpack("<QQ", handle.read(16))
+            metadata = _gguf_metadata(handle, kv_count, GGUFValueType)
+    except (OSError, struct.error, ValueError, UnicodeDecodeError):
+        return None
+    architecture = metadata.get("general.architecture")
+    settings = {name: metadata[f"{architecture}.{key}"] for key, name in GGUF_KEYS.items() if f"{architecture}.{key}" in metadata}
+    settings.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    return {key: value for key, value in settings.items() if value is not None} or None
+
+
+_SCALARS = {"UINT8": "B", "INT8": "b", "UINT16": "H", "INT16": "h", "UINT32": "I", "INT32": "i", "FLOAT32": "f",
+            "BOOL": "?", "UINT64": "Q", "INT64": "q", "FLOAT64": "d"}
+
+
+def _gguf_metadata(handle, count: int, types) -> dict:
+    """Key -> value of the header's scalars and strings; an array's value is its length (elements skipped)."""
+    def string() -> str:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return handle.read(length).decode("utf-8")
+
+    def value(kind: int):
+        name = types(kind).name
+        if name == "STRING":
+            return string()
+        if name == "ARRAY":
+            (element, length) = struct.unpack("<IQ", handle.read(12))
+            element_name = types(element).name
+            if element_name in _SCALARS:
+                handle.seek(length * struct.calcsize("<" + _SCALARS[element_name]), 1)
+            else:
+                for _ in range(length):
+                    value(element)
+            return length
+        fmt = "<" + _SCALARS[name]
+        return struct.unpack(fmt, handle.read(struct.calcsize(fmt)))[0]
+
+    metadata = {}
+    for _ in range(count):
+        key = string()
+        (kind,) = struct.unpack("<I", handle.read(4))
+        metadata[key] = value(kind)
+    return metadata

@@ -6,6 +6,7 @@ value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA m
 
 from __future__ import annotations
 
+from ftbench.data import prepared
 from ftbench.measure.metrics import describe_statuses
 from ftbench.runspec import spec_columns
 
@@ -114,6 +115,13 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
+    "eval_majority_class_rate": ("Float64", "classification: share of the eval split's most common class, the accuracy of always "
+                                           "answering it (what eval_accuracy is read against; the whole eval split, "
+                                           "also with max_eval_samples); null for other tasks and synthetic data"),
+    # data: source rows preparation left out, by rule, summed over the source splits (the data manifest's
+    # rows_dropped); null for synthetic data. Filter or sum them like any count: runs.rows_dropped_duplicates.
+    **{f"rows_dropped_{rule}": ("Int64", f"source rows dropped: {meaning}") for rule, meaning in prepared.DROP_REASONS.items()},
+    "rows_dropped_total": ("Int64", "source rows dropped by every rule above together"),
     # time
     "load_time_s": ("Float64", "seconds to read data and build the model"),
     "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),

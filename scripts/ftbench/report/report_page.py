@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench.report import analysis, figures, pages
+from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
 from ftbench.report.collect import typed
@@ -23,7 +24,8 @@ TABLE_COLUMNS = [
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
     "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "eval_perplexity", "eval_samples", "mfu", "cost_per_1m_tokens", "cost_ci95", "cost_per_1k_samples", "cost_per_1k_images",
+    "eval_perplexity", "eval_samples", "eval_majority_class_rate", "eval_loss", "mfu", "cost_per_1m_tokens", "cost_ci95",
+    "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
 ]
@@ -425,6 +427,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
         figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
         environment=environment(runs),
+        data=summary_text.dropped_rows(runs),
         conventions=CONVENTIONS,
     )
     return written

@@ -72,6 +72,7 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
     if len(not_ok) > MAX_LISTED:
         lines.append(f"  ... and {len(not_ok) - MAX_LISTED} more not ok: see the status column of the table")
     lines.extend(advice_lines(not_ok))
+    lines += dropped_rows_lines(frame)
     lines.append(f"table: {table_path}")
     return "\n".join(lines) + "\n"
 
@@ -110,6 +111,25 @@ def failed_jobs_lines(started: float) -> list[str]:
         lines.append("ftbench: some jobs failed (their logs are named above), none on an error ftbench named (terminated, "
                      "killed, out of host memory, a node or network fault): rerun snakemake to retry them")
     return lines
+def dropped_rows(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(dataset, rows its preparation left out by rule, e.g. ``duplicates 12, also_in_train 3``) for each
+    dataset of the runs whose data was cleaned (synthetic data has no rows_dropped figures). Datasets
+    prepared more than once (several tokenizers or sequence lengths) show each distinct tally."""
+    rules = [column for column in frame.columns if column.startswith("rows_dropped_") and column != "rows_dropped_total"]
+    if "rows_dropped_total" not in frame.columns or "dataset" not in frame.columns:
+        return []
+    rows = []
+    for dataset, runs in frame[frame["rows_dropped_total"].notna()].groupby("dataset", sort=True):
+        tallies = []
+        for _, run in runs[rules].drop_duplicates().iterrows():
+            parts = [f"{rule.removeprefix('rows_dropped_')} {int(run[rule])}" for rule in rules if pd.notna(run[rule]) and run[rule]]
+            tallies.append(", ".join(parts) or "none")
+        rows.append((str(dataset), "; ".join(dict.fromkeys(tallies))))
+    return rows
+
+
+def dropped_rows_lines(frame: pd.DataFrame) -> list[str]:
+    return [f"data {dataset}: rows dropped at preparation: {tally}" for dataset, tally in dropped_rows(frame)]
 
 
 def print_outcome(started: float, failed_jobs: bool) -> None:

@@ -120,6 +120,13 @@ class TaskFamily:
         """A config-built model's overrides for this run (before its vocabulary is set)."""
         return overrides
 
+    def take_vocabulary(self, overrides: dict, vocab_size: int | None, spec: RunSpec) -> dict:
+        """A config-built model's overrides with its tokenizer's vocabulary (``vocab_size``: the prepared data's,
+        from its manifest), so that its parameters, FLOPs, memory and tokens/s describe the model its tokens
+        index, not its config class's default vocabulary. Default: nothing to take (no text vocabulary, or the
+        family's config_overrides / make_config sets it)."""
+        return overrides
+
     def make_config(self, config_class, overrides: dict, kwargs: dict, spec: RunSpec):
         """A config-built model's transformers config."""
         return config_class(**overrides, **kwargs)

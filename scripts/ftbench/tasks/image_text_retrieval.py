@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ftbench.data import images, prepared, sources
-from ftbench.data.tokenizers import load_tokenizer
+from ftbench.data.tokenizers import check_vocab, load_tokenizer, vocab_refusal
 from ftbench.errors import ConfigError, SourceError
 from ftbench.measure import memory_estimate as estimate_module
 from ftbench.runspec import RunSpec
@@ -128,10 +128,8 @@ def config_overrides(overrides: dict, spec, tokenizer) -> dict:
     if tokenizer is not None:
         text = dict(overrides.get("text_config", {}))
         vocab = text.get("vocab_size")
-        if vocab is not None and vocab < len(tokenizer):
-            raise ConfigError(f"config key models.{spec.model}.source.overrides.text_config.vocab_size: {vocab}, but the "
-                              f"tokenizer has {len(tokenizer)} tokens; remove it (the text tower then takes the "
-                              "tokenizer's) or raise it")
+        if vocab is not None and vocab != len(tokenizer):
+            raise ConfigError(vocab_refusal(spec.model, "text_config.vocab_size", vocab, len(tokenizer)))
         text.setdefault("vocab_size", len(tokenizer))
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
         for key, value in (("pad_token_id", tokenizer.pad_token_id), ("eos_token_id", end_token_id(tokenizer)),
@@ -152,6 +150,8 @@ def check_run(run, setting_key) -> None:
     where = f"datasets.{run.dataset}"
     dataset_def = run.dataset_def
     source = run.model_def["source"]
+    check_vocab(run.model, run.model_def, "text_config.vocab_size",
+                ((source.get("overrides") or {}).get("text_config") or {}).get("vocab_size"))
     if dataset_def["source"]["kind"] != "synthetic":
         labelled = "pixels" in dataset_def or "label_column" in dataset_def
         if "text_column" not in dataset_def and not (labelled and "caption_template" in dataset_def):
@@ -199,6 +199,7 @@ def _caption_frames(dataset_name: str, dataset_def: dict, dropped: dict):
         frame = frame[frame["caption"].astype(str).str.strip() != ""]
         dropped[name] = {"missing_or_empty": before - len(frame)}
         tables[name] = frame.reset_index(drop=True)
+    tables = images.check_images(tables, dataset_def, where, folder, dropped)
     # Stratified by class where the captions come from classes (each class in both splits).
     return (*images.train_and_eval(tables, dataset_def, where), folder)
 

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ftbench.data import prepared, sources
-from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, config_vocab, config_vocab_size, load_tokenizer, tokenizer_source
+from ftbench.data.tokenizers import (SYNTHETIC_PAD_ID, check_vocab, config_vocab, config_vocab_size, load_tokenizer,
+                                     tokenizer_source)
 from ftbench.errors import ConfigError
 from ftbench.measure import memory_estimate
 from ftbench.runspec import RunSpec
@@ -94,6 +95,7 @@ class TextFamily(TaskFamily):
 
     def check_run(self, run: RunSpec, setting_key) -> None:
         dataset_def, model_source = run.dataset_def, run.model_def["source"]
+        check_vocab(run.model, run.model_def, "vocab_size", model_source.get("overrides", {}).get("vocab_size"))
         if dataset_def["source"]["kind"] == "synthetic":
             return
         if model_source["kind"] == "config" and "tokenizer" not in model_source:
@@ -106,6 +108,12 @@ class TextFamily(TaskFamily):
                 raise ConfigError(f"config key datasets.{run.dataset}.{key}: required to train model {run.model!r} "
                                   f"({self.name})")
 
+    def take_vocabulary(self, overrides: dict, vocab_size: int | None, spec: RunSpec) -> dict:
+        """The tokenizer's vocabulary as the model's (config_vocab refuses an explicit one that differs)."""
+        if vocab_size is None:
+            return overrides
+        return {**overrides, "vocab_size": config_vocab(spec.model, overrides, vocab_size)}
+
     # -- preparation
 
     def prepare(self, dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, out_dir: Path,
@@ -113,10 +121,9 @@ class TextFamily(TaskFamily):
         """Load, tokenise and shard one dataset; write shards and ``manifest.json`` into ``out_dir``."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        # A config model's vocab_size that contradicts the tokenizer is that model's error, not the data's (other
+        # models share this data): refused at parse time (check_run) or in its own job (take_vocabulary).
         tokenizer = load_tokenizer(model_def)
-        if tokenizer is not None and model_def["source"]["kind"] == "config":
-            # Refuse a config model whose vocab_size contradicts its tokenizer now, not in every training job.
-            config_vocab(model_name, model_def["source"].get("overrides", {}), len(tokenizer))
         if dataset_def["source"]["kind"] == "synthetic":
             vocab_size = len(tokenizer) if tokenizer is not None else config_vocab_size(model_def)
             if vocab_size is None:

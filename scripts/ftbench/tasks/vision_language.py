@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ftbench.data import images, prepared, sources
-from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer, tokenizer_source
+from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, check_vocab, load_tokenizer, tokenizer_source
 from ftbench.errors import ConfigError, SourceError
 from ftbench.runspec import RunSpec
 from ftbench.tasks.base import IGNORE_INDEX, Batch, TaskFamily, pad
@@ -103,9 +103,11 @@ class TextFacts:
     pad_token_id: int
 
 
-def text_facts(model_def: dict, config, model_name: str) -> TextFacts:
+def text_facts(model_def: dict, config, model_name: str, check_overrides: bool = True) -> TextFacts:
     """The tokenizer with the image placeholder (added if it lacks one) and the ids the model must use.
-    A checkpoint's config must already name its tokenizer's placeholder id."""
+    A checkpoint's config must already name its tokenizer's placeholder id. ``check_overrides``: refuse a
+    config-built model's overrides that contradict the tokenizer (in the model's own job, not at preparation:
+    other models share the data)."""
     tokenizer = load_tokenizer(model_def)
     source = model_def["source"]
     text_vocab = config.text_config.vocab_size
@@ -122,12 +124,13 @@ def text_facts(model_def: dict, config, model_name: str) -> TextFacts:
     if source["kind"] != "config" and config.image_token_id != image_id:
         raise SourceError(f"model source {sources.resolve_location(source)}: its config's image_token_index "
                           f"{config.image_token_id} is not its tokenizer's {token} id {image_id}")
-    if source["kind"] == "config":
+    if source["kind"] == "config" and check_overrides:
         for key, value, wanted in (("image_token_index", overrides.get("image_token_index"), image_id),
                                    ("text_config.vocab_size", (overrides.get("text_config") or {}).get("vocab_size"), len(tokenizer))):
             if value is not None and value != wanted:
                 raise ConfigError(f"config key models.{model_name}.source.overrides.{key}: {value}, but the tokenizer "
                                   f"(with {token} added) gives {wanted}; remove it (the model then takes the tokenizer's)")
+    if source["kind"] == "config":
         text_vocab = len(tokenizer)
     return TextFacts(tokenizer, image_id, text_vocab, tokenizer.pad_token_id)
 
@@ -237,7 +240,7 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
         raise ConfigError(f"config key image_size: {size}, but model {model_name!r}'s vision tower is built for {native} "
                           "(a LLaVA checkpoint does not interpolate its position embeddings); use image_size "
                           f"{native} or null")
-    facts = text_facts(model_def, config, model_name)
+    facts = text_facts(model_def, config, model_name, check_overrides=False)
     config_dict = config.to_dict()
     per_image = vision_language_image_tokens(config_dict, size)
     vision = config_dict["vision_config"]
@@ -386,6 +389,8 @@ def check_run(run: RunSpec, setting_key) -> None:
     if source["kind"] == "config" and source["architecture"] != "LlavaConfig":
         raise ConfigError(f"config key models.{run.model}.source.architecture: {source['architecture']!r}; task "
                           "vision_language builds LLaVA models: expected 'LlavaConfig'")
+    check_vocab(run.model, run.model_def, "text_config.vocab_size",
+                ((source.get("overrides") or {}).get("text_config") or {}).get("vocab_size"), (IMAGE_TOKEN,))
     if dataset_def["source"]["kind"] == "synthetic":
         return
     needed = [] if "pixels" in dataset_def else ["image_column", "answer_column"]

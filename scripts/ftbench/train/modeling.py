@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from ftbench.data.sources import load_failure, pretrained_args
-from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, config_vocab, load_tokenizer
+from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer
 from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 from ftbench.tasks.base import TaskFamily
@@ -140,9 +140,7 @@ def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantise
         raise SourceError(f"model source architecture {source['architecture']!r} is not a transformers config class")
     overrides = dict(source.get("overrides", {}))
     check_overrides(config_class, overrides, f"models.{spec.model}.source.overrides")
-    overrides = family.config_overrides(overrides, spec)
-    if vocab_size is not None:
-        overrides["vocab_size"] = config_vocab(spec.model, overrides, vocab_size)
+    overrides = family.take_vocabulary(family.config_overrides(overrides, spec), vocab_size, spec)
     config = family.make_config(config_class, overrides, kwargs, spec)
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         # T5's convention: the decoder starts from the pad token. A bare config has no start token and

@@ -96,12 +96,14 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                                                   metrics["device_name"], manifest)
         if reason:
             raise torch.OutOfMemoryError(reason)
+    metrics.update(prepared.data_columns(manifest))  # rows dropped, majority-class rate: part of the result
     set_seed(spec.seed)
     load_started = time.perf_counter()
     train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
     eval_split = registry.load_split(data_dir, "eval", manifest)
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
-                                 device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"])
+                                 device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"],
+                                 vocab_size=manifest.get("vocab_size"))
     run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
               eval_split, built.model)
     if spec.batching in batching.PACKED:
