@@ -249,7 +249,12 @@ def test_hub_source_without_network_says_it_is_the_network(what, tmp_path, monke
     'make sure you don't have a local directory with the same name'."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    # huggingface_hub reads HF_HUB_OFFLINE when it is first imported: an earlier test may have imported it,
+    # and it would then try the network (a minute of timeouts where there is none) instead of failing at once.
+    import huggingface_hub.constants
     import torch
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
     from ftbench.train import modeling
     from ftbench.runspec import RunSpec
