@@ -289,6 +289,18 @@ def test_evaluations_during_training_change_neither_the_training_nor_its_step_ti
 
 
 @pytest.mark.slow
+def test_a_qlora_run_trains_the_same_with_evaluations_between_its_steps(bert_spec, prepared_data):
+    # On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for inference at the first
+    # evaluation and the next training step would fail (evaluation.training_layout_kept).
+    folder = prepared_data[0]
+    plain, plain_steps = trainer.train_run(bert_spec(method="qlora"), folder)
+    metrics, steps = trainer.train_run(bert_spec(method="qlora", eval_every=2, eval_subset=16), folder)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["evaluations_during_training"] == 3
+    assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in plain_steps], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_each_evaluation_is_recorded_with_its_counts_and_interval(with_and_without):
     metrics, steps = with_and_without[True]
     rows = pd.DataFrame(with_counts(metrics["evals"], steps), columns=EVAL_FIELDS)

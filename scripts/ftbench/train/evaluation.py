@@ -21,6 +21,7 @@ time, with the memory peaks of training and evaluation kept apart.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -188,7 +189,8 @@ class DuringTraining:
         # Batches no larger than a training batch: a forward without gradients then stays under a training
         # step's memory, so the run's training peaks are not raised by it.
         spec = run.spec.replace(eval_batch_size=min(run.spec.eval_batch_size, run.spec.batch_size))
-        return self.evaluate(run.model, run.eval_split, spec, run.task, run.device, run.pad_id, indices=self.indices)
+        with training_layout_kept(run.model):
+            return self.evaluate(run.model, run.eval_split, spec, run.task, run.device, run.pad_id, indices=self.indices)
 
     def paused_within(self, start: float | None, end: float | None) -> float:
         """Seconds of the evaluations between ``start`` and ``end`` (the measured window's ends)."""
@@ -202,3 +204,20 @@ class DuringTraining:
             return {}
         return {"evals": self.rows, "evaluations_during_training": self.evaluated,
                 "eval_during_training_s": sum(b - a for a, b in self.pauses)}
+
+
+@contextlib.contextmanager
+def training_layout_kept(model):
+    """Keep QLoRA's 4-bit weights in their training layout through an evaluation between steps: on a CPU with
+    AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight for inference the first time it runs in eval mode
+    without gradients (support_avx512bf16_for_cpu), for good, and the training steps after it then take the
+    inference kernel and fail (an in-place bias add on a tensor that requires grad). The final evaluation, after
+    training, may repack."""
+    layers = [module for module in model.modules() if getattr(module, "support_avx512bf16_for_cpu", False)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = True
