@@ -19,6 +19,8 @@ rule collect:
     with each run's cost from the price table and its MFU from the GPU peak table."""
     input:
         metrics=all_run_metrics(),
+        # Each run's evaluations (read beside its metrics.json): when it reached the target.
+        evals=all_run_evals(),
         prices=PRICES_TABLE,
         gpu_peaks=GPU_TABLE,
     output:
@@ -38,8 +40,9 @@ rule collect:
     params:
         prices=json.dumps(PRICE_SETTINGS, sort_keys=True),
         budget=json.dumps(config.get("budget")),
+        target=json.dumps(config.get("target")),
     shell:
         "python -m ftbench collect --parquet {output.parquet} --csv {output.csv}"
-        " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q}"
+        " --prices-table {input.prices:q} --price-settings {params.prices:q} --budget {params.budget:q} --target {params.target:q}"
         " --gpu-peaks {input.gpu_peaks:q} --summary {output.summary}"
         " {input.metrics} > {log} 2>&1"

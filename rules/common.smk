@@ -94,6 +94,10 @@ def all_run_steps():
     return [f"results/runs/{run_id}/steps.parquet" for run_id in RUNS]
 
 
+def all_run_evals():
+    return [f"results/runs/{run_id}/evals.parquet" for run_id in RUNS]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Resources of the train rule: the estimate and the reasons for its numbers are in ftbench/cluster/resources.py.
 # `workflow.non_local_exec` is true both where jobs are submitted and inside them, so both sides agree

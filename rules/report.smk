@@ -13,6 +13,7 @@ rule report:
     input:
         metrics="results/metrics.parquet",
         steps=all_run_steps(),
+        evals=all_run_evals(),  # the quality-vs-cost curves
         gpu_table=GPU_TABLE,  # each GPU's memory, drawn as a line on the memory figure
     output:
         html=report("results/report.html", caption="captions/report.rst", category="Report"),
@@ -39,7 +40,7 @@ rule report:
         captions=FIGURE_CAPTIONS,
         captions_json=json.dumps(FIGURE_CAPTIONS, sort_keys=True),
     shell:
-        "python -m ftbench report --metrics {input.metrics} --steps {input.steps}"
+        "python -m ftbench report --metrics {input.metrics} --steps {input.steps} --evals {input.evals}"
         " --figures {output.figures} --html {output.html} --recommend {params.recommend:q}"
         " --repeat-scoring {params.repeat_scoring}"
         " --captions {params.captions_json:q} --gpu-peaks {input.gpu_table:q} > {log} 2>&1"

@@ -1,10 +1,12 @@
 rule train:
-    """Train and measure one configuration; writes metrics.json (with a status) and per-step records."""
+    """Train and measure one configuration; writes metrics.json (with a status), per-step records and its evaluations."""
     input:
         data=get_run_data,
     output:
         metrics="results/runs/{run_id}/metrics.json",
         steps="results/runs/{run_id}/steps.parquet",
+        # Every evaluation of the run: during training (eval_every) and the final one.
+        evals="results/runs/{run_id}/evals.parquet",
     log:
         "logs/train/{run_id}.log",
     params:

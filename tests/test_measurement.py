@@ -835,6 +835,7 @@ def test_sampler_energy_integrated_from_power_without_a_counter(monkeypatch):
 NOT_COLUMNS = {
     "window_s": "same value as measured_time_s (asserted below)",
     "memory_estimate_parts_mb": "nested breakdown of memory_estimate_mb",
+    "evals": "the run's evaluations: rows of evals.parquet, taken out before metrics.json is written",
 }
 
 

@@ -86,6 +86,7 @@ def collect(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", default="null", help="JSON: training budget {tokens|samples, epochs} for projections")
     parser.add_argument("--gpu-peaks", default=None, help="GPU peak table YAML (config/gpus.yaml) for MFU; without it mfu stays null")
     parser.add_argument("--summary", default=None, help="text file for the outcome summary (runs per status, why each is not ok)")
+    parser.add_argument("--target", default="null", help="JSON: the quality target {metric, value} (tokens, hours and $ to reach it)")
     parser.add_argument("results", nargs="*", help="metrics.json files")
     args = parser.parse_args(argv)
     from ftbench.report import collect as collect_module
@@ -96,7 +97,7 @@ def collect(argv: list[str] | None = None) -> None:
         settings["table"] = args.prices_table
     prices = cost.resolve(settings)
     frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
-                                   gpu_peaks=args.gpu_peaks, summary_path=args.summary)
+                                   gpu_peaks=args.gpu_peaks, summary_path=args.summary, target=json.loads(args.target))
     print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
@@ -104,6 +105,7 @@ def report(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Render figures and the HTML report.")
     parser.add_argument("--metrics", required=True, help="metrics.parquet")
     parser.add_argument("--steps", nargs="*", default=[], help="per-run steps.parquet files")
+    parser.add_argument("--evals", nargs="*", default=[], help="per-run evals.parquet files (quality against cost)")
     parser.add_argument("--figures", required=True, help="folder for figure PNGs")
     parser.add_argument("--html", required=True)
     parser.add_argument("--title", default="ftbench report")
@@ -118,7 +120,7 @@ def report(argv: list[str] | None = None) -> None:
     written = report_module.build_report(args.metrics, args.steps, args.figures, args.html, title=args.title,
                                          recommend_settings=json.loads(args.recommend) or {},
                                          captions=json.loads(args.captions), gpu_table=args.gpu_peaks,
-                                         repeat_scoring=args.repeat_scoring)
+                                         repeat_scoring=args.repeat_scoring, eval_files=args.evals)
     for name, result in written.items():
         print(f"figure {name}: {result if isinstance(result, str) else 'drawn'}")
     print(f"report -> {args.html}")

@@ -66,7 +66,14 @@ def _is_fsdp(settings: dict) -> bool:
     return settings.get("parallel") == "fsdp"
 
 
-APPLIES_WHEN = {_is_adapter: "method lora or qlora", _is_qlora: "method qlora", _is_fsdp: "parallel fsdp"}
+
+
+def _evaluates_during_training(settings: dict) -> bool:
+    return settings.get("eval_every") is not None
+
+
+APPLIES_WHEN = {_is_adapter: "method lora or qlora", _is_qlora: "method qlora", _is_fsdp: "parallel fsdp",
+                _evaluates_during_training: "eval_every set"}
 
 
 LORA_TARGETS_SCHEMA = {
@@ -118,6 +125,10 @@ class RunSpec:
     auto_batch_size: bool = setting(
         False, "batch_size searched before measuring: the largest that fits, found by trying (batch_size is where the search starts)",
         {"type": "boolean"}, "boolean", name_part=lambda s: "autobs" if s.auto_batch_size else None)
+    confirm_oom: bool = setting(
+        False, "run it on a GPU where the memory estimate predicts it will not fit (to confirm the oom; otherwise the row is "
+        "oom, predicted, and nothing is launched)", {"type": "boolean"}, "boolean",
+        name_part=lambda s: "confirmoom" if s.confirm_oom else None)
     compile: bool = setting(False, "torch.compile on", {"type": "boolean"}, "boolean",
                             name_part=lambda s: "compiled" if s.compile else None)
     batching: str = setting(
@@ -208,6 +219,18 @@ class RunSpec:
     eval_batch_size: int = setting(64, "samples per evaluation batch", {"type": "integer", "minimum": 1})
     max_eval_samples: int | None = setting(None, "eval examples scored (null: the whole eval split)",
                                            _nullable({"type": "integer", "minimum": 1}))
+    eval_every: int | None = setting(
+        None, "evaluate every N optimizer steps during training (and once before the first), on eval_subset examples, with "
+        "the clock paused: the measured window and its tokens/s exclude it; null: only the final evaluation",
+        _nullable({"type": "integer", "minimum": 1}), "Int64")
+    eval_subset: int | None = setting(
+        256, "with eval_every: examples of the fixed seeded eval subset each evaluation during training scores (the same "
+        "examples for every run; null: the whole eval split); the final evaluation scores the whole split as before",
+        _nullable({"type": "integer", "minimum": 1}), "Int64", applies=_evaluates_during_training)
+    stop_at_target: bool = setting(
+        False, "with eval_every and the experiment's target: stop once an evaluation during the measured window reaches the "
+        "target (status stays ok; stopped_at_target says so)", {"type": "boolean"}, "boolean",
+        name_part=lambda s: "stopattarget" if s.stop_at_target else None)
     # A measuring knob, but part of the spec so the run records how it was measured. 0.5 s: at 0.1 s an
     # H100 run lost 3.5% of its throughput to sampling (scripts/benchmark_overhead.py); the driver averages
     # utilisation over 1/6 to 1 s anyway, and energy comes from the driver's counter whatever the interval.
@@ -220,6 +243,9 @@ class RunSpec:
     model_def: dict = field(default_factory=dict)
     dataset_def: dict = field(default_factory=dict)
     data_id: str = ""
+    # The experiment's quality target {metric, value}, for a run that stops at it (stop_at_target); None otherwise,
+    # so changing the target re-trains only the runs it can stop.
+    target: dict | None = None
     config_id: str = ""
     run_id: str = ""
 

@@ -23,6 +23,7 @@ from ftbench.errors import ConfigError
 from ftbench.experiment import batching_modes, feasibility
 from ftbench.runspec import RunSpec
 from ftbench.tasks import registry
+from ftbench.tasks.base import is_proportion
 
 _SCHEMA: dict | None = None
 
@@ -250,6 +251,7 @@ def check_references(config: dict) -> None:
     if not runs:
         raise ConfigError("config key matrix: every combination was excluded; no run is left to measure")
     check_budget(config)
+    check_target(config, runs)
     check_dataset_columns(config, runs)
     check_image_files(config, runs)
     for run in runs:
@@ -274,6 +276,30 @@ def check_budget(config: dict) -> None:
             f"config key budget: give tokens or samples (the size of the training run to project), got only "
             f"{', '.join(sorted(budget))}; or leave budget out"
         )
+
+
+def check_target(config: dict, runs: list[RunSpec]) -> None:
+    """The quality target names an eval figure some run's task produces, a proportion's value lies in [0, 1],
+    and a run that stops at it evaluates during training (eval_every) and produces that figure."""
+    target = config.get("target")
+    families = {run.run_id: registry.model_family(run.model_def) for run in runs}
+    if target is not None:
+        produced = sorted({metric for family in families.values() for metric in family.eval_metrics()})
+        if target["metric"] not in produced:
+            raise ConfigError(f"config key target.metric: {target['metric']!r} is not an eval figure of any run's task; "
+                              f"these runs produce {', '.join(produced)}")
+        if is_proportion(target["metric"]) and not 0 <= target["value"] <= 1:
+            raise ConfigError(f"config key target.value: {target['value']} is outside [0, 1], where {target['metric']} lies")
+    for run in runs:
+        if not run.stop_at_target:
+            continue
+        key = _setting_key(config, "stop_at_target", True)
+        if target is None or run.eval_every is None:
+            raise ConfigError(f"config key {key}: run {run.run_id} stops at the target, so it needs "
+                              f"{'a target (experiment key target)' if target is None else 'eval_every (evaluations during training)'}")
+        if target["metric"] not in families[run.run_id].eval_metrics():
+            raise ConfigError(f"config key {key}: run {run.run_id} ({families[run.run_id].name}) does not produce "
+                              f"{target['metric']}, the target's figure; it produces {', '.join(families[run.run_id].eval_metrics())}")
 
 
 def experiment_warnings(config: dict) -> list[str]:

@@ -86,6 +86,8 @@ def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -
         "model_def": model_def,
         "dataset_def": dataset_def,
         "data_id": data_id(settings["dataset"], dataset_def, model_def, settings["seq_len"], config, settings.get("image_size")),
+        # Only a run that stops at the target carries it: changing the target retrains no other run.
+        "target": config.get("target") if settings.get("stop_at_target") else None,
     }
     name = RunSpec(**spec)
     # Repeats of one configuration share a config id (the spec without repeat and seed), so their

@@ -116,7 +116,7 @@ def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None
 def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, manifest: dict | None = None) -> str | None:
     """The status_reason of a run predicted not to fit its own GPU ("no": beyond the error band), else None.
     A run with auto_batch_size searches for what fits instead, and one without an estimate is launched."""
-    if run.auto_batch_size or getattr(run, "confirm_oom", False):
+    if run.auto_batch_size or run.confirm_oom:
         return None
     figures = run_estimate(run, manifest=manifest)
     estimate = figures["memory_estimate_mb"]

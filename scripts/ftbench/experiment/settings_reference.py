@@ -39,10 +39,11 @@ GROUPS: list[tuple[str, str, list[str]]] = [
      ["batching", "auto_batch_size", "auto_batch_size_max", "kernels", "attn_implementation", "compile", "engine",
       "data_source", "image_size"]),
     ("Devices and parallelism", "`batch_size` is per device: a 2-GPU ddp run takes twice the samples per step.",
-     ["device", "num_gpus", "num_nodes", "parallel", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
+     ["device", "num_gpus", "num_nodes", "parallel", "confirm_oom", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
       "fsdp_reduce_dtype"]),
     ("Measurement and evaluation", "", ["warmup_steps", "warmup_until_stable", "warmup_max_steps", "eval_batch_size",
-                                        "max_eval_samples", "gpu_sample_interval_s"]),
+                                        "max_eval_samples", "eval_every", "eval_subset", "stop_at_target",
+                                        "gpu_sample_interval_s"]),
 ]
 
 # Meanings of schema keys that carry no description of their own (the schema's own description wins when

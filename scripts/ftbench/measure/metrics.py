@@ -28,6 +28,14 @@ IMAGE_COUNTS = ("images", "image_tokens")
 
 MFU_FIELDS = ("mfu", "mfu_peak_tflops", "mfu_peak_source")
 
+# evals.parquet: one row per evaluation and eval figure. ``step``: optimizer steps done when it was taken;
+# ``tokens`` / ``samples`` / ``train_s``: what those steps processed (all devices) and took (their step times:
+# evaluations excluded, warmup included); ``scope``: subset (during training, eval_subset examples) or full
+# (the final evaluation); ``low`` / ``high``: the 95% Wilson interval of a proportion on ``eval_samples``
+# (sequences for token accuracy: the cautious n), null for a loss or perplexity.
+EVAL_FIELDS = ["evaluation", "step", "tokens", "samples", "train_s", "eval_s", "scope", "eval_samples", "metric", "value",
+               "low", "high"]
+
 
 def describe_statuses() -> str:
     return " | ".join(f"{name}: {meaning}" for name, meaning in STATUSES.items())
@@ -210,3 +218,17 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     metrics.update(image_throughput(steps, window_s, devices))
     metrics["energy_j_per_token"] = energy_per_token(metrics)
     return metrics, [{field: step.get(field) for field in STEP_FIELDS} for step in steps]
+
+
+def with_counts(evals: list[dict], steps: list[dict]) -> list[dict]:
+    """Evaluation rows with the tokens, samples and step seconds of the steps done before each (``step`` of
+    them), from the run's step records: all devices' counts once a DDP run's ranks are merged, so the ranks
+    need no collective to count."""
+    tokens, samples, seconds = [0], [0], [0.0]
+    for record in steps:
+        tokens.append(tokens[-1] + record["tokens"])
+        samples.append(samples[-1] + record["samples"])
+        seconds.append(seconds[-1] + record["step_time_s"])
+    done = len(steps)
+    return [{**row, "tokens": tokens[min(row["step"], done)], "samples": samples[min(row["step"], done)],
+             "train_s": seconds[min(row["step"], done)]} for row in evals]

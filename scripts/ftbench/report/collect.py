@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench import atomic
-from ftbench.report import analysis, cost, projection, summary
+from ftbench.report import analysis, cost, projection, quality_target, summary
 from ftbench.measure import gpu_table, metrics
 from ftbench.report.columns import COLUMNS, row_from_result
 
@@ -28,7 +28,8 @@ def typed(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_table(result_files: list[str | Path], prices: cost.Prices | None = None, budget: dict | None = None,
-                warnings_out: list[str] | None = None, gpu_peaks: str | Path | None = None) -> pd.DataFrame:
+                warnings_out: list[str] | None = None, gpu_peaks: str | Path | None = None,
+                target: dict | None = None) -> pd.DataFrame:
     results = [json.loads(Path(path).read_text(encoding="utf-8")) for path in result_files]
     rows = [row_from_result(result) for result in results]
     if gpu_peaks is not None:
@@ -44,7 +45,9 @@ def build_table(result_files: list[str | Path], prices: cost.Prices | None = Non
             warnings_out.extend(cost_warnings)
     # The intervals and stability the report shows, from each run's steps.parquet (beside its metrics.json)
     steps = analysis.read_steps([Path(path).with_name("steps.parquet") for path in result_files])
-    return typed(frame.assign(**analysis.run_figures(frame, steps)))
+    frame = frame.assign(**analysis.run_figures(frame, steps))
+    # The quality target: when each run reached it, from the evals.parquet beside its metrics.json.
+    return typed(quality_target.add_to_target(frame, result_files, target))
 
 
 def add_mfu(rows: list[dict], gpu_peaks: str | Path, warnings_out: list[str] | None = None) -> None:
@@ -62,16 +65,17 @@ def add_mfu(rows: list[dict], gpu_peaks: str | Path, warnings_out: list[str] | N
 
 def collect(result_files: list[str | Path], parquet_path: str | Path, csv_path: str | Path,
             prices: cost.Prices | None = None, budget: dict | None = None,
-            gpu_peaks: str | Path | None = None, summary_path: str | Path | None = None) -> pd.DataFrame:
+            gpu_peaks: str | Path | None = None, summary_path: str | Path | None = None,
+            target: dict | None = None) -> pd.DataFrame:
     """Write the table (Parquet and CSV) and, with ``summary_path``, the outcome summary (summary.py)."""
     messages: list[str] = []
-    frame = build_table(result_files, prices, budget, messages, gpu_peaks)
+    frame = build_table(result_files, prices, budget, messages, gpu_peaks, target)
     for warning in messages:
         print(f"warning: {warning}", file=sys.stderr)
     atomic.write_parquet(parquet_path, frame)
     atomic.write_csv(csv_path, frame)
     if summary_path is not None:
-        text = summary.outcome_summary(frame, str(parquet_path))
+        text = summary.outcome_summary(frame, str(parquet_path)) + summary.target_summary(frame)
         atomic.write_text(summary_path, text)
         print(text, end="")
     return frame

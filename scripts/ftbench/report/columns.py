@@ -178,6 +178,21 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "cost_per_1m_tokens_high": ("Float64", "95% interval of cost_per_1m_tokens, high end: at tokens_per_s_low (inf when that is 0)"),
     "projected_cost_low": ("Float64", "95% interval of projected_cost, low end: at tokens_per_s_high"),
     "projected_cost_high": ("Float64", "95% interval of projected_cost, high end: at tokens_per_s_low"),
+    # evaluations during training (eval_every) and the quality target (experiment key target), computed at collect
+    # from each run's evals.parquet (conventions: scripts/ftbench/report/quality_target.py)
+    "evaluations_during_training": ("Int64", "eval_every: evaluations between steps (one before the first included), each on the eval subset; null without eval_every"),
+    "eval_during_training_s": ("Float64", "eval_every: seconds of those evaluations, kept off the clock (not in train_time_s or the measured window)"),
+    "stopped_at_target": ("boolean", "stop_at_target: true when the run stopped early because an evaluation reached the target (status stays ok)"),
+    "target_metric": ("string", "the experiment's quality target: its eval figure; null without a target"),
+    "target_value": ("Float64", "the experiment's quality target: the value to reach (at least; at most for a loss or perplexity)"),
+    "target_reached": ("boolean", "whether an evaluation of the run reached the target; false: not reached; null when the run has no evaluation of that figure"),
+    "tokens_to_target": ("Float64", "training tokens until the target was reached, interpolated linearly between the two evaluations that straddle it; null when not reached"),
+    "train_s_to_target": ("Float64", "seconds of training steps until the target (warmup included, evaluations excluded), interpolated the same way"),
+    "hours_to_target": ("Float64", "tokens_to_target at the run's measured tokens_per_s, in hours"),
+    "gpu_hours_to_target": ("Float64", "hours_to_target x billed_devices"),
+    "cost_to_target": ("Float64", "$ of reaching the target: hours_to_target x price_per_hour"),
+    "cost_to_target_low": ("Float64", "cost_to_target where the optimistic end of the evaluations' 95% intervals reaches the target"),
+    "cost_to_target_high": ("Float64", "cost_to_target where the pessimistic end reaches it (inf: that end never does)"),
 }
 
 

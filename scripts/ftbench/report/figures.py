@@ -24,7 +24,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from ftbench.report import analysis
+from ftbench.report import analysis, quality_target
 from ftbench import atomic  # noqa: E402
 from ftbench.report.analysis import measured_runs, ok_runs  # noqa: E402
 
@@ -294,6 +294,48 @@ def figure_accuracy_vs_cost(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd
     return grid
 
 
+def figure_quality_vs_cost(runs: pd.DataFrame, evals: pd.DataFrame):
+    """The quality each configuration had reached against what its training had cost by then: a curve per
+    configuration through its evaluations (quality_target.curves), its band their 95% intervals, a square at
+    the final evaluation on the whole eval split, and the experiment's target as a horizontal line."""
+    points, unit = quality_target.curves(runs, evals)
+    if points.empty:
+        if evals.empty:
+            return "no run recorded evaluations (results/runs/<run>/evals.parquet)"
+        return "no finished run with a measured throughput was evaluated on the figure"
+    target = quality_target.target_of(runs)
+    points, layout = analysis.faceted(points)
+    labels = list(dict.fromkeys(points["config_label"]))
+    colours = dict(zip(labels, sns.color_palette("tab10" if len(labels) <= 10 else "husl", len(labels))))
+    grid = sns.FacetGrid(points, **layout, height=5, aspect=1.6, sharex=False, sharey=False)
+
+    def draw(data: pd.DataFrame, **_) -> None:
+        ax = plt.gca()
+        for label, curve in data.groupby("config_label", sort=False):
+            ax.plot(curve["x"], curve["value"], color=colours[label], marker="o", markersize=3, linewidth=1.3)
+            band = curve.dropna(subset=["low", "high"])
+            if not band.empty:
+                ax.fill_between(band["x"].astype(float), band["low"].astype(float), band["high"].astype(float),
+                                color=colours[label], alpha=0.12, linewidth=0)
+            final = curve[curve["scope"] == "full"]
+            ax.scatter(final["x"], final["value"], color=colours[label], marker="s", s=40, edgecolor=DOT_COLOUR, zorder=4)
+        if target:
+            ax.axhline(target["value"], color=TIMEOUT_COLOUR, linestyle="--", linewidth=1.2)
+
+    grid.map_dataframe(draw)
+    _panel_titles(grid, layout)
+    metric = str(points["metric"].iloc[0]) if points["metric"].nunique() == 1 else "eval quality (each task's figure)"
+    spent = "$ spent on training" if unit == "$" else "GPU-hours of training (no price)"
+    grid.set_axis_labels(f"{spent}, at the measured rate (evaluation off the clock)", f"{metric} (band: 95% interval)")
+    extra = {"final evaluation (whole eval split)": Line2D([], [], marker="s", linestyle="", color="#bbbbbb",
+                                                         markeredgecolor=DOT_COLOUR)}
+    if target:
+        extra[f"target {target['metric']} {target['value']:g}"] = Line2D([], [], color=TIMEOUT_COLOUR, linestyle="--")
+    grid.add_legend(legend_data={**{label: Line2D([], [], color=colour, marker="o") for label, colour in colours.items()},
+                                 **extra}, title="configuration")
+    return grid
+
+
 # ---------------------------------------------------------------------------------------------------
 # Scaling, step times, loss curves
 
@@ -416,6 +458,8 @@ FIGURES = [
     FigureSpec("loss_curves", "Loss curves", figure_loss_curves),
 ]
 THROUGHPUT_RATIO = FigureSpec("throughput_ratio", "Throughput ratio across GPUs", figure_throughput_ratio)
+# Drawn from the runs and their evaluations (read_evals), not the steps: report_page draws it beside FIGURES.
+QUALITY_VS_COST = FigureSpec("quality_vs_cost", "Quality vs cost to reach it", figure_quality_vs_cost)
 
 
 def draw(spec: FigureSpec, *tables: pd.DataFrame, shared: str = ""):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ftbench.report import analysis, figures, pages
+from ftbench.report import analysis, figures, pages, quality_target
 from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
@@ -190,7 +190,7 @@ def runs_table(runs: pd.DataFrame, columns: list[str]) -> pages.Table:
 def figure_blocks(written: dict[str, Path | str], captions: dict[str, str],
                   notes: dict[str, str] | None = None) -> list[pages.FigureBlock]:
     """``notes``: figure name -> what the drawn figure leaves out (runs without a valid throughput, ...)."""
-    titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO]}
+    titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO, figures.QUALITY_VS_COST]}
     notes = notes or {}
     return [pages.figure_block(name, titles[name], result, captions, notes.get(name)) for name, result in written.items()]
 
@@ -378,6 +378,50 @@ def recommendation(configs: pd.DataFrame, settings: dict) -> dict:
     }
 
 
+TO_TARGET_COLUMNS = ["configuration", "method", "runs", "reached", "cost_to_target", "cost_to_target_ci95", "within_noise",
+                     "gpu_hours_to_target", "tokens_to_target", "cost_per_1m_tokens", "projected_cost"]
+TO_TARGET_TITLES = {
+    "reached": "finished runs of the configuration that reached the target",
+    "cost_to_target": "$ of the training until the target: tokens to it (interpolated between the evaluations that straddle "
+                      "it) at the measured rate and price; median of the runs that reached it",
+    "cost_to_target_ci95": "95% interval: where the ends of the evaluations' intervals reach the target, widened by the "
+                           "throughput interval ('unbounded': the pessimistic end never reaches it)",
+    "within_noise": "its interval overlaps the cheapest's: a tie with it, not a ranking",
+    "gpu_hours_to_target": "device-hours until the target at the measured rate",
+    "tokens_to_target": "training tokens until the target",
+    "projected_cost": "$ of the configured training budget (another question: a fixed amount of training)",
+}
+
+
+def to_target(configs: pd.DataFrame, runs: pd.DataFrame) -> dict | None:
+    """The section on the quality target (quality_target): the configurations that reached it ranked by cost to
+    target, ties within noise named, those that never reached it, and how it differs from the budget projection.
+    None without a target."""
+    target = quality_target.target_of(runs)
+    if target is None:
+        return None
+    result = quality_target.rank_to_target(quality_target.configurations_to_target(configs, runs))
+    ranked = result["ranked"]
+    shown = ranked.assign(cost_to_target_ci95=[span(low, high, "cost_to_target") for low, high in
+                                                zip(ranked["cost_to_target_low"], ranked["cost_to_target_high"])],
+                          within_noise=ranked["tied"] if "tied" in ranked else [])
+    leaders = shown[shown["within_noise"].eq(True)]["configuration"].tolist() if not shown.empty else []
+    columns = shown_columns(shown, TO_TARGET_COLUMNS, {"configuration", "reached"})
+    return {
+        "metric": target["metric"], "value": target["value"], "basis": result["basis"], "leaders": leaders,
+        "never": result["never"], "projection": quality_target.PROJECTION_VS_TARGET,
+        "table": pages.table(shown, columns, table_id="to-target", titles=TO_TARGET_TITLES),
+    }
+
+
+def target_notes(section: dict | None) -> list[str]:
+    """The summary's notes on the target: which configurations never reached it."""
+    if not section or not section["never"]:
+        return []
+    return [f"Never reached the target ({section['metric']} {section['value']:g}) in the evaluations of their finished runs: "
+            f"{', '.join(section['never'])}."]
+
+
 def environment(runs: pd.DataFrame) -> list[tuple[str, str]]:
     """(column, its values with their run counts where they differ) for each recorded environment column."""
     rows = []
@@ -398,7 +442,7 @@ def price_warnings(runs: pd.DataFrame) -> list[str]:
 
 def build_report(metrics_path, step_files, figures_dir, html_path, title: str = "ftbench report",
                  recommend_settings: dict | None = None, captions: dict[str, str] | None = None,
-                 gpu_table: str | Path | None = None, repeat_scoring: str = "median") -> dict:
+                 gpu_table: str | Path | None = None, repeat_scoring: str = "median", eval_files=None) -> dict:
     """Write the figures and report.html; return what was drawn (figure name -> PNG path or left-out note).
 
     ``captions``: figure name -> its one-sentence caption (the rule passes rules/captions/figures/).
@@ -412,14 +456,24 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     runs = analysis.add_step_figures(runs, steps)
     configs = analysis.configurations(runs, repeat_scoring)
     shared = analysis.common_parts(runs)
-    written = figures.save({spec.name: figures.draw(spec, runs, steps, configs, shared=shared) for spec in figures.FIGURES}, figures_dir)
+    evals = quality_target.read_evals(eval_files or [])
+    drawn = {}
+    for spec in figures.FIGURES:
+        drawn[spec.name] = figures.draw(spec, runs, steps, configs, shared=shared)
+        if spec.name == "accuracy_vs_cost":  # quality against cost from the evaluations (evals.parquet), beside it
+            drawn[figures.QUALITY_VS_COST.name] = figures.draw(figures.QUALITY_VS_COST, runs, evals, shared=shared)
+    written = figures.save(drawn, figures_dir)
+    target_section = to_target(configs, runs)
+    page_summary = summary(runs, configs, price_warnings(runs))
+    page_summary["notes"] += target_notes(target_section)
     shown = with_display_columns(runs)
     config_rows = configuration_rows(configs)
     pages.render(
         "report.html.j2", html_path,
         title=title,
-        summary=summary(runs, configs, price_warnings(runs)),
+        summary=page_summary,
         recommendation=recommendation(configs, recommend_settings or {}),
+        to_target=target_section,
         shared=shared,
         scoring=analysis.REPEAT_SCORING[repeat_scoring],
         configurations=pages.table(config_rows, shown_columns(config_rows, CONFIG_TABLE_COLUMNS, {"configuration", "method", "runs", "ok"}),

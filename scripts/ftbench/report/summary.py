@@ -132,6 +132,19 @@ def dropped_rows_lines(frame: pd.DataFrame) -> list[str]:
     return [f"data {dataset}: rows dropped at preparation: {tally}" for dataset, tally in dropped_rows(frame)]
 
 
+def target_summary(frame: pd.DataFrame) -> str:
+    """One line on the quality target (experiment key target), when there is one: how many finished runs
+    reached it, and which never did."""
+    if "target_metric" not in frame or frame["target_metric"].isna().all():
+        return ""
+    ok = frame[frame["status"] == "ok"]
+    never = ok[ok["target_reached"].eq(False).fillna(False)]["run_id"].tolist()
+    reached = int(ok["target_reached"].eq(True).fillna(False).sum())
+    head = f"target {frame['target_metric'].dropna().iloc[0]} {frame['target_value'].dropna().iloc[0]:g}: {reached} of {len(ok)} finished runs reached it"
+    listed = ", ".join(never[:MAX_LISTED]) + (f" and {len(never) - MAX_LISTED} more" if len(never) > MAX_LISTED else "")
+    return head + (f"; never reached by {listed}\n" if never else "\n")
+
+
 def print_outcome(started: float, failed_jobs: bool) -> None:
     """The end of an invocation, on the terminal (the Snakefile's onsuccess/onerror): the summary collect
     wrote this time, where the report is, and whether jobs failed. ``started``: when the invocation began

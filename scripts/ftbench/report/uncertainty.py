@@ -15,23 +15,9 @@ Plain numbers in, plain numbers out (no pandas): analysis.py applies them to the
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 
-CONFIDENCE = 0.95
-
-
-def _z(confidence: float) -> float:
-    return NormalDist().inv_cdf(0.5 + confidence / 2)
-
-
-def wilson(proportion: float, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """(low, high) of the Wilson score interval of ``proportion`` observed on ``n`` trials."""
-    if n <= 0:
-        raise ValueError(f"wilson: n must be positive, got {n}")
-    z2 = _z(confidence) ** 2
-    centre = (proportion + z2 / (2 * n)) / (1 + z2 / n)
-    half = math.sqrt(z2) / (1 + z2 / n) * math.sqrt(proportion * (1 - proportion) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+from ftbench.measure.intervals import CONFIDENCE, wilson  # noqa: F401 - wilson is part of this module's interface
+from ftbench.measure.intervals import z as _z
 
 
 def _t_two_sided_mass(t: float, df: int) -> float:

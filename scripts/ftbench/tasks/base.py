@@ -27,6 +27,26 @@ import numpy as np
 from ftbench.runspec import RunSpec
 
 IGNORE_INDEX = -100  # positions the loss skips (padding)
+# Eval figures a lower value of which is better; every other eval figure is a proportion in [0, 1] (accuracy,
+# token accuracy, recall@1) where higher is better.
+LOWER_IS_BETTER = ("eval_loss", "eval_perplexity")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of the eval figure ``metric`` is better (accuracy) rather than worse (loss)."""
+    return metric not in LOWER_IS_BETTER
+
+
+def reaches(metric: str, value: float | None, target: float) -> bool:
+    """Whether ``value`` of the eval figure ``metric`` is at least as good as ``target``."""
+    if value is None or value != value:  # None or NaN: no score
+        return False
+    return value >= target if higher_is_better(metric) else value <= target
+
+
+def is_proportion(metric: str) -> bool:
+    """Whether the eval figure ``metric`` is a share of scored items (its interval: Wilson's)."""
+    return metric not in LOWER_IS_BETTER
 
 
 @dataclass
@@ -165,6 +185,10 @@ class TaskFamily:
 
     def eval_accumulator(self):
         raise NotImplementedError
+
+    def eval_metrics(self) -> tuple[str, ...]:
+        """The eval figures this family's scoring gives (its accumulator's METRICS), e.g. for a quality target."""
+        return type(self.eval_accumulator()).METRICS
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         raise NotImplementedError

@@ -391,6 +391,8 @@ class RecallAccumulator:
     embeddings, then recall@1 over all of them, and the mean contrastive loss of the eval batches (which
     depends on eval_batch_size: the negatives are the batch's)."""
 
+    METRICS = ("eval_loss", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_recall_at_1")  # what result() gives
+
     def __init__(self):
         self.image_embeds, self.text_embeds, self.caption_ids = [], [], []
         self.loss_sum = 0.0

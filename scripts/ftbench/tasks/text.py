@@ -224,6 +224,8 @@ class TextFamily(TaskFamily):
 class ClassAccumulator:
     """Sums over eval batches of a classifier: mean loss per sample and accuracy."""
 
+    METRICS = ("eval_loss", "eval_accuracy")  # what result() gives
+
     def __init__(self):
         self.loss_sum = 0.0
         self.count = 0
@@ -243,6 +245,8 @@ class ClassAccumulator:
 class TokenAccumulator:
     """Sums over eval batches of a token predictor: loss per target token, perplexity, token accuracy.
     ``shift``: position t predicts token t+1 (decoders); else the labels line up with the logits (seq2seq)."""
+
+    METRICS = ("eval_loss", "eval_perplexity", "eval_token_accuracy")  # what result() gives
 
     def __init__(self, shift: bool):
         self.shift = shift

@@ -1,5 +1,14 @@
-"""After training: evaluation that fits in the job's time, and memory peaks of training and evaluation
-kept apart.
+"""Evaluation: during training (eval_every), with the clock paused, and after training within the job's
+time, with the memory peaks of training and evaluation kept apart.
+
+- During training (``DuringTraining``): every eval_every optimizer steps, and once before the first, the
+  device is synchronised, the clock paused, a fixed seeded eval subset scored (eval_subset examples, the
+  same for every run), the time spent recorded apart (eval_during_training_s), and the clock resumed: the
+  next step's time starts after it, and the measured window's seconds leave it out (``paused_within``), so
+  tokens/s is that of the steps alone. Its batches are no larger than a training batch, so its memory stays
+  under a training step's. A DDP run evaluates on rank 0 (the unwrapped model: no collective) and every rank
+  learns the stop decision from it (``agree``); an fsdp run evaluates on every rank (a sharded forward).
+  Each evaluation becomes rows of evals.parquet (measure.metrics.EVAL_FIELDS), the final one too.
 
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
@@ -12,17 +21,24 @@ kept apart.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ftbench.measure.intervals import wilson
+from ftbench.tasks import registry
+from ftbench.tasks.base import is_proportion, reaches
 from ftbench.train.devices import synchronize
 
 # Statuses whose model is evaluated: trained to its end, or to the job's time limit.
 EVALUATED = ("ok", "timeout")
 # Share of the job's evaluation margin kept for writing the results after the last eval batch.
 WRITE_RESERVE = 0.25
+# The eval subset's seed: fixed, not the run's, so every run and repeat scores the same examples.
+SUBSET_SEED = 0
 
 
 def peak_rss_mb() -> float | None:
@@ -62,7 +78,7 @@ class EvalBudget:
         return self.limit is None or now + self.slowest + self.reserve < self.limit
 
 
-def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True) -> None:
+def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, steps_done: int | None = None) -> None:
     """Evaluate ``run`` (a trainer.Run) with ``evaluate`` within the job's time, into ``metrics``: its
     figures, its time and its own memory peak; a note in status_reason when the time limit cut it short.
     Call after the training figures (and their peaks) were taken. ``may_stop_early`` False: score every
@@ -83,8 +99,125 @@ def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True) -> N
         figures["eval_peak_memory_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
     elif rss_reset:
         figures["eval_peak_memory_mb"] = peak_rss_mb()
+    if steps_done is not None:  # the final evaluation is the last row of evals.parquet
+        evaluation = len({row["evaluation"] for row in metrics.get("evals", [])})
+        metrics.setdefault("evals", []).extend(eval_rows(registry.family(run.task).eval_metrics(), figures, evaluation,
+                                                         steps_done, "full", figures["eval_time_s"]))
     planned = figures.pop("eval_samples_planned")
     if figures["eval_samples"] < planned:
         note = f"evaluated on {figures['eval_samples']} of {planned} eval samples (the job's time limit)"
         metrics["status_reason"] = f"{metrics['status_reason']}; {note}" if metrics.get("status_reason") else note
     metrics.update(figures)
+
+
+def subset_indices(size: int, subset: int | None) -> np.ndarray:
+    """The eval rows an evaluation during training scores: a fixed seeded sample of ``subset`` of the split's
+    ``size`` rows (SUBSET_SEED: the same rows for every run), in row order; all rows when subset is None or larger."""
+    if subset is None or subset >= size:
+        return np.arange(size)
+    return np.sort(np.random.default_rng(SUBSET_SEED).choice(size, subset, replace=False))
+
+
+def eval_rows(metrics: tuple[str, ...], scores: dict, evaluation: int, step: int, scope: str, eval_s: float) -> list[dict]:
+    """The evals.parquet rows of one evaluation: one per eval figure in ``metrics`` that ``scores`` has, with
+    its 95% Wilson interval on the examples scored where it is a proportion (counts and train_s are filled in
+    from the step records when the job writes them: measure.metrics.with_counts)."""
+    n = int(scores.get("eval_samples") or 0)
+    rows = []
+    for metric in metrics:
+        value = scores.get(metric)
+        if value is None:
+            continue
+        low, high = wilson(float(value), n) if is_proportion(metric) and n > 0 and 0 <= value <= 1 else (None, None)
+        rows.append({"evaluation": evaluation, "step": step, "eval_s": eval_s, "scope": scope, "eval_samples": n,
+                     "metric": metric, "value": float(value), "low": low, "high": high})
+    return rows
+
+
+class DuringTraining:
+    """eval_every: evaluations between optimizer steps, outside the timed window (the module's docstring).
+    ``evaluate``: trainer.evaluate; ``agree(flag)``: whether the flag holds on any rank (every rank calls
+    ``pause`` at the same step, so the ranks skip, and stop, together)."""
+
+    def __init__(self, run, evaluate, agree=lambda flag: flag):
+        spec = run.spec
+        self.run, self.evaluate, self.agree = run, evaluate, agree
+        self.every = spec.eval_every
+        self.target = spec.target if spec.stop_at_target else None
+        self.indices = subset_indices(len(run.eval_split), spec.eval_subset) if self.every else None
+        self.metrics = registry.family(run.task).eval_metrics()
+        self.rows: list[dict] = []
+        self.pauses: list[tuple[float, float]] = []  # (start, end) of each, time.perf_counter()
+        self.evaluated = 0  # pauses that evaluated (one near the deadline skips it)
+
+    def due(self, steps_done: int, total_steps: int) -> bool:
+        """Whether to evaluate before the next step: every eval_every steps from the first (the final
+        evaluation follows the last step)."""
+        return self.every is not None and steps_done < total_steps and steps_done % self.every == 0
+
+    def pause(self, steps_done: int, may_stop: bool, since: float | None = None) -> bool:
+        """Evaluate now with the clock paused (from ``since``, the last step's end, so no moment between steps
+        is lost to either); whether the run stops here, having reached the target (only when ``may_stop``: the
+        measured window has begun, so the run has a throughput)."""
+        run = self.run
+        synchronize(run.device)
+        started = time.perf_counter() if since is None else since
+        last = self.pauses[-1][1] - self.pauses[-1][0] if self.pauses else 0.0
+        # An evaluation that might not end before the deadline is skipped: the final one needs that time.
+        near = run.stop.deadline is not None and time.monotonic() + 2 * last >= run.stop.deadline
+        stop = False
+        if not self.agree(near):
+            self.evaluated += 1
+            scoring = time.perf_counter()
+            scores = self._score() if run.dist.rank == 0 or run.spec.parallel == "fsdp" else {}
+            eval_s = time.perf_counter() - scoring
+            if run.dist.rank == 0:
+                self.rows.extend(eval_rows(self.metrics, scores, len(self.pauses), steps_done, "subset", eval_s))
+            metric = self.target["metric"] if self.target else None
+            stop = self.agree(may_stop and metric is not None and reaches(metric, scores.get(metric), self.target["value"]))
+        synchronize(run.device)
+        self.pauses.append((started, time.perf_counter()))
+        return stop
+
+    @property
+    def resumed(self) -> float:
+        """When the clock resumed after the last evaluation (time.perf_counter()): the next step starts there."""
+        return self.pauses[-1][1]
+
+    def _score(self) -> dict:
+        run = self.run
+        # Batches no larger than a training batch: a forward without gradients then stays under a training
+        # step's memory, so the run's training peaks are not raised by it.
+        spec = run.spec.replace(eval_batch_size=min(run.spec.eval_batch_size, run.spec.batch_size))
+        with training_layout_kept(run.model):
+            return self.evaluate(run.model, run.eval_split, spec, run.task, run.device, run.pad_id, indices=self.indices)
+
+    def paused_within(self, start: float | None, end: float | None) -> float:
+        """Seconds of the evaluations between ``start`` and ``end`` (the measured window's ends)."""
+        if start is None or end is None:
+            return 0.0
+        return sum(b - a for a, b in self.pauses if a >= start and b <= end)
+
+    def figures(self) -> dict:
+        """The evaluations' rows and time, for the run's metrics (nothing without eval_every)."""
+        if self.every is None:
+            return {}
+        return {"evals": self.rows, "evaluations_during_training": self.evaluated,
+                "eval_during_training_s": sum(b - a for a, b in self.pauses)}
+
+
+@contextlib.contextmanager
+def training_layout_kept(model):
+    """Keep QLoRA's 4-bit weights in their training layout through an evaluation between steps: on a CPU with
+    AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight for inference the first time it runs in eval mode
+    without gradients (support_avx512bf16_for_cpu), for good, and the training steps after it then take the
+    inference kernel and fail (an in-place bias add on a tensor that requires grad). The final evaluation, after
+    training, may repack."""
+    layers = [module for module in model.modules() if getattr(module, "support_avx512bf16_for_cpu", False)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = True

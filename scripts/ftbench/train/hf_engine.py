@@ -66,6 +66,17 @@ class Meter:
         self.status: dict = {}
         self.skipped_steps = 0
         self.skip_flag = lambda: False  # fp16: whether the last optimizer step was skipped (set once the Trainer exists)
+        self.evals = None  # evaluation.DuringTraining (eval_every), set by train_steps
+
+    def evaluate_if_due(self) -> bool:
+        """eval_every: evaluate between steps with the clock paused (the next step starts after it); whether
+        the run stops here, at the quality target."""
+        done = len(self.steps)
+        if self.evals is None or not self.evals.due(done, self.total_steps):
+            return False
+        stop = self.evals.pause(done, may_stop=self.window_start is not None, since=self.step_start)
+        self.step_start = self.evals.resumed
+        return stop
 
     def _new_record(self, step: int, measured: bool) -> dict:
         return {"step": step, "measured": measured, "samples": 0, "tokens": 0, "padded_tokens": 0, "capacity_tokens": 0,
@@ -111,6 +122,7 @@ def make_callback(meter: Meter):
             meter.train_started = time.perf_counter()
             synchronize(meter.run.device)
             meter.step_start = time.perf_counter()
+            meter.evaluate_if_due()  # eval_every: the untrained model's score, before the first step
             meter.begin_window_if_due(meter.step_start)
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -141,15 +153,20 @@ def make_callback(meter: Meter):
                 meter.status = {"status": "timeout", "status_reason": f"{reason} at step {len(meter.steps)} of {meter.total_steps}"}
                 control.should_training_stop = True
                 return
-            meter.begin_window_if_due(now)
+            if meter.evaluate_if_due():
+                meter.status = {"stopped_at_target": True}
+                control.should_training_stop = True
+                return
+            meter.begin_window_if_due(meter.step_start)
 
     return FtbenchCallback()
 
 
-def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None) -> tuple[dict, list[dict]]:
+def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None, evals=None) -> tuple[dict, list[dict]]:
     """The run's training through transformers.Trainer: (figures, step records) as trainer.train_steps gives.
     ``loop_times`` (the loop's first and last step, for overhead_s) is left empty: the Trainer's steps are
-    timed by its callbacks, not at the loop's edges."""
+    timed by its callbacks, not at the loop's edges. ``evals``: evaluation.DuringTraining (eval_every), run from
+    the callback between steps with the step clock paused, as the loop does."""
     from transformers import Trainer
 
     spec, device = run.spec, run.device  # parallel 'single' only: experiment.feasibility refuses the others
@@ -158,6 +175,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     local_gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     meter = Meter(run, shape, total_steps, local_gpus)
+    meter.evals = evals
     # The loop's order (its batching's), one index at a time: the Trainer's DataLoader batches it back into
     # the same batches.
     order = [int(i) for batch in training_order(run, total_steps) for i in batch]
@@ -207,10 +225,14 @@ def _figures(meter: Meter, spec, args, total_steps: int) -> dict:
     steps = meter.steps
     figures = dict(meter.status)
     figures.update(meter.sampler.stop())
-    figures["train_time_s"] = time.perf_counter() - meter.train_started if meter.train_started else None
+    figures.update(meter.evals.figures() if meter.evals else {})
+    figures["train_time_s"] = (time.perf_counter() - meter.train_started - figures.get("eval_during_training_s", 0.0)
+                               if meter.train_started else None)
     figures["grad_scaler_skipped_steps"] = meter.skipped_steps if spec.precision == "fp16" else None
     figures.update(total_steps=total_steps, grad_accum_steps=spec.grad_accum_steps, **meter.warmup.figures(len(steps)))
-    window_s = meter.window_end - meter.window_start if meter.window_start is not None and meter.window_end is not None else None
+    window = (meter.window_start, meter.window_end)
+    paused = meter.evals.paused_within(*window) if meter.evals else 0.0
+    window_s = window[1] - window[0] - paused if None not in window else None
     figures["window_s"] = window_s
     figures.update(summarise(steps, window_s, 1))
     figures.update(image_throughput(steps, window_s, 1))

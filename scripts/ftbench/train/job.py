@@ -2,7 +2,7 @@
 
 ``run_job`` is what ``python -m ftbench train`` calls, for the job Snakemake starts and for each rank that
 job's torchrun starts. The job: GPUs assigned, the run trained (this process, or ddp.launch's torchrun for
-ddp and fsdp), its result written: steps.parquet, then metrics.json, each atomically. A rank (``rank_dir``):
+ddp and fsdp), its result written: steps.parquet, evals.parquet, then metrics.json, each atomically. A rank (``rank_dir``):
 ddp.run_rank trains this process's part and writes it for the launcher to merge.
 
     cli.train -> job.run_job -> trainer.train_run (this process)          -> trainer.train_steps | hf_engine.train_steps
@@ -28,7 +28,7 @@ from ftbench.cluster.gpu_slots import GpuSlots, assign_gpus
 from ftbench.errors import FtbenchError, ManifestError, TerminatedError
 from ftbench.experiment import feasibility
 from ftbench.measure import environment
-from ftbench.measure.metrics import STEP_FIELDS, failed_metrics
+from ftbench.measure.metrics import EVAL_FIELDS, STEP_FIELDS, failed_metrics, with_counts
 from ftbench.runspec import RunSpec
 from ftbench.train import ddp, trainer
 from ftbench.train.run_state import StopSignal
@@ -84,6 +84,9 @@ def train(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_lim
             traceback.print_exc()
         metrics, steps = failed_metrics(spec.run_id, exc), []
     atomic.write_parquet(out.with_name("steps.parquet"), pd.DataFrame(steps, columns=STEP_FIELDS))
+    # Every evaluation (during training with eval_every, and the final one), counted from the step records.
+    evals = with_counts(metrics.pop("evals", None) or [], steps)
+    atomic.write_parquet(out.with_name("evals.parquet"), pd.DataFrame(evals, columns=EVAL_FIELDS))
     # metrics.json is written last: its presence means the run's results are complete.
     atomic.write_json(out, {"spec": spec.to_dict(), "metrics": metrics, "environment": environment.capture()})
     return metrics

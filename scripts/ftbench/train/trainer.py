@@ -122,14 +122,16 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     if run.dist.rank == 0 and run.spec.parallel != "fsdp":  # fsdp: every rank counts once sharded (_set_up_loop)
         metrics.update(_count_flops(run, shape, run.model))
     engine = hf_engine.train_steps if run.spec.engine == "hf_trainer" else train_steps
-    figures, steps = engine(run, shape, loop_times)
+    # eval_every: evaluations between steps, the clock paused; the ranks stop at the target together.
+    evals = evaluation.DuringTraining(run, evaluate, agree=lambda flag: _any_rank(run, flag))
+    figures, steps = engine(run, shape, loop_times, evals)
     metrics.update(figures)
     metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
     # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
     sharded = run.spec.parallel == "fsdp"
     if (metrics["status"] in evaluation.EVALUATED and not run.stop.terminate_requested
             and (run.dist.rank == 0 or sharded)):
-        evaluation.evaluate_run(run, evaluate, metrics, may_stop_early=not sharded)
+        evaluation.evaluate_run(run, evaluate, metrics, may_stop_early=not sharded, steps_done=len(steps))
     return steps
 
 
@@ -194,11 +196,14 @@ class _Loop:
     flop_check: dict  # fsdp: the FLOP cross-check, counted on the sharded model by every rank
 
 
-def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None) -> tuple[dict, list[dict]]:
+def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None,
+                evals: evaluation.DuringTraining | None = None) -> tuple[dict, list[dict]]:
     """ftbench's training loop: (its figures, step records). A stop (deadline, divergence) is a status in
-    the figures; an out-of-memory error propagates, with ``run.last_step`` saying where."""
+    the figures; an out-of-memory error propagates, with ``run.last_step`` saying where. ``evals``: the
+    evaluations between steps (eval_every; none without it)."""
     spec, device, dist = run.spec, run.device, run.dist
     loop_times = {} if loop_times is None else loop_times
+    evals = evals or evaluation.DuringTraining(run, evaluate, agree=lambda flag: _any_rank(run, flag))
     loop = _set_up_loop(run, shape)
     warmup = Warmup.of(spec, loop.total_steps)
     sampler = gpu_monitor.GpuSampler(loop.local_gpus, spec.gpu_sample_interval_s)
@@ -206,15 +211,17 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     train_started = time.perf_counter()
     synchronize(device)
     try:
-        figures, steps, window = _take_steps(run, loop, shape, warmup, sampler, loop_times)
+        figures, steps, window = _take_steps(run, loop, shape, warmup, sampler, loop_times, evals)
     except BaseException:
         sampler.close()  # an OOM or a stop on the way out: the sampler process ends with the window
         raise
     figures.update(sampler.stop())
+    figures.update(evals.figures())
     figures.update(loop.flop_check)
-    figures["train_time_s"] = time.perf_counter() - train_started
+    # Training's own time: the evaluations between steps are eval_during_training_s.
+    figures["train_time_s"] = time.perf_counter() - train_started - figures.get("eval_during_training_s", 0.0)
     figures.update(total_steps=loop.total_steps, grad_accum_steps=spec.grad_accum_steps, **warmup.figures(len(steps)))
-    window_s = (window[1] - window[0]) if window[0] is not None and window[1] is not None else None
+    window_s = (window[1] - window[0] - evals.paused_within(*window)) if window[0] is not None and window[1] is not None else None
     figures["window_s"] = window_s
     # This process's counts; a DDP launcher sums ranks (metrics.merge_ranks) and recomputes the summary.
     counted_devices = spec.devices if dist.world_size == 1 else 1
@@ -247,13 +254,20 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
                  spec.batch_size * (spec.devices // run.dist.world_size), total_steps, local_gpus, flop_check)
 
 
-def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict):
-    """The optimizer steps until done or stopped: (figures, step records, (window start, window end))."""
+def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,
+                evals: evaluation.DuringTraining):
+    """The optimizer steps until done or stopped: (figures, step records, (window start, window end)).
+    Evaluations due before a step (``evals``) pause the clock: the step's time starts after them."""
     figures: dict = {"grad_scaler_skipped_steps": 0 if loop.scaler.is_enabled() else None}
     steps: list[dict] = []
     window_start = window_end = None
     step_start = loop_times["first"] = time.perf_counter()
     for step in range(loop.total_steps):
+        if evals.due(step, loop.total_steps):
+            if evals.pause(step, may_stop=window_start is not None, since=step_start):
+                figures["stopped_at_target"] = True
+                break
+            step_start = evals.resumed
         # Step times are gathered only while the window has not begun: nothing more on the measured steps.
         if window_start is None and warmup.window_begins(step, [s["step_time_s"] for s in steps],
                                                          agree=lambda flag: _any_rank(run, flag)):
@@ -359,13 +373,18 @@ def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> d
 
 @torch.no_grad()
 def evaluate(model, split: TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int,
-             another_batch_fits=lambda: True) -> dict:
-    """Scores on the eval split; ``another_batch_fits`` (asked before each batch) may end it early, and
+             another_batch_fits=lambda: True, indices: np.ndarray | None = None) -> dict:
+    """Scores on the eval split (its first max_eval_samples rows, or the rows at ``indices``: an evaluation
+    during training's subset); ``another_batch_fits`` (asked before each batch) may end it early, and
     eval_samples counts the examples scored."""
     model.eval()
-    count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
+    if indices is None:
+        count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
+        order = batching.eval_order(split, count)
+    else:  # the same longest-first order, over the given rows
+        count = len(indices)
+        order = np.asarray(indices)[np.argsort(-batching.lengths_of(split)[indices], kind="stable")]
     scores = registry.family(task).eval_accumulator()
-    order = batching.eval_order(split, count)
     scored = 0
     for start in range(0, count, spec.eval_batch_size):
         if not another_batch_fits():
