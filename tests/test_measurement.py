@@ -907,3 +907,16 @@ def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
     assert row["nvml_samples"] == 0 and row["gpu_sample_interval_s"] == 0.5  # how it was (not) sampled
     assert pd.isna(row["memory_estimate_ratio"])  # the estimate models CUDA tensors, not a process's RSS
     assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))
+
+
+def test_flop_formulas_get_keyword_only_arguments_by_name():
+    """aten.addmm called with beta and alpha by position (Liger's fused kernels did): the formula still counts
+    the matmul, where it used to raise (out_shape given twice) and leave the run without a cross-check."""
+    from torch.utils.flop_counter import flop_registry
+
+    bias, a, b = torch.zeros(3), torch.zeros(2, 4), torch.zeros(4, 3)
+    op = torch.ops.aten.addmm.default
+    positional, named = flops.formula_arguments(op, (bias, a, b, 1, 1), {})
+    assert len(positional) == 3 and named == {"beta": 1, "alpha": 1}
+    assert flop_registry[op._overloadpacket](*positional, **named, out_val=torch.zeros(2, 3)) == 2 * 2 * 4 * 3
+    assert flops.formula_arguments(op, (bias, a, b), {"beta": 1}) == ((bias, a, b), {"beta": 1})  # as usual: unchanged

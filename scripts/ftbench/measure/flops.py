@@ -241,8 +241,21 @@ class FlopTally(TorchDispatchMode):
             self._no_decomposition.add(func)
         out = func(*args, **kwargs)
         if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+            positional, named = formula_arguments(func, args, kwargs)
+            self.total += int(formula(*positional, **named, out_val=out))
         return out
+
+
+def formula_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An op's arguments as torch's FLOP formulas take them: its keyword-only arguments by name. Some callers
+    pass them by position (seen with Liger's fused kernels on an H100: aten.addmm with beta and alpha after the
+    three tensors), and the formula's next parameter, out_shape, would then be given twice."""
+    schema = func._schema.arguments
+    positional = sum(1 for argument in schema if not argument.kwarg_only)
+    if len(args) <= positional:
+        return args, kwargs
+    extra = {argument.name: value for argument, value in zip(schema[positional:], args[positional:])}
+    return args[:positional], {**kwargs, **extra}
 
 
 # ---------------------------------------------------------------------------------------------------
