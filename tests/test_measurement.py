@@ -909,14 +909,17 @@ def test_cpu_run_fills_its_measurements_and_leaves_gpu_ones_null(real_result):
     assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))
 
 
-def test_flop_formulas_get_keyword_only_arguments_by_name():
-    """aten.addmm called with beta and alpha by position (Liger's fused kernels did): the formula still counts
-    the matmul, where it used to raise (out_shape given twice) and leave the run without a cross-check."""
+def test_flop_formulas_get_the_tensors_they_name_by_position():
+    """aten.addmm.dtype_out, as Liger's fused linear cross-entropy calls it (out_dtype fourth, by position): the
+    formula still counts the matmul, where it used to raise (out_shape given twice) and leave every Liger run
+    without a cross-check."""
     from torch.utils.flop_counter import flop_registry
 
     bias, a, b = torch.zeros(3), torch.zeros(2, 4), torch.zeros(4, 3)
-    op = torch.ops.aten.addmm.default
-    positional, named = flops.formula_arguments(op, (bias, a, b, 1, 1), {})
-    assert len(positional) == 3 and named == {"beta": 1, "alpha": 1}
-    assert flop_registry[op._overloadpacket](*positional, **named, out_val=torch.zeros(2, 3)) == 2 * 2 * 4 * 3
-    assert flops.formula_arguments(op, (bias, a, b), {"beta": 1}) == ((bias, a, b), {"beta": 1})  # as usual: unchanged
+    op = torch.ops.aten.addmm.dtype_out
+    formula = flop_registry[op._overloadpacket]
+    positional, named = flops.formula_arguments(formula, op, (bias, a, b, torch.float32), {"out": bias})
+    assert len(positional) == 3 and named == {"out": bias, "out_dtype": torch.float32}
+    assert formula(*positional, **named, out_val=torch.zeros(2, 3)) == 2 * 2 * 4 * 3
+    plain = torch.ops.aten.addmm.default
+    assert flops.formula_arguments(formula, plain, (bias, a, b), {"beta": 1}) == ((bias, a, b), {"beta": 1})

@@ -26,6 +26,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from dataclasses import dataclass
 
 import torch
@@ -241,21 +244,31 @@ class FlopTally(TorchDispatchMode):
             self._no_decomposition.add(func)
         out = func(*args, **kwargs)
         if formula is not None:
-            positional, named = formula_arguments(func, args, kwargs)
+            positional, named = formula_arguments(formula, func, args, kwargs)
             self.total += int(formula(*positional, **named, out_val=out))
         return out
 
 
-def formula_arguments(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """An op's arguments as torch's FLOP formulas take them: its keyword-only arguments by name. Some callers
-    pass them by position (seen with Liger's fused kernels on an H100: aten.addmm with beta and alpha after the
-    three tensors), and the formula's next parameter, out_shape, would then be given twice."""
-    schema = func._schema.arguments
-    positional = sum(1 for argument in schema if not argument.kwarg_only)
-    if len(args) <= positional:
+def formula_arguments(formula, func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An op's arguments as its FLOP formula takes them: the tensors it names by position, every other argument
+    by its schema name. An overload can put more before them than the formula expects: aten.addmm.dtype_out
+    (what Liger's fused linear cross-entropy calls on an H100) has ``out_dtype`` fourth, where addmm's formula
+    takes ``out_shape``, which it would then be given twice."""
+    slots = _formula_slots(formula)
+    if len(args) <= slots:
         return args, kwargs
-    extra = {argument.name: value for argument, value in zip(schema[positional:], args[positional:])}
-    return args[:positional], {**kwargs, **extra}
+    names = [argument.name for argument in func._schema.arguments]
+    return args[:slots], {**kwargs, **{names[index]: args[index] for index in range(slots, len(args))}}
+
+
+@functools.lru_cache(maxsize=None)
+def _formula_slots(formula) -> int:
+    """How many positional arguments a formula takes before ``out_shape`` (shape_wrapper hides the signature)."""
+    parameters = list(inspect.signature(inspect.unwrap(formula)).parameters.values())
+    for index, parameter in enumerate(parameters):
+        if parameter.name == "out_shape" or parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            return index
+    return len(parameters)
 
 
 # ---------------------------------------------------------------------------------------------------
