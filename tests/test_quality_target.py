@@ -129,7 +129,8 @@ def test_the_eval_subset_is_fixed_seeded_and_the_same_for_every_run():
 
 
 def during(every, target=None, total=6):
-    spec = SimpleNamespace(eval_every=every, stop_at_target=target is not None, target=target, eval_subset=None)
+    spec = SimpleNamespace(eval_every=every, stop_at_target=target is not None, target=target, eval_subset=None,
+                           eval_before_training=False)
     run = SimpleNamespace(spec=spec, eval_split=[0] * 10, task="classification")
     return evaluation.DuringTraining(run, evaluate=None)
 

@@ -220,8 +220,9 @@ class RunSpec:
     max_eval_samples: int | None = setting(None, "eval examples scored (null: the whole eval split)",
                                            _nullable({"type": "integer", "minimum": 1}))
     eval_every: int | None = setting(
-        None, "evaluate every N optimizer steps during training (and once before the first), on eval_subset examples, with "
-        "the clock paused: the measured window and its tokens/s exclude it; null: only the final evaluation",
+        None, "evaluate every N optimizer steps during training (and once before the first; on the whole split with "
+        "eval_before_training), on eval_subset examples, with the clock paused: the measured window and its tokens/s "
+        "exclude it; null: only the final evaluation",
         _nullable({"type": "integer", "minimum": 1}), "Int64")
     eval_subset: int | None = setting(
         256, "with eval_every: examples of the fixed seeded eval subset each evaluation during training scores (the same "
@@ -231,6 +232,12 @@ class RunSpec:
         False, "with eval_every and the experiment's target: stop once an evaluation during the measured window reaches the "
         "target (status stays ok; stopped_at_target says so)", {"type": "boolean"}, "boolean",
         name_part=lambda s: "stopattarget" if s.stop_at_target else None)
+    # No name part: the run trains exactly as without it (the evaluation is off the clock and changes no weights).
+    eval_before_training: bool = setting(
+        False, "evaluate the model as built before the first step, with the clock paused (its time: base_eval_time_s), on "
+        "the final evaluation's examples (the whole eval split, or max_eval_samples of it), so base_eval_* and eval_* compare "
+        "the same examples: whether fine-tuning helped. With eval_every it is the step-0 evaluation, in place of the subset one",
+        {"type": "boolean"}, "boolean")
     # A measuring knob, but part of the spec so the run records how it was measured. 0.5 s: at 0.1 s an
     # H100 run lost 3.5% of its throughput to sampling (scripts/benchmark_overhead.py); the driver averages
     # utilisation over 1/6 to 1 s anyway, and energy comes from the driver's counter whatever the interval.

@@ -42,8 +42,8 @@ GROUPS: list[tuple[str, str, list[str]]] = [
      ["device", "num_gpus", "num_nodes", "parallel", "confirm_oom", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
       "fsdp_reduce_dtype"]),
     ("Measurement and evaluation", "", ["warmup_steps", "warmup_until_stable", "warmup_max_steps", "eval_batch_size",
-                                        "max_eval_samples", "eval_every", "eval_subset", "stop_at_target",
-                                        "gpu_sample_interval_s"]),
+                                        "max_eval_samples", "eval_before_training", "eval_every", "eval_subset",
+                                        "stop_at_target", "gpu_sample_interval_s"]),
 ]
 
 # Meanings of schema keys that carry no description of their own (the schema's own description wins when

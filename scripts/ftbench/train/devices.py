@@ -43,6 +43,17 @@ def choose_device(spec: RunSpec, dist: Distributed) -> tuple[torch.device, str |
     raise UnsupportedConfiguration(f"run asks for {wanted} GPUs but {available} are visible")
 
 
+def local_gpus(spec: RunSpec, device: torch.device) -> list[int]:
+    """The GPUs this process drives (their peaks are the run's): all of a DataParallel run's, else its own, none on a
+    CPU. Touching any other GPU would open a CUDA context there, memory that the rank owning that GPU would then see
+    in NVML."""
+    if device.type != "cuda":
+        return []
+    if spec.parallel == "dp":
+        return list(range(spec.devices))
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def autocast_args(device: torch.device, precision: str) -> dict:
     """``torch.autocast(**autocast_args(...))`` for a run's precision: off for fp32 (weights stay fp32
     masters either way)."""

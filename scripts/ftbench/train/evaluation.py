@@ -10,6 +10,12 @@ time, with the memory peaks of training and evaluation kept apart.
   learns the stop decision from it (``agree``); an fsdp run evaluates on every rank (a sharded forward).
   Each evaluation becomes rows of evals.parquet (measure.metrics.EVAL_FIELDS), the final one too.
 
+- Before training (``eval_before_training``): the model as built is scored before the first step, on the final
+  evaluation's examples at its batch size, so the base figures (base_eval_*) and the final ones differ only in
+  the weights. It is a pause like those above (engines, ranks and the clock alike; it is the step-0 row of
+  evals.parquet with eval_every, in place of that step's subset evaluation), its time is base_eval_time_s, and
+  the memory peaks are reset after it: a forward pass at eval_batch_size must not become training's peak.
+
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
   evaluation scores batches while another one fits in what is left of it, keeping WRITE_RESERVE for
@@ -31,7 +37,7 @@ import torch
 from ftbench.measure.intervals import wilson
 from ftbench.tasks import registry
 from ftbench.tasks.base import is_proportion, reaches
-from ftbench.train.devices import synchronize
+from ftbench.train.devices import local_gpus, synchronize
 
 # Statuses whose model is evaluated: trained to its end, or to the job's time limit.
 EVALUATED = ("ok", "timeout")
@@ -135,7 +141,8 @@ def eval_rows(metrics: tuple[str, ...], scores: dict, evaluation: int, step: int
 
 
 class DuringTraining:
-    """eval_every: evaluations between optimizer steps, outside the timed window (the module's docstring).
+    """eval_every and eval_before_training: evaluations between optimizer steps, outside the timed window (the
+    module's docstring).
     ``evaluate``: trainer.evaluate; ``agree(flag)``: whether the flag holds on any rank (every rank calls
     ``pause`` at the same step, so the ranks skip, and stop, together)."""
 
@@ -146,19 +153,28 @@ class DuringTraining:
         self.target = spec.target if spec.stop_at_target else None
         self.indices = subset_indices(len(run.eval_split), spec.eval_subset) if self.every else None
         self.metrics = registry.family(run.task).eval_metrics()
+        self.before_training = spec.eval_before_training
         self.rows: list[dict] = []
-        self.pauses: list[tuple[float, float]] = []  # (start, end) of each, time.perf_counter()
+        self.pauses: list[tuple[float, float]] = []  # (start, end) of each subset evaluation, time.perf_counter()
+        self.base_pause: tuple[float, float] | None = None  # the same of the evaluation before training
+        self.base_figures: dict = {}  # base_eval_* of the model as built (eval_before_training)
+        self.loading_peak_rss_mb: float | None = None  # the resident peak before the base evaluation reset it
         self.evaluated = 0  # pauses that evaluated (one near the deadline skips it)
 
     def due(self, steps_done: int, total_steps: int) -> bool:
-        """Whether to evaluate before the next step: every eval_every steps from the first (the final
-        evaluation follows the last step)."""
+        """Whether to evaluate before the next step: before the first with eval_before_training, and every
+        eval_every steps from the first (the final evaluation follows the last step)."""
+        if steps_done == 0 and self.before_training:
+            return True
         return self.every is not None and steps_done < total_steps and steps_done % self.every == 0
 
     def pause(self, steps_done: int, may_stop: bool, since: float | None = None) -> bool:
         """Evaluate now with the clock paused (from ``since``, the last step's end, so no moment between steps
         is lost to either); whether the run stops here, having reached the target (only when ``may_stop``: the
         measured window has begun, so the run has a throughput)."""
+        if steps_done == 0 and self.before_training:
+            self._pause_for_base(since)
+            return False  # nothing was trained to reach a target yet
         run = self.run
         synchronize(run.device)
         started = time.perf_counter() if since is None else since
@@ -172,17 +188,67 @@ class DuringTraining:
             scores = self._score() if run.dist.rank == 0 or run.spec.parallel == "fsdp" else {}
             eval_s = time.perf_counter() - scoring
             if run.dist.rank == 0:
-                self.rows.extend(eval_rows(self.metrics, scores, len(self.pauses), steps_done, "subset", eval_s))
+                self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), steps_done, "subset", eval_s))
             metric = self.target["metric"] if self.target else None
             stop = self.agree(may_stop and metric is not None and reaches(metric, scores.get(metric), self.target["value"]))
         synchronize(run.device)
         self.pauses.append((started, time.perf_counter()))
         return stop
 
+    def _pause_for_base(self, since: float | None) -> None:
+        """The evaluation before training (eval_before_training), with the clock paused from ``since`` as ``pause``
+        does: rank 0 scores (every rank under fsdp), and no rank starts training before it is done."""
+        run = self.run
+        synchronize(run.device)
+        started = time.perf_counter() if since is None else since
+        sharded = run.spec.parallel == "fsdp"
+        scoring = time.perf_counter()
+        scores = self._score_base(sharded) if run.dist.rank == 0 or sharded else {}
+        eval_s = time.perf_counter() - scoring
+        if run.dist.rank == 0 and self.every is not None:
+            self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full", eval_s))
+        self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
+        synchronize(run.device)
+        self.base_pause = (started, time.perf_counter())
+        if scores:
+            scores.pop("eval_samples_planned")
+            self.base_figures = {f"base_{name}": value for name, value in scores.items()}
+            self.base_figures["base_eval_time_s"] = self.base_pause[1] - self.base_pause[0]
+
+    def _score_base(self, sharded: bool) -> dict:
+        """The model as built, scored like the final evaluation: the same examples, eval_batch_size. It ends early
+        only at the job's training deadline (base_eval_samples then says how many were scored), and never under
+        fsdp, whose ranks must score the same batches (each forward all-gathers from all)."""
+        run = self.run
+        fits = (lambda: True) if sharded else EvalBudget(run.stop.deadline, 0.0).another_batch_fits
+        with training_layout_kept(run.model), peaks_reset_after(run.device, local_gpus(run.spec, run.device)) as peak:
+            scores = self.evaluate(run.model, run.eval_split, run.spec, run.task, run.device, run.pad_id,
+                                   another_batch_fits=fits)
+        self.loading_peak_rss_mb = peak
+        return scores
+
+    def _evaluations(self) -> int:
+        """Evaluations so far: the next one's index in evals.parquet."""
+        return len(self.pauses) + (self.base_pause is not None)
+
     @property
     def resumed(self) -> float:
         """When the clock resumed after the last evaluation (time.perf_counter()): the next step starts there."""
-        return self.pauses[-1][1]
+        return self.pauses[-1][1] if self.pauses else self.base_pause[1]
+
+    @property
+    def paused_s(self) -> float:
+        """Seconds of every evaluation between steps, the base one included: none of it is training's time."""
+        return sum(b - a for a, b in self._all_pauses())
+
+    def peak_rss_mb(self) -> float | None:
+        """Training's resident-memory peak (read when training ends): the process's since the base evaluation
+        reset it, or loading's before it if that was higher; the process's own without a base evaluation."""
+        peaks = [peak for peak in (self.loading_peak_rss_mb, peak_rss_mb()) if peak is not None]
+        return max(peaks) if peaks else None
+
+    def _all_pauses(self) -> list[tuple[float, float]]:
+        return ([self.base_pause] if self.base_pause else []) + self.pauses
 
     def _score(self) -> dict:
         run = self.run
@@ -196,14 +262,32 @@ class DuringTraining:
         """Seconds of the evaluations between ``start`` and ``end`` (the measured window's ends)."""
         if start is None or end is None:
             return 0.0
-        return sum(b - a for a, b in self.pauses if a >= start and b <= end)
+        return sum(b - a for a, b in self._all_pauses() if a >= start and b <= end)
 
     def figures(self) -> dict:
-        """The evaluations' rows and time, for the run's metrics (nothing without eval_every)."""
-        if self.every is None:
-            return {}
-        return {"evals": self.rows, "evaluations_during_training": self.evaluated,
-                "eval_during_training_s": sum(b - a for a, b in self.pauses)}
+        """For the run's metrics: the base figures (eval_before_training), and with eval_every the evaluations'
+        rows and the subset evaluations' count and time."""
+        figures = dict(self.base_figures)
+        if self.every is not None:
+            figures.update(evals=self.rows, evaluations_during_training=self.evaluated,
+                           eval_during_training_s=sum(b - a for a, b in self.pauses))
+        return figures
+
+
+@contextlib.contextmanager
+def peaks_reset_after(device, gpus: list[int]):
+    """Around an evaluation before training: the memory peaks (CUDA's on ``gpus``, the process's resident
+    high-water mark) are reset after it, so those read when training ends are the steps'. Yields the resident
+    peak reached before it (loading's), which the reset loses: the caller keeps it."""
+    synchronize(device)
+    before = peak_rss_mb()
+    try:
+        yield before
+    finally:
+        synchronize(device)
+        for index in gpus:
+            torch.cuda.reset_peak_memory_stats(index)
+        reset_peak_rss()
 
 
 @contextlib.contextmanager

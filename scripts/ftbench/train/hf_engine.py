@@ -31,7 +31,7 @@ import torch
 
 from ftbench.measure import flops, gpu_monitor
 from ftbench.train import batching
-from ftbench.train.devices import synchronize
+from ftbench.train.devices import local_gpus, synchronize
 from ftbench.train.run_state import Run, steps_and_peaks, training_order
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
@@ -122,7 +122,7 @@ def make_callback(meter: Meter):
             meter.train_started = time.perf_counter()
             synchronize(meter.run.device)
             meter.step_start = time.perf_counter()
-            meter.evaluate_if_due()  # eval_every: the untrained model's score, before the first step
+            meter.evaluate_if_due()  # eval_before_training / eval_every: the untrained model's score, before the first step
             meter.begin_window_if_due(meter.step_start)
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -173,8 +173,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     total_steps = spec.planned_steps(len(run.train_split))
     if spec.warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
-    local_gpus = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    meter = Meter(run, shape, total_steps, local_gpus)
+    meter = Meter(run, shape, total_steps, local_gpus(spec, device))
     meter.evals = evals
     # The loop's order (its batching's), one index at a time: the Trainer's DataLoader batches it back into
     # the same batches.
@@ -226,8 +225,8 @@ def _figures(meter: Meter, spec, args, total_steps: int) -> dict:
     figures = dict(meter.status)
     figures.update(meter.sampler.stop())
     figures.update(meter.evals.figures() if meter.evals else {})
-    figures["train_time_s"] = (time.perf_counter() - meter.train_started - figures.get("eval_during_training_s", 0.0)
-                               if meter.train_started else None)
+    evaluating_s = meter.evals.paused_s if meter.evals else 0.0  # evaluations between steps, the base one included
+    figures["train_time_s"] = time.perf_counter() - meter.train_started - evaluating_s if meter.train_started else None
     figures["grad_scaler_skipped_steps"] = meter.skipped_steps if spec.precision == "fp16" else None
     figures.update(total_steps=total_steps, grad_accum_steps=spec.grad_accum_steps, **meter.warmup.figures(len(steps)))
     window = (meter.window_start, meter.window_end)

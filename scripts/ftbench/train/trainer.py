@@ -32,7 +32,7 @@ from ftbench.tasks.base import Batch, TokenisedSplit
 from ftbench.data import prepared
 from ftbench.experiment import memory_plan
 from ftbench.measure import environment, flops, gpu_monitor
-from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
+from ftbench.train.devices import Distributed, autocast_args, choose_device, local_gpus, synchronize
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.experiment import feasibility
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
@@ -126,7 +126,7 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     evals = evaluation.DuringTraining(run, evaluate, agree=lambda flag: _any_rank(run, flag))
     figures, steps = engine(run, shape, loop_times, evals)
     metrics.update(figures)
-    metrics["peak_rss_mb"] = evaluation.peak_rss_mb()  # training's peak: evaluation's is kept apart
+    metrics["peak_rss_mb"] = evals.peak_rss_mb()  # training's peak: evaluation's is kept apart
     # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
     sharded = run.spec.parallel == "fsdp"
     if (metrics["status"] in evaluation.EVALUATED and not run.stop.terminate_requested
@@ -218,8 +218,8 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     figures.update(sampler.stop())
     figures.update(evals.figures())
     figures.update(loop.flop_check)
-    # Training's own time: the evaluations between steps are eval_during_training_s.
-    figures["train_time_s"] = time.perf_counter() - train_started - figures.get("eval_during_training_s", 0.0)
+    # Training's own time: the evaluations between steps are eval_during_training_s, the one before them base_eval_time_s.
+    figures["train_time_s"] = time.perf_counter() - train_started - evals.paused_s
     figures.update(total_steps=loop.total_steps, grad_accum_steps=spec.grad_accum_steps, **warmup.figures(len(steps)))
     window_s = (window[1] - window[0] - evals.paused_within(*window)) if window[0] is not None and window[1] is not None else None
     figures["window_s"] = window_s
@@ -244,14 +244,12 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     # so the counter sees the same matmuls as on one device.
     flop_check = _count_flops(run, shape, model) if spec.parallel == "fsdp" else {}
     optimizer = make_optimizer(spec, model, device)
-    # The GPUs this process drives: all of a DataParallel run's, else its own. Touching any other GPU
-    # would open a CUDA context there, memory that the rank owning that GPU would then see in NVML.
-    local_gpus = [] if device.type != "cuda" else list(range(spec.devices)) if spec.parallel == "dp" else [device.index]
-    for index in local_gpus:
+    gpus = local_gpus(spec, device)
+    for index in gpus:
         torch.cuda.reset_peak_memory_stats(index)
     return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), make_grad_scaler(spec, device),
                  autocast_args(device, spec.precision), training_order(run, total_steps),
-                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, local_gpus, flop_check)
+                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check)
 
 
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,

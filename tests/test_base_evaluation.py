@@ -1,0 +1,181 @@
+"""eval_before_training: the model as built, scored before the first step on the final evaluation's examples, with
+the clock paused (train/evaluation.py), in both engines and under DDP; base_eval_* figures and the step-0 row of
+evals.parquet. FSDP's ranks are checked in test_fsdp.py, the report's base figure in test_report.py.
+
+The fast tests train the tiny BERT (and a tiny Llama, a tiny CLIP) for a few CPU steps in this process; the DDP
+test starts two gloo ranks (slow marker).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+
+from ftbench.data import prepared
+from ftbench.experiment import matrix
+from ftbench.tasks import registry
+from ftbench.train import ddp, evaluation, modeling, trainer
+
+from test_families import BERT_DEFAULTS, llama_spec, only_spec, prepare_for
+from test_retrieval import caption_dataset, caption_folder, experiment, prepare  # noqa: F401 - caption_folder: a fixture
+
+# Scored figures a run with eval_before_training has twice: as built (base_*) and as trained.
+CLASSIFIER_FIGURES = ("eval_accuracy", "eval_loss", "eval_samples")
+
+
+@pytest.fixture(scope="module")
+def bert_spec(tiny_config_factory):
+    def make(**settings):
+        config = tiny_config_factory(defaults={**BERT_DEFAULTS, **settings}, matrix={"model": ["tiny"], "dataset": ["tiny"]})
+        return only_spec(config)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)
+
+
+def measured_time(steps: list[dict]) -> float:
+    return sum(step["step_time_s"] for step in steps if step["measured"])
+
+
+def during(before_training: bool, every=None):
+    spec = SimpleNamespace(eval_every=every, stop_at_target=False, target=None, eval_subset=None,
+                           eval_before_training=before_training)
+    return evaluation.DuringTraining(SimpleNamespace(spec=spec, eval_split=[0] * 10, task="classification"), evaluate=None)
+
+
+def test_the_base_evaluation_is_due_before_the_first_step_with_or_without_eval_every():
+    assert [s for s in range(7) if during(True).due(s, 6)] == [0]
+    assert [s for s in range(7) if during(True, every=2).due(s, 6)] == [0, 2, 4]
+    assert [s for s in range(7) if during(False).due(s, 6)] == []
+    assert during(True).figures() == {} and during(True).paused_s == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The untouched model: with a learning rate of 0 the base and the final evaluation score the same model
+
+
+@pytest.mark.parametrize("engine", ["loop", "hf_trainer"])
+def test_with_nothing_learnt_the_base_scores_equal_the_final_ones_and_the_untouched_model_s(engine, bert_spec,
+                                                                                           prepared_data):
+    folder, manifest = prepared_data
+    # learning_rate 0 (the schema wants it above 0): every step leaves the weights as built.
+    spec = bert_spec(engine=engine, eval_before_training=True, max_steps=2, warmup_steps=1).replace(learning_rate=0.0)
+    metrics, steps = trainer.train_run(spec, folder)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    for figure in CLASSIFIER_FIGURES:
+        assert metrics[f"base_{figure}"] == pytest.approx(metrics[figure], rel=1e-6), figure
+    assert metrics["base_eval_samples"] == len(registry.load_split(folder, "eval", manifest))  # the whole split
+    # The model as built, scored here: the run's base figures are its own.
+    torch.manual_seed(spec.seed)
+    built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
+                                 pad_token_id=manifest["pad_token_id"])
+    untouched = trainer.evaluate(built.model, registry.load_split(folder, "eval", prepared.verify(folder)), spec,
+                                 "classification", torch.device("cpu"), manifest["pad_token_id"])
+    assert metrics["base_eval_accuracy"] == untouched["eval_accuracy"]
+    assert metrics["base_eval_loss"] == pytest.approx(untouched["eval_loss"], rel=1e-6)
+    assert "evals" not in metrics or {row["step"] for row in metrics["evals"]} == {2}  # no step-0 row without eval_every
+
+
+def test_a_language_model_s_base_evaluation_has_its_loss_and_perplexity(llama_data):
+    metrics, _ = trainer.train_run(llama_spec(eval_before_training=True), llama_data)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["base_eval_perplexity"] == pytest.approx(math.exp(metrics["base_eval_loss"]), rel=1e-6)
+    assert 0 <= metrics["base_eval_token_accuracy"] <= 1 and metrics["base_eval_samples"] == metrics["eval_samples"]
+
+
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory):
+    return prepare_for(llama_spec(), tmp_path_factory.mktemp("base-llama-tokens"))
+
+
+def test_a_retrieval_model_s_base_recall_is_the_untouched_model_s(tmp_path, caption_folder):  # noqa: F811
+    prepare(caption_dataset(caption_folder), tmp_path)
+    spec = matrix.expand_runs(experiment(caption_dataset(caption_folder), eval_before_training=True))[0]
+    metrics, _ = trainer.train_run(spec.replace(learning_rate=0.0), tmp_path)
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    for figure in ("eval_recall_at_1", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_loss"):
+        assert metrics[f"base_{figure}"] == pytest.approx(metrics[figure], rel=1e-6), figure
+
+
+# ---------------------------------------------------------------------------------------------------
+# Off the clock: a slow base evaluation changes neither the steps' times nor the measured window
+
+EVAL_DELAY_S = 1.0
+
+
+@pytest.fixture
+def slow_evaluation(monkeypatch):
+    """Every evaluation takes EVAL_DELAY_S longer, far more than a tiny step: any of it on the clock would show."""
+    evaluate = trainer.evaluate
+
+    def slowly(*args, **kwargs):
+        time.sleep(EVAL_DELAY_S)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate", slowly)
+
+
+@pytest.mark.parametrize("engine", ["loop", "hf_trainer"])
+def test_the_base_evaluation_is_kept_out_of_the_steps_and_the_measured_window(engine, bert_spec, prepared_data,
+                                                                              slow_evaluation):
+    # warmup_steps 0: the measured window begins at the first step, right after the base evaluation.
+    spec = bert_spec(engine=engine, eval_before_training=True, eval_every=2, eval_subset=16, max_steps=4, warmup_steps=0)
+    metrics, steps = trainer.train_run(spec, prepared_data[0])
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert steps[0]["measured"] and max(step["step_time_s"] for step in steps) < EVAL_DELAY_S
+    assert metrics["window_s"] == pytest.approx(measured_time(steps), rel=1e-6)
+    assert metrics["tokens_per_s"] == pytest.approx(metrics["measured_tokens"] / measured_time(steps), rel=1e-6)
+    # Its time is its own figure: not training's, not the evaluations' between steps (one, at step 2).
+    assert metrics["base_eval_time_s"] >= EVAL_DELAY_S
+    assert EVAL_DELAY_S <= metrics["eval_during_training_s"] < 2 * EVAL_DELAY_S
+    assert metrics["evaluations_during_training"] == 1
+    assert metrics["train_time_s"] < sum(step["step_time_s"] for step in steps) + EVAL_DELAY_S / 2
+    # The step-0 row of evals.parquet is the base evaluation, on the whole split like the final one.
+    rows = pd.DataFrame(metrics["evals"])
+    accuracy = rows[rows["metric"] == "eval_accuracy"]
+    assert accuracy["step"].tolist() == [0, 2, 4] and accuracy["evaluation"].tolist() == [0, 1, 2]
+    assert accuracy["scope"].tolist() == ["full", "subset", "full"]
+    assert accuracy["eval_samples"].tolist() == [metrics["eval_samples"], 16, metrics["eval_samples"]]
+    assert accuracy["value"].iloc[0] == pytest.approx(metrics["base_eval_accuracy"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP: rank 0 scores the model as built, every rank waits for it, and it is the one-process run's base
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_rank_0_s_base_evaluation(bert_spec, prepared_data, tmp_path):
+    folder = prepared_data[0]
+    settings = {"method": "full", "learning_rate": 0.0001, "eval_before_training": True, "eval_every": 2, "eval_subset": 16}
+    single, _ = trainer.train_run(bert_spec(**settings), folder)
+    spec = bert_spec(parallel="ddp", num_gpus=2, device="cpu", **settings)
+    out = tmp_path / "run" / "metrics.json"
+    out.parent.mkdir()
+    process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(folder),
+                              "--out", str(out), "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}"
+    metrics, evals = json.loads(out.read_text())["metrics"], pd.read_parquet(out.with_name("evals.parquet"))
+    ranks = ddp.read_rank_results(out.parent / "ranks")
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    # The same model as built (seeded) as the one-process run's: the same base scores.
+    assert metrics["base_eval_accuracy"] == single["base_eval_accuracy"]
+    assert metrics["base_eval_loss"] == pytest.approx(single["base_eval_loss"], rel=1e-5)
+    # Rank 0 scored; rank 1 waited with its clock paused too, and both trained every step.
+    assert "base_eval_accuracy" not in ranks[1]["metrics"]
+    assert [len(rank["steps"]) for rank in ranks] == [6, 6]
+    for rank in ranks:
+        assert rank["metrics"]["window_s"] == pytest.approx(measured_time(rank["steps"]), rel=1e-6)
+    accuracy = evals[evals["metric"] == "eval_accuracy"]
+    assert accuracy["step"].tolist() == [0, 2, 4, 6] and accuracy["scope"].tolist() == ["full", "subset", "subset", "full"]
