@@ -841,8 +841,9 @@ NOT_COLUMNS = {
 
 @pytest.fixture(scope="module")
 def real_result(llama_data, tmp_path_factory):
-    """A run through the train rule's entry point: (metrics.json content, collected table)."""
-    spec = llama_spec(method="lora", lora_targets="all-linear")
+    """A run through the train rule's entry point: (metrics.json content, collected table). With its base evaluation:
+    its base_* figures are columns too."""
+    spec = llama_spec(method="lora", lora_targets="all-linear", eval_before_training=True)
     out = tmp_path_factory.mktemp("run") / "metrics.json"
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -862,6 +863,7 @@ def test_every_metric_of_a_real_run_is_a_column(real_result):
     missing = sorted(set(metrics) - set(COLUMNS) - set(NOT_COLUMNS))
     assert missing == [], f"metrics.json keys collect would drop: {missing}"
     assert metrics["window_s"] == metrics["measured_time_s"]
+    assert {"base_eval_loss", "base_eval_perplexity", "base_eval_token_accuracy", "base_eval_time_s"} <= set(metrics)
 
 
 @pytest.mark.slow

@@ -465,6 +465,45 @@ def test_report_names_quality_per_task_and_tabulates_both_memory_peaks(tmp_path)
     assert "peak_memory_mb" not in headers and "estimate_over_rss" not in headers  # GPU runs only
 
 
+def test_report_shows_each_score_beside_the_base_model_s_and_the_majority_class_rate(tmp_path):
+    """Whether fine-tuning helped: eval_before_training's base figure and the majority-class rate beside each score."""
+    runs, steps = fixture_runs("normal")
+    runs = runs.assign(base_eval_accuracy=0.51, eval_majority_class_rate=0.58)
+    metrics, files = write_fixture(tmp_path, runs, steps)
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    cells = table_cells(page, "runs")
+    for _, run in runs.iterrows():
+        assert cells[run["run_id"]]["quality_vs_base"] == f"{run['eval_accuracy']:.3f} (base 0.510, majority 0.580)"
+    configurations = table_cells(page, "configurations-table")
+    assert sorted(row["quality_vs_base"] for row in configurations.values()) == [
+        f"{accuracy:.3f} (base 0.510, majority 0.580)" for accuracy in sorted(runs["eval_accuracy"])]
+    assert re.search(r"Most accurate: <b>full</b> at 0\.900 accuracy \(95% interval [^)]+\) on 10,000 eval rows; "
+                     r"base 0\.510, majority 0\.580\.", page)
+    # Without a base evaluation the majority-class rate is still there to read the score against.
+    runs = runs.assign(base_eval_accuracy=None)
+    metrics, files = write_fixture(tmp_path / "no-base", runs, steps)
+    report_page.build_report(metrics, files, tmp_path / "no-base" / "figures", tmp_path / "no-base" / "report.html")
+    cells = table_cells((tmp_path / "no-base" / "report.html").read_text(encoding="utf-8"), "runs")
+    assert {row["quality_vs_base"] for row in cells.values()} == {f"{a:.3f} (majority 0.580)" for a in runs["eval_accuracy"]}
+
+
+def test_report_shows_a_language_model_s_loss_and_perplexity_beside_its_base(tmp_path):
+    runs, steps = fixture_runs("lm")
+    runs = runs.assign(base_eval_token_accuracy=0.30, base_eval_loss=3.0, base_eval_perplexity=math.exp(3.0))
+    metrics, files = write_fixture(tmp_path, runs, steps)
+    report_page.build_report(metrics, files, tmp_path / "figures", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    cells = table_cells(page, "runs")
+    for _, run in runs.iterrows():
+        shown = cells[run["run_id"]]
+        assert shown["quality_vs_base"] == f"{run['eval_token_accuracy']:.3f} (base 0.300)"
+        assert (shown["eval_loss"], shown["base_eval_loss"]) == ("2", "3")
+        assert (shown["eval_perplexity"], shown["base_eval_perplexity"]) == ("7.389", "20.09")
+    configuration = next(iter(table_cells(page, "configurations-table").values()))
+    assert (configuration["eval_perplexity"], configuration["base_eval_perplexity"]) == ("7.389", "20.09")
+
+
 def test_report_cli(tmp_path):
     runs, steps = fixture_runs("normal")
     metrics, files = write_fixture(tmp_path, runs, steps)
@@ -731,7 +770,8 @@ def table_cells(page: str, table_id: str) -> dict[str, dict[str, str]]:
     """{first cell: {column: shown text}} of one table of the page."""
     table = re.search(rf'<table class="sortable" id="{table_id}">.*?</table>', page, flags=re.S).group(0)
     header = re.findall(r"<th[^>]*>(.*?)</th>", table)
-    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr class=[^>]*>(.*?)</tr>", table, flags=re.S)]
+    body = table.split("</thead>", 1)[1]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, flags=re.S)]
     return {html.unescape(cells[0]): dict(zip(header, map(html.unescape, cells))) for cells in rows}
 
 

@@ -143,11 +143,12 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
     - ``quality``, ``quality_metric``, ``quality_n``, ``quality_low``, ``quality_high``: the figure that
       judges it for its task, the figure's name, the n of its 95% Wilson interval and the interval
       (see QUALITY); runs on synthetic data have none, and their eval figures are blanked;
+    - ``base_quality``: the same figure of the model before training (eval_before_training), null without it;
     - ``device_memory_mb``: its device's memory (gpu_table.capacity_mb), null when unknown.
     """
     runs = runs.copy().reset_index(drop=True)
     synthetic = runs["data_kind"].eq(SYNTHETIC).fillna(False).astype(bool)
-    runs.loc[synthetic, list(QUALITY_COLUMNS)] = pd.NA
+    runs.loc[synthetic, [column for column in QUALITY_COLUMNS if column in runs]] = pd.NA
     has_config_id = runs["config_id"].notna().all()  # tables written before config_id existed have none
     identity = runs["config_id"].astype(str) if has_config_id and not across_machines else _joined(runs[CONFIG_COLUMNS])
     readable = strip_id(runs["config_id"] if has_config_id else runs["run_id"])
@@ -160,6 +161,7 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
         name = name + " @ " + runs["device_name"].map(short_device)
     runs["config_label"] = _unique_labels(name, runs["config_key"])
     runs["quality"], _ = quality_column(runs)
+    runs["base_quality"], _ = quality_column(runs, BASE)
     runs["quality_metric"] = pd.array([QUALITY[t].name if t in QUALITY else pd.NA for t in runs["task"]], dtype="string")
     runs["quality_metric"] = runs["quality_metric"].where(runs["quality"].notna())
     runs["quality_n"] = pd.array([runs.at[i, QUALITY[t].n_column] if t in QUALITY else pd.NA for i, t in runs["task"].items()],
@@ -193,16 +195,24 @@ QUALITY: dict[str, Quality] = {
     "seq2seq": _TOKEN_ACCURACY,
     "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
 }
-# The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model).
-QUALITY_COLUMNS = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i",
-                   "eval_recall_at_1")
+# The prefix of an eval figure of the model before training (eval_before_training): base_eval_accuracy, ...
+BASE = "base_"
+# The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model), as trained
+# and as built.
+_SCORED = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i",
+           "eval_recall_at_1")
+QUALITY_COLUMNS = (*_SCORED, *(BASE + column for column in _SCORED))
 
 
-def quality_column(runs: pd.DataFrame) -> tuple[pd.Series, str]:
+def quality_column(runs: pd.DataFrame, prefix: str = "") -> tuple[pd.Series, str]:
     """(each run's quality: the figure QUALITY names for its task, null for a task it has no entry for;
-    the axis name: 'eval <name>', or each name with its tasks when the runs mix them)."""
-    values = pd.Series([runs.at[i, QUALITY[t].column] if t in QUALITY else pd.NA for i, t in runs["task"].items()],
-                       index=runs.index, dtype="Float64")
+    the axis name: 'eval <name>', or each name with its tasks when the runs mix them). ``prefix`` BASE: the
+    same figure of the model before training (null where the table has no such column)."""
+    def value(index, task):
+        column = prefix + QUALITY[task].column if task in QUALITY else None
+        return runs.at[index, column] if column in runs else pd.NA
+
+    values = pd.Series([value(i, t) for i, t in runs["task"].items()], index=runs.index, dtype="Float64")
     named = runs.loc[values.notna(), "task"]
     tasks_by_name: dict[str, list[str]] = {}
     for task in (t for t in QUALITY if t in set(named)):
@@ -291,7 +301,7 @@ RUN_PER_THROUGHPUT = {"cost_per_1m_tokens": ("cost_per_1m_tokens_low", "cost_per
                       "projected_cost": ("projected_cost_low", "projected_cost_high")}
 # What the report computes per run and collect writes into metrics.parquet, both through run_figures'
 # functions (prepare's quality, add_step_figures' window): the same numbers in the table and the report.
-RUN_FIGURES = ("quality_metric", "quality", "quality_low", "quality_high", *STORED_WINDOW_FIGURES,
+RUN_FIGURES = ("quality_metric", "quality", "quality_low", "quality_high", "base_quality", *STORED_WINDOW_FIGURES,
                *(column for pair in RUN_PER_THROUGHPUT.values() for column in pair))
 
 
@@ -379,10 +389,13 @@ CONFIG_SUMMARY_COLUMNS = [
     "configuration", "config_key", "method", "model", "dataset", "runs", "ok", "measured",
     "tokens_per_s", "tokens_per_s_low", "tokens_per_s_high", "interval_basis", "tokens_per_s_iqr", "tokens_per_s_cv",
     "unstable", "unstable_runs", "cost_per_1m_tokens", "cost_low", "cost_high",
-    "accuracy", "accuracy_low", "accuracy_high", "quality_metric", "quality_n",
+    "accuracy", "accuracy_low", "accuracy_high", "quality_metric", "quality_n", "base_accuracy", "majority_rate",
+    "eval_loss", "base_eval_loss", "eval_perplexity", "base_eval_perplexity",
     "peak_memory_mb", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb",
     "projected_hours", "projected_cost", "projected_cost_low", "projected_cost_high",
 ]
+# A language model's eval loss and perplexity, as trained and as built (medians over the finished runs).
+LOSS_FIGURES = ("eval_loss", "base_eval_loss", "eval_perplexity", "base_eval_perplexity")
 # The configuration figures that scale as 1 / throughput (the same price and budget at another speed).
 PER_THROUGHPUT = {"cost_per_1m_tokens": ("cost_low", "cost_high"), "projected_cost": ("projected_cost_low", "projected_cost_high")}
 
@@ -451,6 +464,10 @@ def configurations(runs: pd.DataFrame, scoring: str = "median") -> pd.DataFrame:
             "accuracy_high": accuracy_high,
             "quality_metric": ok["quality_metric"].dropna().iloc[0] if ok["quality_metric"].notna().any() else None,
             "quality_n": n,
+            # what the quality is read against: the model before training, and always answering the majority class
+            "base_accuracy": _median(ok, "base_quality"),
+            "majority_rate": _median(ok, "eval_majority_class_rate"),
+            **{column: _median(ok, column) for column in LOSS_FIGURES},
             "projected_hours": score(measured["projected_hours"], scoring),
             # an OOM run's peak is where it failed, not the configuration's
             **{column: _median(measured, column) for column in
@@ -469,7 +486,9 @@ def configurations(runs: pd.DataFrame, scoring: str = "median") -> pd.DataFrame:
 
 
 def _median(frame: pd.DataFrame, column: str) -> float:
-    """The median of a column's values; NaN when it has none."""
+    """The median of a column's values; NaN when it has none (or the table has no such column)."""
+    if column not in frame:
+        return math.nan
     values = frame[column].dropna().astype(float)
     return float(values.median()) if len(values) else math.nan
 

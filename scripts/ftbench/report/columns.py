@@ -10,6 +10,10 @@ from ftbench.data import prepared
 from ftbench.measure.metrics import describe_statuses
 from ftbench.runspec import spec_columns
 
+# The eval figures an evaluation before training (eval_before_training) also gives as base_<figure>: every task's.
+BASE_FIGURES = ("eval_loss", "eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1",
+                "eval_recall_at_1_i2t", "eval_recall_at_1_t2i")
+
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
     "run_id": ("string", "readable run name plus a short hash of the normalised run spec"),
@@ -118,6 +122,15 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_majority_class_rate": ("Float64", "classification: share of the eval split's most common class, the accuracy of always "
                                            "answering it (what eval_accuracy is read against; the whole eval split, "
                                            "also with max_eval_samples); null for other tasks and synthetic data"),
+    # eval_before_training: the same figures of the model as built, scored before the first step on the final
+    # evaluation's examples (train/evaluation.py), so each eval_* above has its starting point beside it
+    **{f"base_{figure}": ("Float64", f"eval_before_training: {figure} of the model before training (the same eval "
+                                     "examples as the final evaluation); null without eval_before_training")
+       for figure in BASE_FIGURES},
+    "base_eval_samples": ("Int64", "eval_before_training: eval examples the base evaluation scored (eval_samples unless the "
+                                   "job's time limit came first)"),
+    "base_eval_time_s": ("Float64", "eval_before_training: seconds of the base evaluation, kept off the clock (not in "
+                                    "train_time_s, eval_during_training_s or the measured window)"),
     # data: source rows preparation left out, by rule, summed over the source splits (the data manifest's
     # rows_dropped); null for synthetic data. Filter or sum them like any count: runs.rows_dropped_duplicates.
     **{f"rows_dropped_{rule}": ("Int64", f"source rows dropped: {meaning}") for rule, meaning in prepared.DROP_REASONS.items()},
@@ -162,6 +175,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "quality": ("Float64", "the run's value of quality_metric (eval_accuracy, eval_token_accuracy or eval_recall_at_1), in [0, 1]"),
     "quality_low": ("Float64", "95% Wilson interval of quality on eval_samples (eval sequences for language models): low end"),
     "quality_high": ("Float64", "95% Wilson interval of quality on eval_samples: high end"),
+    "base_quality": ("Float64", "eval_before_training: quality_metric of the model before training (base_eval_accuracy, "
+                                "base_eval_token_accuracy or base_eval_recall_at_1): what fine-tuning started from"),
     "tokens_per_s_low": ("Float64", "95% within-run interval of tokens_per_s, low end: the ratio interval (sum of tokens over "
                                     "sum of step times, t on the measured steps of steps.parquet) relative to its mean, times "
                                     "tokens_per_s; the measurement noise of this process, not run-to-run variation (repeats "
@@ -180,7 +195,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "projected_cost_high": ("Float64", "95% interval of projected_cost, high end: at tokens_per_s_low"),
     # evaluations during training (eval_every) and the quality target (experiment key target), computed at collect
     # from each run's evals.parquet (conventions: scripts/ftbench/report/quality_target.py)
-    "evaluations_during_training": ("Int64", "eval_every: evaluations between steps (one before the first included), each on the eval subset; null without eval_every"),
+    "evaluations_during_training": ("Int64", "eval_every: evaluations between steps (one before the first included, unless "
+                                             "eval_before_training scored the whole split there: base_*), each on the eval "
+                                             "subset; null without eval_every"),
     "eval_during_training_s": ("Float64", "eval_every: seconds of those evaluations, kept off the clock (not in train_time_s or the measured window)"),
     "stopped_at_target": ("boolean", "stop_at_target: true when the run stopped early because an evaluation reached the target (status stays ok)"),
     "target_metric": ("string", "the experiment's quality target: its eval figure; null without a target"),

@@ -24,7 +24,8 @@ TABLE_COLUMNS = [
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
     "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "eval_perplexity", "eval_samples", "eval_majority_class_rate", "eval_loss", "mfu", "cost_per_1m_tokens", "cost_ci95",
+    "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
+    "eval_majority_class_rate", "mfu", "cost_per_1m_tokens", "cost_ci95",
     "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
@@ -44,12 +45,17 @@ RUN_TITLES = {
     "estimate_over_allocated": "memory estimate / CUDA peak allocated (what the estimate models); reserved adds the allocator's cache",
     "estimate_over_rss": "memory estimate / the process's peak resident memory (CPU runs)",
     "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
+    "quality_vs_base": "whether fine-tuning helped: the run's quality beside the model's before training (base: "
+                       "eval_before_training, on the same eval rows) and, for classification, the accuracy of always "
+                       "answering the eval split's most common class (majority)",
+    "base_eval_perplexity": "eval perplexity of the model before training (eval_before_training), on the same eval rows",
+    "base_eval_loss": "eval loss of the model before training (eval_before_training), on the same eval rows",
     "cost_ci95": "95% interval of the run's $ per 1M tokens: its within-run throughput interval's ends (cost = price / throughput)",
     "projected_cost_ci95": "95% interval of the run's training-budget cost, from its within-run throughput interval",
 }
 CONFIG_TABLE_COLUMNS = ["configuration", "method", "runs", "ok", "measured", "tokens_per_s", "tokens_per_s_ci95", "interval_basis",
                         "tokens_per_s_cv", "unstable", "unstable_runs", "cost_per_1m_tokens", "cost_ci95", "QUALITY", "quality_ci95",
-                        "eval_perplexity", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb",
+                        "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb",
                         "projected_hours", "projected_cost", "projected_cost_ci95"]
 RECOMMEND_TABLE_COLUMNS = ["method", "configuration", "cost_per_1m_tokens", "cost_ci95", "tokens_per_s", "tokens_per_s_ci95",
                            "tied_with", "QUALITY", "quality_ci95", "peak_memory_mb", "projected_cost"]
@@ -78,7 +84,10 @@ def config_titles(scoring: str) -> dict[str, str]:
         "cost_ci95": "95% interval of the cost: the throughput interval's ends (cost = price / throughput)",
         "quality_ci95": "95% Wilson interval of the median quality on n eval rows (sequences for language models); "
                         "repeats score the same rows, so they do not narrow it",
+        "quality_vs_base": "whether fine-tuning helped: the median quality beside the median of the model before training "
+                           "(base: eval_before_training) and, for classification, the majority-class rate (majority)",
         "eval_perplexity": "median eval perplexity (language models)",
+        "base_eval_perplexity": "median eval perplexity of the model before training (eval_before_training)",
         "peak_memory_mb": "median peak memory (MiB): CUDA reserved on a GPU, peak RSS on a CPU",
         "peak_memory_allocated_mb": "median CUDA peak allocated (MiB): what the memory estimate models",
         "peak_memory_reserved_mb": "median CUDA peak reserved (MiB): allocated plus the allocator's cache; what the GPU must hold",
@@ -108,7 +117,9 @@ CONVENTIONS = [
     "Quality: per task - classification accuracy on the held-out split; for language-model runs the next-token (or "
     "target-token) accuracy and perplexity; for image-text retrieval recall@1, the mean of image->text and text->image "
     "recall@1 over the eval split (a retrieved item is right when its caption text is the query's). Runs on synthetic "
-    "(random-token) data show none.",
+    "(random-token) data show none. Whether fine-tuning helped (quality_vs_base): the quality beside the model's before "
+    "training (base, with eval_before_training: the same eval rows, scored before the first step) and, for "
+    "classification, the accuracy of always answering the eval split's most common class (majority).",
     "MFU: analytic model FLOP/s (6N per token for full fine-tuning, 4N + 2N_trainable with adapters, plus attention; "
     "recomputation not counted) over the dense peak of the run's dtype in config/gpus.yaml, times the GPUs.",
     "Cost: $ per device-hour (config/prices.yaml or the experiment's prices key) x devices held, divided by the measured "
@@ -145,6 +156,20 @@ def span(low, high, column: str) -> str | None:
     return f"{fmt(float(low), column)}\u2013{fmt(float(high), column) if high != float('inf') else 'unbounded'}"
 
 
+def read_against(base, majority) -> str:
+    """What a quality is read against, in words: 'base 0.510, majority 0.580' (the model before training, always
+    answering the majority class), the parts there are; '' without either."""
+    parts = [f"{name} {float(value):.3f}" for name, value in (("base", base), ("majority", majority)) if not is_missing(value)]
+    return ", ".join(parts)
+
+
+def against_base(quality, base, majority) -> str | None:
+    """A quality with what it is read against: '0.764 (base 0.510, majority 0.580)'. None without a quality or
+    without anything to read it against (the column then stays out of the table)."""
+    against = read_against(base, majority)
+    return f"{float(quality):.3f} ({against})" if against and not is_missing(quality) else None
+
+
 def steps_text(row: pd.Series) -> str | None:
     """'50 measured + 10 warmup', with the planned total when the run stopped before it."""
     measured, warmup, total = row["measured_steps"], row["warmup_steps"], row["total_steps"]
@@ -162,6 +187,8 @@ def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
     runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s")
                                  for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
     runs["quality_ci95"] = [span(low, high, "quality") for low, high in zip(runs["quality_low"], runs["quality_high"])]
+    runs["quality_vs_base"] = [against_base(*values) for values in
+                               zip(runs["quality"], runs["base_quality"], runs["eval_majority_class_rate"])]
     for column, (low_column, high_column) in analysis.RUN_PER_THROUGHPUT.items():
         runs[RUN_INTERVAL_TEXT[column]] = [span(low, high, column) for low, high in zip(runs[low_column], runs[high_column])]
     gpu = runs["device"].eq("cuda").fillna(False).astype(bool)
@@ -176,6 +203,8 @@ def configuration_rows(configs: pd.DataFrame) -> pd.DataFrame:
     for column, (low, high) in analysis.INTERVALS.items():
         name = "quality_ci95" if column == "accuracy" else f"{column.removesuffix('_per_1m_tokens')}_ci95"
         configs[name] = [span(a, b, column) for a, b in zip(configs[low], configs[high])]
+    configs["quality_vs_base"] = [against_base(*values) for values in
+                                  zip(configs["accuracy"], configs["base_accuracy"], configs["majority_rate"])]
     # "accuracy" is both the configurations' quality column and classification's figure: read it first.
     value = configs["accuracy"].copy()
     for quality in dict.fromkeys(q.name for q in analysis.QUALITY.values()):
@@ -290,7 +319,9 @@ def _memory(row: pd.Series) -> str:
 def _quality(row: pd.Series) -> str:
     counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
     rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
-    return _with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
+    against = read_against(row["base_accuracy"], row["majority_rate"])  # whether fine-tuning helped
+    text = _with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
+    return f"{text}; {against}" if against else text
 
 
 def _budget(row: pd.Series) -> str:
