@@ -208,11 +208,9 @@ def quality_column(runs: pd.DataFrame, prefix: str = "") -> tuple[pd.Series, str
     """(each run's quality: the figure QUALITY names for its task, null for a task it has no entry for;
     the axis name: 'eval <name>', or each name with its tasks when the runs mix them). ``prefix`` BASE: the
     same figure of the model before training (null where the table has no such column)."""
-    def value(index, task):
-        column = prefix + QUALITY[task].column if task in QUALITY else None
-        return runs.at[index, column] if column in runs else pd.NA
-
-    values = pd.Series([value(i, t) for i, t in runs["task"].items()], index=runs.index, dtype="Float64")
+    columns = {t: prefix + quality.column for t, quality in QUALITY.items()}
+    values = pd.Series([runs.at[i, columns[t]] if columns.get(t) in runs else pd.NA for i, t in runs["task"].items()],
+                       index=runs.index, dtype="Float64")
     named = runs.loc[values.notna(), "task"]
     tasks_by_name: dict[str, list[str]] = {}
     for task in (t for t in QUALITY if t in set(named)):
