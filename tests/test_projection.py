@@ -71,6 +71,15 @@ def test_evaluation_follows_the_runs_cadence_when_it_has_eval_every():
     assert out["projected_eval_hours"] == pytest.approx(12 * 361 / 3600)
 
 
+def test_the_evaluation_before_training_is_projected_once_whatever_the_budget():
+    # 9 s before the first step: one pass, whatever the budget's length (the final pass scales with nothing either)
+    out = projection.project({**STEADY, "base_eval_time_s": 9.0}, {"tokens": 3.6e6})
+    assert out["projected_eval_hours"] == pytest.approx((36 + 9) / 3600)
+    row = {**STEADY, "base_eval_time_s": 9.0}
+    assert projection.measured_job_seconds(row) == pytest.approx(30 + 36 + 9 + 72)
+    assert projection.job_seconds(row, 20) == pytest.approx(projection.measured_job_seconds(row))  # itself, projected
+
+
 def test_job_seconds_extends_the_loop_at_the_measured_rate():
     # 30 s for 20 steps (warmup included), then 1 s a step: 200 steps -> 30 + 180, + eval + overhead
     assert projection.job_seconds(STEADY, 200) == pytest.approx(30 + 180 + 36 + 72)

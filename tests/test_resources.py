@@ -145,6 +145,13 @@ def test_auto_batch_size_plans_the_largest_batch_the_data_allows(representative_
     assert resources.train_compute_seconds(auto) == resources.train_compute_seconds(at_max)
 
 
+def test_the_evaluation_before_training_is_a_second_eval_pass_in_the_time_asked_for(representative_runs):
+    run = representative_runs[2]["cpu"]
+    once, twice = (resources.train_compute_seconds(run.replace(eval_before_training=flag), on_gpu=False) for flag in (False, True))
+    without_eval = resources.train_compute_seconds(run.replace(max_eval_samples=1), on_gpu=False)  # one example: ~nothing
+    assert twice - once == pytest.approx(once - without_eval, rel=0.01)
+
+
 def test_a_split_smaller_than_one_batch_asks_for_the_floor_not_a_crash(representative_runs):
     run = representative_runs[2]["cpu"].replace(dataset_def={"source": {"kind": "synthetic"}, "train_size": 10, "eval_size": 10})
     assert resources.train_steps(run, 10) == 1

@@ -183,7 +183,7 @@ def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
 def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     """Compute seconds of one training job on a GPU (``on_gpu``; default: where the run asks for one)
     or the CPU: training tokens per device x 6 FLOPs per parameter (forward + backward), plus
-    evaluation (2 per parameter), over ACHIEVED_FLOPS."""
+    evaluation (2 per parameter; twice with eval_before_training), over ACHIEVED_FLOPS."""
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
@@ -197,7 +197,8 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     if run.parallel == "fsdp" and run.fsdp_cpu_offload:
         flops *= TRAIN_OFFLOAD_SLOWDOWN
     eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
-    flops += 2 * params * eval_examples * per_example
+    passes = 2 if run.eval_before_training else 1  # the final evaluation, and the same examples before training
+    flops += 2 * params * eval_examples * per_example * passes
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
     rate = ACHIEVED_FLOPS[run.precision] if on_gpu else ACHIEVED_FLOPS["cpu"]
     return flops / rate

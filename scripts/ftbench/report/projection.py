@@ -7,6 +7,7 @@ It is applied when results are collected, so changing it retrains nothing.
 - projected_eval_hours: what evaluation adds at the run's cadence: the seconds of one measured evaluation pass
   (eval_time_s / the passes the run made) x the passes of the budget's steps (one every eval_every steps, where
   the run has that setting, plus the final one); the budget's steps are its tokens / the measured tokens per step;
+  plus, once, the evaluation before training where the run made one (base_eval_time_s);
 - projected_overhead_hours: one job's start (process start to the first step: imports, data, model load, whose
   load_time_s is part of it) and end, as measured (overhead_s); checkpoint saves: none in the plan today;
 - projected_hours = train + eval + overhead: the job's wall hours, what costs are billed on;
@@ -81,13 +82,15 @@ def eval_passes(steps: float | None, eval_every) -> int:
 
 
 def eval_seconds(row: dict, steps: float | None) -> float:
-    """Evaluation seconds of a run of ``steps`` steps at this run's cadence and measured seconds per pass."""
+    """Evaluation seconds of a run of ``steps`` steps at this run's cadence and measured seconds per pass, and its
+    evaluation before training (as long whatever the steps)."""
+    before = _number(row.get("base_eval_time_s")) or 0.0
     measured = _number(row.get("eval_time_s"))
     if not measured:
-        return 0.0
+        return before
     eval_every = row.get("eval_every")  # the eval_every setting, where this ftbench has it
     per_pass = measured / eval_passes(_number(row.get("total_steps")), eval_every)
-    return per_pass * eval_passes(steps, eval_every)
+    return before + per_pass * eval_passes(steps, eval_every)
 
 
 def job_seconds(row: dict, steps: float) -> float | None:
@@ -102,11 +105,13 @@ def job_seconds(row: dict, steps: float) -> float | None:
 
 
 def measured_job_seconds(row: dict) -> float | None:
-    """A run's measured job time, process start to end: overhead_s + train_time_s + eval_time_s."""
+    """A run's measured job time, process start to end: overhead_s + train_time_s + eval_time_s + base_eval_time_s
+    (the evaluation before training, which train_time_s leaves out)."""
     loop = _number(row.get("train_time_s"))
     if loop is None:
         return None
-    return loop + (_number(row.get("eval_time_s")) or 0.0) + (_number(row.get("overhead_s")) or 0.0)
+    evaluating = (_number(row.get("eval_time_s")) or 0.0) + (_number(row.get("base_eval_time_s")) or 0.0)
+    return loop + evaluating + (_number(row.get("overhead_s")) or 0.0)
 
 
 def projection_check(frame: pd.DataFrame, settings: list[str]) -> pd.DataFrame:
