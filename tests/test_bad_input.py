@@ -775,3 +775,18 @@ def test_messages_name_only_values_the_key_allows(tiny_config_factory, edit, mes
     edit(config)
     with pytest.raises(FtbenchError, match=message or r"'synthetic' makes random token data; a model needs hub, path, package or config"):
         ftbench_config.validate_config(config)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["defaults"].update(eval_before_training="yes"),
+     r"^config key defaults\.eval_before_training: expected boolean, got str 'yes'$"),
+    (lambda c: c["matrix"].update(eval_before_training=[True, "no"]),
+     r"^config key matrix\.eval_before_training\[1\]: expected boolean, got str 'no'$"),
+    (lambda c: c["defaults"].update(eval_before_training=None), r"^config key defaults\.eval_before_training: expected boolean, got null$"),
+])
+def test_eval_before_training_is_true_or_false_in_one_line_naming_the_key(tiny_config_factory, edit, message):
+    config = tiny_config_factory()
+    edit(config)
+    with pytest.raises(FtbenchError, match=message) as refused:
+        ftbench_config.validate_config(config)
+    assert "\n" not in str(refused.value)

@@ -170,7 +170,8 @@ def test_estimate_shards_states_and_moves_them_to_the_host_with_offload():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [
-    {},
+    # eval_before_training: the sharded model as built, scored on both ranks, is the one process's model as built.
+    {"eval_before_training": True},
     # lora_dropout 0: dropout masks would differ between one process and two.
     {"method": "lora", "lora_dropout": 0.0, "gradient_checkpointing": True, "fsdp_reshard_after_forward": False},
 ], ids=["full", "lora-gc-noreshard"])
@@ -192,6 +193,10 @@ def test_fsdp_two_ranks_train_like_one_process(settings, llama_checkpoint, check
     assert mean_losses == pytest.approx(pd.read_parquet(single_out)["loss"].tolist(), abs=2e-4)
     assert metrics["eval_loss"] == pytest.approx(single["eval_loss"], abs=2e-4)
     assert ranks[1]["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"])  # both ranks evaluated
+    if settings.get("eval_before_training"):
+        assert metrics["base_eval_loss"] == pytest.approx(single["base_eval_loss"], abs=2e-4)
+        assert ranks[1]["metrics"]["base_eval_loss"] == pytest.approx(metrics["base_eval_loss"])
+        assert metrics["base_eval_perplexity"] == pytest.approx(math.exp(metrics["base_eval_loss"]), rel=1e-6)
     # The FLOP cross-check, counted on the sharded model by both ranks, agrees with the one-process count.
     assert metrics["flops_counted_ratio"] == pytest.approx(single["flops_counted_ratio"], rel=1e-6)
 
