@@ -62,6 +62,17 @@ def test_the_base_evaluation_is_due_before_the_first_step_with_or_without_eval_e
     assert during(True).figures() == {} and during(True).paused_s == 0.0
 
 
+def test_the_base_evaluation_s_memory_peak_is_not_left_to_training():
+    """The peaks are reset after it: a forward pass at eval_batch_size must not become training's peak_rss_mb."""
+    import numpy as np
+
+    with evaluation.peaks_reset_after(torch.device("cpu"), []) as before:
+        held = np.ones(96 * 2**20 // 8)  # 96 MiB, touched: the evaluation's own peak
+        during_it = evaluation.peak_rss_mb()
+        del held
+    assert before is not None and evaluation.peak_rss_mb() < during_it - 48
+
+
 # ---------------------------------------------------------------------------------------------------
 # The untouched model: with a learning rate of 0 the base and the final evaluation score the same model
 

@@ -241,7 +241,7 @@ class DuringTraining:
         """Seconds of every evaluation between steps, the base one included: none of it is training's time."""
         return sum(b - a for a, b in self._all_pauses())
 
-    def peak_rss_mb(self) -> float | None:
+    def training_peak_rss_mb(self) -> float | None:
         """Training's resident-memory peak (read when training ends): the process's since the base evaluation
         reset it, or loading's before it if that was higher; the process's own without a base evaluation."""
         peaks = [peak for peak in (self.loading_peak_rss_mb, peak_rss_mb()) if peak is not None]

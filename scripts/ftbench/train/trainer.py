@@ -126,7 +126,7 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     evals = evaluation.DuringTraining(run, evaluate, agree=lambda flag: _any_rank(run, flag))
     figures, steps = engine(run, shape, loop_times, evals)
     metrics.update(figures)
-    metrics["peak_rss_mb"] = evals.peak_rss_mb()  # training's peak: evaluation's is kept apart
+    metrics["peak_rss_mb"] = evals.training_peak_rss_mb()  # training's peak: evaluation's is kept apart
     # A sharded model evaluates on every rank (each forward all-gathers from all); rank 0's scores count.
     sharded = run.spec.parallel == "fsdp"
     if (metrics["status"] in evaluation.EVALUATED and not run.stop.terminate_requested
