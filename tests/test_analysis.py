@@ -1,5 +1,5 @@
 """The run table's analysis (scripts/ftbench/report/analysis.py): configurations and their labels, medians over
-repeats, the recommendation, the Pareto front, scaling lines, device memory."""
+repeats, the recommendation, the Pareto front, device memory (scaling: test_scaling.py)."""
 
 from __future__ import annotations
 
@@ -138,14 +138,6 @@ def test_accuracy_and_cost_marks_the_front_of_each_model():
     for _, panel in points.groupby("model"):
         assert sorted(panel.loc[panel["on_front"], "method"]) == ["full", "lora", "lora"]  # qlora is dominated
         assert not panel["near_front"].any()  # no intervals (no steps, no eval rows): dominated is dominated
-
-
-def test_scaling_lines_start_from_one_gpu_with_the_ideal_line():
-    runs = analysis.prepare(fixture_runs("scaling")[0])
-    lines = analysis.scaling_lines(analysis.scaling(runs))
-    by_mode = {mode: dict(zip(group["devices"], group["tokens_per_s"])) for mode, group in lines.groupby("parallel")}
-    assert by_mode == {"dp": {1: 15000, 2: 21000}, "ddp": {1: 15000, 2: 28500, 4: 55000},
-                       "ideal": {1: 15000, 2: 30000, 4: 60000}}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -158,9 +158,10 @@ def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
 def test_two_experiments_sharing_data_in_one_folder_rerun_nothing(tmp_path, tiny_config_factory, tiny_model_dir,
                                                                    snakemake_runner):
     """Two experiment files in one folder on one dataset, tokenizer and seq_len, naming different models (the
-    second a config-built BERT on the first's tokenizer, and one with a vocab_size its tokenizer contradicts):
-    the second prepares nothing and retrains none of the first's runs, its bad model fails in its own row only,
-    and the first again trains nothing (collect and report make the folder's table the first's again)."""
+    second a config-built BERT on the first's tokenizer): the second prepares nothing and retrains none of the
+    first's runs, and the first again trains nothing (collect and report make the folder's table the first's
+    again). A third naming a model whose vocab_size its tokenizer contradicts is refused before anything runs,
+    in one line naming the key, and the shared data stays as it was."""
     tokenizer = {"kind": "path", "path": str(tiny_model_dir)}
     shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
              "max_position_embeddings": 128}
@@ -170,10 +171,13 @@ def test_two_experiments_sharing_data_in_one_folder_rerun_nothing(tmp_path, tiny
                            "overrides": {**shape, **overrides}}, "task": "classification"}
 
     first = tiny_config_factory()
-    second = tiny_config_factory(models={"wide": config_model(), "bad_vocab": config_model(vocab_size=7)},
-                                 matrix={"model": ["wide", "bad_vocab"], "dataset": ["tiny"], "method": ["lora"]})
+    second = tiny_config_factory(models={"wide": config_model()},
+                                 matrix={"model": ["wide"], "dataset": ["tiny"], "method": ["lora", "full"]})
+    third = tiny_config_factory(models={"wide": config_model(), "bad_vocab": config_model(vocab_size=7)},
+                                matrix={"model": ["wide", "bad_vocab"], "dataset": ["tiny"], "method": ["lora"]})
     first_file, second_file = write_config(tmp_path, first, "first.yaml"), write_config(tmp_path, second, "second.yaml")
-    data_ids = {run.data_id for run in matrix.expand_runs(first) + matrix.expand_runs(second)}
+    third_file = write_config(tmp_path, third, "third.yaml")
+    data_ids = {run.data_id for run in matrix.expand_runs(first) + matrix.expand_runs(second) + matrix.expand_runs(third)}
     assert len(data_ids) == 1
 
     def run(configfile, *args):
@@ -190,10 +194,14 @@ def test_two_experiments_sharing_data_in_one_folder_rerun_nothing(tmp_path, tiny
     assert job_counts(run(second_file, "-n")) == {"train": 2, "collect": 1, "report": 1, "all": 1}
     run(second_file)
     assert {path: path.stat().st_mtime_ns for path in [data, *data.iterdir()]} == stamps  # not prepared again
-    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet").set_index("model")
-    assert table.loc["wide", "status"] == "ok", table.loc["wide", "status_reason"]
-    # Its vocab_size fails its own job (its row), never the data the others share.
-    assert table.loc["bad_vocab", "status"] == "failed"
+    table = pd.read_parquet(tmp_path / "results" / "metrics.parquet")
+    assert set(table["model"]) == {"wide"} and (table["status"] == "ok").all(), table["status_reason"].tolist()
+
+    # A model whose vocabulary contradicts its tokenizer: refused at parse time, never by failing the shared data.
+    refused = snakemake_runner(tmp_path, configfile=third_file)
+    assert refused.returncode != 0
+    assert "ftbench: config key models.bad_vocab.source.overrides.vocab_size: 7" in refused.stderr + refused.stdout
+    assert {path: path.stat().st_mtime_ns for path in [data, *data.iterdir()]} == stamps
 
     assert job_counts(run(first_file, "-n")) == {"collect": 1, "report": 1, "all": 1}  # no prepare_data, no train
     run(first_file)

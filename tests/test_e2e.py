@@ -104,7 +104,7 @@ def test_step_tokens_are_the_real_lengths_of_the_stored_sequences(results):
 
 def test_one_shared_data_preparation(results):
     folder, config = results
-    prepared = [path for path in (folder / "data").iterdir() if path.is_dir()]
-    assert [path.name for path in prepared] == [matrix.expand_runs(config)[0].data_id]
-    manifest = prepared.verify(prepared[0])
+    folders = [path for path in (folder / "data").iterdir() if path.is_dir()]
+    assert [path.name for path in folders] == [matrix.expand_runs(config)[0].data_id]
+    manifest = prepared.verify(folders[0])
     assert manifest["splits"]["train"]["rows"] == 100 and manifest["splits"]["eval"]["rows"] == 50

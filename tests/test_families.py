@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_dataset_def, write_config
+from conftest import LM_DEFAULTS, MINILM_SOURCE, ROOT, snakemake_failure, tiny_config, tiny_dataset_def, write_config
 from ftbench.tasks import registry
 from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.data import tokenizers
@@ -280,6 +280,28 @@ def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_d
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizers
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_checkpoint_stored_in_bf16_trains_fp32_masters_like_one_stored_in_fp32(method, tiny_model_dir, tiny_csv, tmp_path):
+    """transformers 5 loads a checkpoint in its stored dtype unless told otherwise: a bf16-stored checkpoint
+    (most hub LLMs) would then train bf16 weights under a run that says fp32, and every number of the row
+    would describe another run than the same model stored in fp32."""
+    from transformers import AutoModelForSequenceClassification
+
+    stored = tmp_path / "tiny-bf16"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(stored)
+    shutil.copy(tiny_model_dir / "tokenizer.json", stored)
+    shutil.copy(tiny_model_dir / "tokenizer_config.json", stored)
+    spec = only_spec(tiny_config(stored, tiny_csv, defaults={**BERT_DEFAULTS, "method": method},
+                                 matrix={"model": ["tiny"], "dataset": ["tiny"]}))
+    model = modeling.build_model(spec, num_labels=2, device=torch.device("cpu")).model
+    floating = {name: p.dtype for name, p in model.named_parameters() if p.is_floating_point()}
+    assert set(floating.values()) == {torch.float32}, floating
+    reference = AutoModelForSequenceClassification.from_pretrained(stored, dtype=torch.float32)
+    embedding = dict(model.named_parameters())
+    key = next(name for name in embedding if name.endswith("word_embeddings.weight"))
+    assert torch.equal(embedding[key], reference.get_input_embeddings().weight)
 
 
 @pytest.mark.slow

@@ -98,6 +98,17 @@ def test_projection_check_pairs_the_short_and_long_run_of_one_configuration():
     assert table["ratio"].iloc[0] == pytest.approx(318 / 323)
 
 
+def test_a_wait_for_the_warm_process_is_a_workflow_start_cost_left_out_of_both_sides():
+    """The first job of a local workflow can wait for the warm process's imports (22.1 s of overhead against
+    3.5 s on an H100): carried into the projection it overstated a 400-step run by a third."""
+    first = {**STEADY, "overhead_s": 72.0 + 19.0, "warm_start_wait_s": 19.0}
+    assert projection.project(first, {"tokens": 3.6e6})["projected_overhead_hours"] == pytest.approx(72 / 3600)
+    assert projection.job_seconds(first, 200) == pytest.approx(projection.job_seconds(STEADY, 200))
+    assert projection.measured_job_seconds(first) == pytest.approx(projection.measured_job_seconds(STEADY))
+    # a missing or null wait (SLURM jobs, old tables) leaves overhead_s as it is
+    assert projection.job_seconds({**STEADY, "warm_start_wait_s": None}, 200) == pytest.approx(30 + 180 + 36 + 72)
+
+
 @pytest.mark.slow
 def test_projection_check_at_tiny_scale_on_the_cpu(tmp_path):
     """projection-check.yaml's idea at tiny scale: a tiny Llama run for 8 and 80 steps, each its own job (its

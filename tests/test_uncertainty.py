@@ -75,3 +75,15 @@ def test_scale_to_separate():
     # half-widths 3 and 3 at a difference of 4: (6 / 4)^2 = 2.25 times the sample
     assert uncertainty.scale_to_separate(4, 3, 3) == pytest.approx(2.25)
     assert uncertainty.scale_to_separate(0, 3, 3) == math.inf
+
+
+def test_quotient_interval_divides_the_ends_crosswise():
+    # per-GPU 21,000 (20,000-22,000) over a single GPU's 20,000 (16,000-25,000): 0.8 to 1.375
+    assert uncertainty.quotient_interval((20000.0, 22000.0), (16000.0, 25000.0)) == pytest.approx((0.8, 1.375))
+    # it reaches 1 exactly when the intervals overlap: the report's tie rule as a ratio
+    apart, touching = (10.0, 11.0), (11.0, 12.0)
+    assert uncertainty.quotient_interval(apart, (12.0, 13.0))[1] < 1
+    assert uncertainty.quotient_interval(apart, touching)[1] == 1 and uncertainty.overlap(apart, touching)
+    assert uncertainty.quotient_interval((1.0, 2.0), (0.0, 3.0)) == (pytest.approx(1 / 3), math.inf)
+    with pytest.raises(ValueError, match="must reach above 0"):
+        uncertainty.quotient_interval((1.0, 2.0), (0.0, 0.0))

@@ -146,14 +146,17 @@ def run_warm(argv: list[str]) -> int | None:
     path = socket_path()
     if path is None:
         return None
+    asked = time.monotonic()
     connection = _connect(path)
+    ready_wait_s = time.monotonic() - asked  # the workflow's warm process still importing, when the job came early
     if connection is None:
         start_server(path)
         return None
     with connection:
         connection.settimeout(CONNECT_TIMEOUT_S)
         request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
-                              "client_pid": os.getpid(), "client_started": _process_start_time()}).encode()
+                              "client_pid": os.getpid(), "client_started": _process_start_time(),
+                              "ready_wait_s": ready_wait_s}).encode()
         try:
             socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
             reader = connection.makefile("r", encoding="utf-8")
@@ -531,6 +534,7 @@ def _become_job(request: dict, fds: list[int]) -> None:
             sys.stderr.reconfigure(write_through=True)
         _apply_per_job_settings()
         environment.job_started_at = float(request["client_started"])
+        environment.warm_start_wait_s = float(request["ready_wait_s"])
 
         # The client is what Snakemake started and will stop: if it disappears, so does this job.
         lifeline.watch(int(request["client_pid"]), what="the job's command")

@@ -15,6 +15,9 @@ from ftbench.measure import gpu_monitor
 # Set in a job forked from the warm process (cluster/warmstart.py): when its client process started, the
 # moment Snakemake started the job, so overhead_s counts from there.
 job_started_at: float | None = None
+# Seconds a warm-started job waited for the workflow's warm process to finish importing (the first jobs of a
+# workflow can come before it is ready): part of the job's overhead that belongs to the workflow's start.
+warm_start_wait_s: float | None = None
 
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "snakemake", "pandas", "pyarrow")
 

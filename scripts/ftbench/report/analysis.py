@@ -115,19 +115,18 @@ def common_parts(runs: pd.DataFrame) -> str:
     return " ".join(x for x in parts.iloc[0] if x in common)
 
 
-def _hash(keys: pd.Series) -> pd.Series:
+def short_hash(keys: pd.Series) -> pd.Series:
+    """Each key's first 8 hex digits of sha256: a short, stable id (a configuration's, a scaling series')."""
     return keys.map(lambda key: hashlib.sha256(key.encode()).hexdigest()[:8])
 
 
-def _joined(columns: pd.DataFrame) -> pd.Series:
+def settings_key(columns: pd.DataFrame) -> pd.Series:
     """Each row's values as one string: a key for the settings in ``columns``."""
     rows = columns.astype("string").fillna("-").itertuples(index=False)
     return pd.Series(["|".join(row) for row in rows], index=columns.index, dtype=object)
 
 
-
-
-def _unique_labels(labels: pd.Series, keys: pd.Series) -> pd.Series:
+def unique_labels(labels: pd.Series, keys: pd.Series) -> pd.Series:
     """Labels with the key's first characters added where one label would name several keys."""
     keys_per_label = keys.groupby(labels).transform("nunique")
     return labels.where(keys_per_label == 1, labels + " [" + keys.str[:4] + "]")
@@ -150,16 +149,16 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
     synthetic = runs["data_kind"].eq(SYNTHETIC).fillna(False).astype(bool)
     runs.loc[synthetic, [column for column in QUALITY_COLUMNS if column in runs]] = pd.NA
     has_config_id = runs["config_id"].notna().all()  # tables written before config_id existed have none
-    identity = runs["config_id"].astype(str) if has_config_id and not across_machines else _joined(runs[CONFIG_COLUMNS])
+    identity = runs["config_id"].astype(str) if has_config_id and not across_machines else settings_key(runs[CONFIG_COLUMNS])
     readable = strip_id(runs["config_id"] if has_config_id else runs["run_id"])
     device = runs["device_name"].astype("string").fillna("-")
-    runs["config"] = _hash(identity)
-    runs["config_key"] = _hash(identity + "|" + device)
+    runs["config"] = short_hash(identity)
+    runs["config_key"] = short_hash(identity + "|" + device)
     name = shorten(readable)
-    runs["config_name"] = _unique_labels(name, runs["config"])
+    runs["config_name"] = unique_labels(name, runs["config"])
     if device[device != "-"].nunique() > 1:
         name = name + " @ " + runs["device_name"].map(short_device)
-    runs["config_label"] = _unique_labels(name, runs["config_key"])
+    runs["config_label"] = unique_labels(name, runs["config_key"])
     runs["quality"], _ = quality_column(runs)
     runs["base_quality"], _ = quality_column(runs, BASE)
     runs["quality_metric"] = pd.array([QUALITY[t].name if t in QUALITY else pd.NA for t in runs["task"]], dtype="string")
@@ -628,44 +627,6 @@ def accuracy_and_cost(configs: pd.DataFrame) -> pd.DataFrame:
     points["on_front"] = points.index.isin(fronts)
     points["near_front"] = points.index.isin(near) & ~points["on_front"]
     return points
-
-
-# ---------------------------------------------------------------------------------------------------
-# Scaling over GPUs
-
-
-def scaling(runs: pd.DataFrame) -> pd.DataFrame:
-    """GPU runs with a measured throughput (measured_runs), with ``devices`` (GPUs used), ``series`` (the configuration
-    without its GPU count and parallel mode: what a scaling line follows) and its readable ``series_label``."""
-    gpu = measured_runs(runs)
-    gpu = gpu[gpu["device"].isin(["cuda"])].copy()
-    gpu["devices"] = gpu["world_size"].fillna(1).astype(int)
-    base = [c for c in CONFIG_COLUMNS if c not in ("num_gpus", "parallel")] + ["device_name"]
-    gpu["series"] = _joined(gpu[base])
-    gpu["series_label"] = gpu["config_label"].str.replace(r"-(dp|ddp)\d+", "", regex=True)
-    gpu["tokens_per_s"] = gpu["tokens_per_s"].astype(float)
-    return gpu
-
-
-def scaling_lines(gpu: pd.DataFrame) -> pd.DataFrame:
-    """Median tokens/s per (series, parallel mode, GPU count) for the series measured at two or more GPU
-    counts. Each multi-GPU mode's line starts from the series' single-GPU median, and ``parallel`` =
-    'ideal' is that median times the GPU count."""
-    medians = gpu.groupby(["series", "series_label", "parallel", "devices"], as_index=False)["tokens_per_s"].median()
-    lines = []
-    for _, series in medians.groupby("series", sort=False):
-        if series["devices"].nunique() < 2:
-            continue
-        single = series[series["devices"] == 1]
-        for parallel in series.loc[series["devices"] > 1, "parallel"].unique():
-            lines.append(pd.concat([single.assign(parallel=parallel), series[series["parallel"] == parallel]]))
-        if not single.empty:
-            counts = sorted(series["devices"].unique())
-            start = single["tokens_per_s"].median()
-            lines.append(pd.DataFrame({"series": single["series"].iloc[0], "series_label": single["series_label"].iloc[0],
-                                       "parallel": "ideal", "devices": counts, "tokens_per_s": [start * n for n in counts]}))
-    columns = ["series", "series_label", "parallel", "devices", "tokens_per_s"]
-    return pd.concat(lines, ignore_index=True)[columns] if lines else pd.DataFrame(columns=columns)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -139,6 +139,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "load_time_s": ("Float64", "seconds to read data and build the model"),
     "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),
     "warm_start": ("boolean", "the job ran in a process forked from a warm one that had imported the stack (warmstart.py): its overhead_s holds no imports of torch or transformers"),
+    "warm_start_wait_s": ("Float64", "seconds a warm-started job waited for the workflow's warm process to finish importing the stack (the first jobs of a local workflow can start before it is ready); part of overhead_s and wall_time_s, a cost of the workflow's start rather than of the configuration, and left out of the projection"),
     "first_step_s": ("Float64", "seconds of the first step (warmup; includes compilation and lazy init)"),
     "compile_time_s": ("Float64", "estimated torch.compile time: first step minus the median measured step"),
     "train_time_s": ("Float64", "seconds of the training loop, warmup included"),

@@ -24,14 +24,15 @@ import seaborn as sns  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from ftbench.report import analysis, quality_target
+from ftbench.report import analysis, quality_target, scaling
 from ftbench import atomic  # noqa: E402
 from ftbench.report.analysis import measured_runs, ok_runs  # noqa: E402
 
 METHOD_COLOURS = {"full": "#4c72b0", "lora": "#dd8452", "qlora": "#55a868"}
 OTHER_COLOUR = "#8172b3"
-IDEAL = "ideal (linear from 1 GPU)"
-PARALLEL_COLOURS = {"dp": "#c44e52", "ddp": "#55a868", IDEAL: "#888888"}
+IDEAL = "ideal (linear from single on 1 GPU)"
+PARALLEL_COLOURS = {"single": "#4c72b0", "dp": "#c44e52", "ddp": "#55a868", "fsdp": "#8172b3", "fsdp+offload": "#937860",
+                    IDEAL: "#888888"}
 CAPACITY_COLOUR = "#c44e52"
 DOT_COLOUR = "#222222"
 TIMEOUT_COLOUR = "#c44e52"
@@ -341,28 +342,95 @@ def figure_quality_vs_cost(runs: pd.DataFrame, evals: pd.DataFrame):
 
 
 def figure_scaling(runs: pd.DataFrame, steps: pd.DataFrame, configs: pd.DataFrame):
-    gpu = analysis.scaling(runs)
+    """Global tokens/s (all GPUs together) against the GPU count, a line per parallel mode, for each series measured
+    at two GPU counts or more (scaling.py), with the ideal line: the single-GPU throughput times the GPU count."""
+    gpu = scaling.gpu_runs(runs)
     if gpu.empty:
         if measured_runs(runs).empty:
             return _no_throughput(runs, " on a GPU")
         return "no run with a measured throughput trained on a GPU"
-    if gpu["devices"].nunique() < 2:
+    if gpu["gpus"].nunique() < 2:
         return "every GPU run used the same number of GPUs"
-    lines = analysis.scaling_lines(gpu)
-    if lines.empty:
+    table = scaling.scaling_table(runs, configs)
+    table = table[table.groupby("series")["gpus"].transform("nunique") > 1]
+    if table.empty:
         return "no configuration was measured at more than one GPU count"
-    lines["parallel"] = lines["parallel"].replace({"ideal": IDEAL})
-    modes = [mode for mode in PARALLEL_COLOURS if mode in set(lines["parallel"])]
-    several = lines["series"].nunique() > 1
-    grid = sns.relplot(lines, kind="line", x="devices", y="tokens_per_s", hue="parallel", hue_order=modes,
-                       palette=PARALLEL_COLOURS, style="parallel", style_order=modes,
-                       dashes={m: (4, 2) if m == IDEAL else "" for m in modes}, markers={m: "o" for m in modes},
-                       col="series_label" if several else None, col_wrap=3 if several else None,
-                       height=4.5, aspect=1.4, facet_kws={"sharey": False})
-    grid.set(xticks=sorted(lines["devices"].unique()))
-    grid.set_axis_labels("GPUs", "tokens/s, all GPUs together (median of repeats)")
-    if several:
-        grid.set_titles("{col_name}")
+    baseline = table["tokens_per_s"].where(table["baseline"]).groupby(table["series"]).transform("max")
+    lines = _scaling_panels(table, {"tokens_per_s": ("tokens/s, all GPUs together (global)", baseline * table["gpus"])})
+    return _mode_lines(lines, table)
+
+
+def figure_scaling_per_gpu(table: pd.DataFrame):
+    """``table``: scaling.scaling_table's. Per series, tokens/s per GPU and peak memory per GPU against the GPU
+    count, a line per parallel mode; the ideal per-GPU throughput is the single-GPU one, whatever the count."""
+    if table.empty:
+        return "no configuration was measured beyond one GPU in mode single"
+    baseline = table["tokens_per_s"].where(table["baseline"]).groupby(table["series"]).transform("max")
+    lines = _scaling_panels(table, {
+        "tokens_per_s_per_gpu": ("tokens/s per GPU (global / GPUs)", baseline),
+        "peak_memory_reserved_mb": ("peak memory per GPU (MiB, CUDA reserved)", None),
+    })
+    return _mode_lines(lines, table)
+
+
+def _scaling_panels(table: pd.DataFrame, quantities: dict[str, tuple[str, pd.Series | None]]) -> pd.DataFrame:
+    """The long frame _mode_lines draws: a row per point and quantity (column -> (axis label, ideal values or
+    None)), with the 95% interval where the quantity has one (``<column>_low`` / ``_high``)."""
+    frames = []
+    for column, (label, ideal) in quantities.items():
+        low, high = (table[f"{column}{end}"] if f"{column}{end}" in table else table[column] for end in ("_low", "_high"))
+        frames.append(pd.DataFrame({"series_label": table["series_label"], "quantity": label, "mode": table["mode"],
+                                    "gpus": table["gpus"].astype(int), "value": table[column].astype(float),
+                                    "low": low.astype(float), "high": high.astype(float),
+                                    "ideal": ideal.astype(float) if ideal is not None else np.nan, "has_ideal": ideal is not None}))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _mode_palette(modes: list[str]) -> dict[str, str]:
+    """The parallel modes' colours: fixed for the common ones, the rest from seaborn's palette."""
+    spare = iter(sns.color_palette("tab10").as_hex()[5:])
+    return {mode: PARALLEL_COLOURS.get(mode) or next(spare, OTHER_COLOUR) for mode in modes}
+
+
+def _mode_lines(lines: pd.DataFrame, table: pd.DataFrame) -> sns.FacetGrid:
+    """A panel per series (rows) and quantity (columns): each mode's points joined by GPU count with their 95%
+    interval as error bars, and the dashed ideal line where the quantity has one."""
+    modes = sorted(lines["mode"].unique(), key=scaling.mode_rank)
+    palette = _mode_palette(modes)
+    several = lines["series_label"].nunique() > 1
+    quantities = lines["quantity"].nunique() > 1
+    grid = sns.FacetGrid(lines, row="series_label" if several else None, col="quantity" if quantities else None,
+                         sharey=False, height=3.6, aspect=1.5, margin_titles=True)
+
+    def draw(data: pd.DataFrame, **_) -> None:
+        ax = plt.gca()
+        for mode in modes:
+            line = data[data["mode"] == mode].sort_values("gpus")
+            if line.empty:
+                continue
+            spread = [(line["value"] - line["low"]).clip(lower=0).fillna(0), (line["high"] - line["value"]).clip(lower=0).fillna(0)]
+            ax.errorbar(line["gpus"], line["value"], yerr=spread, color=palette[mode], marker="o", capsize=3, linewidth=1.5)
+        # the ideal is given at every point of a series with a baseline (none without: nothing is invented)
+        ideal = data.dropna(subset=["ideal"]).drop_duplicates("gpus").sort_values("gpus")
+        if len(ideal) > 1:
+            ax.plot(ideal["gpus"], ideal["ideal"], color=PARALLEL_COLOURS[IDEAL], linestyle="--", linewidth=1.2)
+        elif data["has_ideal"].all() and ideal.empty:
+            ax.text(0.02, 0.04, "no baseline (single on 1 GPU): no ideal line", transform=ax.transAxes, fontsize=8,
+                    color=INTERVAL_COLOUR)
+        ax.set_xticks(sorted(table["gpus"].unique()))
+        ax.set_ylabel(data["quantity"].iloc[0])
+        ax.set_ylim(bottom=0)
+
+    grid.map_dataframe(draw)
+    if several or quantities:
+        grid.set_titles(row_template="{row_name}", col_template="")
+    if not several:  # one series: its name over the panels (the y labels say the quantity)
+        for ax in grid.axes.flat:
+            ax.set_title(lines["series_label"].iloc[0])
+    grid.set_xlabels("GPUs")
+    legend = {mode: Line2D([], [], color=colour, marker="o") for mode, colour in palette.items()}
+    legend[IDEAL] = Line2D([], [], color=PARALLEL_COLOURS[IDEAL], linestyle="--")
+    grid.add_legend(legend_data=legend, title="parallel mode (bars: 95% interval)")
     return grid
 
 
@@ -457,6 +525,8 @@ FIGURES = [
     FigureSpec("step_time", "Step-time distribution", figure_step_time),
     FigureSpec("loss_curves", "Loss curves", figure_loss_curves),
 ]
+# Drawn from scaling.scaling_table, in the report's scaling section (only where the runs used several GPU counts).
+SCALING_PER_GPU = FigureSpec("scaling_per_gpu", "Throughput and memory per GPU", figure_scaling_per_gpu)
 THROUGHPUT_RATIO = FigureSpec("throughput_ratio", "Throughput ratio across GPUs", figure_throughput_ratio)
 # Drawn from the runs and their evaluations (read_evals), not the steps: report_page draws it beside FIGURES.
 QUALITY_VS_COST = FigureSpec("quality_vs_cost", "Quality vs cost to reach it", figure_quality_vs_cost)

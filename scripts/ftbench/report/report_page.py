@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ftbench.report import analysis, figures, pages, quality_target
+from ftbench.report import analysis, figures, pages, quality_target, scaling
 from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
@@ -219,7 +219,8 @@ def runs_table(runs: pd.DataFrame, columns: list[str]) -> pages.Table:
 def figure_blocks(written: dict[str, Path | str], captions: dict[str, str],
                   notes: dict[str, str] | None = None) -> list[pages.FigureBlock]:
     """``notes``: figure name -> what the drawn figure leaves out (runs without a valid throughput, ...)."""
-    titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO, figures.QUALITY_VS_COST]}
+    titles = {spec.name: spec.title for spec in [*figures.FIGURES, figures.THROUGHPUT_RATIO, figures.QUALITY_VS_COST,
+                                                 figures.SCALING_PER_GPU]}
     notes = notes or {}
     return [pages.figure_block(name, titles[name], result, captions, notes.get(name)) for name, result in written.items()]
 
@@ -453,6 +454,92 @@ def target_notes(section: dict | None) -> list[str]:
             f"{', '.join(section['never'])}."]
 
 
+SCALING_POINT_COLUMNS = ["configuration", "mode", "gpus", "tokens_per_s_all_gpus", "tokens_per_s_all_gpus_ci95", "tokens_per_s_per_gpu",
+                         "tokens_per_s_per_gpu_ci95", "efficiency", "efficiency_ci95", "peak_memory_per_gpu_mb",
+                         "peak_allocated_per_gpu_mb", "cost_per_1m_tokens", "cost_ci95", "measured", "interval_basis"]
+CHEAPEST_MODE_COLUMNS = ["model", "params", "configuration", "gpu", "cheapest", "cost_per_1m_tokens", "cost_ci95", "within_noise",
+                         "beyond_noise", "basis"]
+SCALING_TITLES = {
+    "configuration": "the configuration without its parallel settings (parallel, num_gpus, num_nodes, fsdp options): "
+                     "what is followed across GPU counts",
+    "mode": "how the run was spread: single (one GPU, no wrapper), dp, ddp, fsdp, with fsdp options as +suffix",
+    "gpus": "GPUs that trained together (the recorded world size; what the cost pays for)",
+    "tokens_per_s_all_gpus": "global throughput: real tokens per second of all the run's GPUs together",
+    "tokens_per_s_all_gpus_ci95": "95% interval of the global throughput (see interval_basis)",
+    "tokens_per_s_per_gpu": "per-GPU throughput: the global throughput / GPUs",
+    "tokens_per_s_per_gpu_ci95": "95% interval of the per-GPU throughput: the global interval / GPUs",
+    "efficiency": "scaling efficiency: tokens/s per GPU / tokens/s of the same configuration in mode single on one GPU "
+                  "(1.0 = linear scaling)",
+    "efficiency_ci95": "95% interval of the efficiency: the ends of the two throughput intervals divided crosswise; it reaches "
+                       "1.0 exactly when the two are within noise of each other",
+    "peak_memory_per_gpu_mb": "peak CUDA reserved per GPU (MiB): the most loaded GPU, median of repeats",
+    "peak_allocated_per_gpu_mb": "peak CUDA allocated per GPU (MiB): the most loaded GPU, median of repeats",
+    "cost_per_1m_tokens": "$ per million tokens: the price of every GPU held over the global throughput",
+    "cost_ci95": "95% interval of the cost (from the throughput interval)",
+    "measured": "runs with a measured throughput",
+    "params": "the model's parameters (all, 4-bit weights counted as the values they represent)",
+    "gpu": "the GPU model",
+    "cheapest": "the mode and GPU count with the lowest $ per 1M tokens (highest tokens/s per GPU where no run has a price)",
+    "within_noise": "other points whose interval overlaps the cheapest's: a tie with it, not a ranking",
+    "beyond_noise": "points more expensive beyond noise",
+    "basis": "what the points are ranked by: cost, or per-GPU throughput when no run has a price",
+}
+
+
+def scaling_section(table: pd.DataFrame, runs: pd.DataFrame, figure: pages.FigureBlock | None) -> dict:
+    """The section on scaling over GPUs (scaling.py): the cheapest mode per model size with its ties, every
+    point's global and per-GPU throughput, memory per GPU and efficiency, the figure, and notes saying which
+    configurations have no single-GPU baseline and which multi-GPU runs measured nothing."""
+    cheapest = scaling.cheapest_modes(table)
+    notes = [f"{row['series_label']}: {row['cheapest']} ({_ranked_figure(row)}) and {row['within_noise']} are within noise of each other "
+             f"(their 95% intervals of {'$ per 1M tokens' if row['basis'] == 'cost' else 'tokens/s per GPU'} overlap): "
+             "a tie, not a ranking." for _, row in cheapest[cheapest["within_noise"].notna()].iterrows()]
+    notes += [f"No baseline for {label}: it was not measured in mode single on one GPU, so its scaling efficiency is "
+              "left out rather than estimated." for label in scaling.without_baseline(table)]
+    unmeasured = scaling.unmeasured_multi_gpu(runs)
+    if unmeasured:
+        notes.append(f"Meant for several GPUs, measured no throughput (not in the tables; reasons in the runs table): "
+                     f"{', '.join(unmeasured)}.")
+    cheapest = cheapest.assign(params=cheapest["model_params"].map(_parameters), configuration=cheapest["series_label"],
+                               gpu=cheapest["device_name"].map(analysis.short_device),
+                               cost_ci95=[span(low, high, "cost_per_1m_tokens") for low, high in zip(cheapest["cost_low"], cheapest["cost_high"])])
+    points = _scaling_rows(table)
+    return {
+        "cheapest": pages.table(cheapest, shown_columns(cheapest, CHEAPEST_MODE_COLUMNS, {"model", "configuration", "cheapest"}),
+                                table_id="scaling-cheapest", titles=SCALING_TITLES),
+        "points": pages.table(points, shown_columns(points, SCALING_POINT_COLUMNS, {"configuration", "mode", "gpus", "efficiency_ci95"}),
+                              table_id="scaling-points", titles=SCALING_TITLES),
+        "notes": notes, "figure": figure,
+    }
+
+
+def _scaling_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """scaling_table's points under the section's column names, with their intervals as text; the efficiency's
+    interval column says 'baseline' or 'no baseline' where there is no interval to give."""
+    rows = table.assign(configuration=table["series_label"], tokens_per_s_all_gpus=table["tokens_per_s"],
+                        peak_memory_per_gpu_mb=table["peak_memory_reserved_mb"], peak_allocated_per_gpu_mb=table["peak_memory_allocated_mb"])
+    rows["tokens_per_s_all_gpus_ci95"] = [span(a, b, "tokens_per_s") for a, b in zip(table["tokens_per_s_low"], table["tokens_per_s_high"])]
+    rows["tokens_per_s_per_gpu_ci95"] = [span(a, b, "tokens_per_s")
+                                         for a, b in zip(table["tokens_per_s_per_gpu_low"], table["tokens_per_s_per_gpu_high"])]
+    rows["cost_ci95"] = [span(a, b, "cost_per_1m_tokens") for a, b in zip(table["cost_low"], table["cost_high"])]
+    rows["efficiency_ci95"] = [
+        "baseline" if baseline else "no baseline (no single run on 1 GPU)" if not has_baseline else span(a, b, "efficiency")
+        for baseline, has_baseline, a, b in zip(table["baseline"], table["has_baseline"], table["efficiency_low"], table["efficiency_high"])]
+    return rows
+
+
+def _ranked_figure(row: pd.Series) -> str:
+    """The figure a cheapest-mode row was picked on, written as scaling.cheapest_modes writes the others'."""
+    return money(row["cost_per_1m_tokens"]) if row["basis"] == "cost" else f"{fmt(row['tokens_per_s_per_gpu'])} tokens/s per GPU"
+
+
+def _parameters(count) -> str | None:
+    """A parameter count as people say it: '1.24B', '124M'."""
+    if is_missing(count):
+        return None
+    return f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
+
+
 def environment(runs: pd.DataFrame) -> list[tuple[str, str]]:
     """(column, its values with their run counts where they differ) for each recorded environment column."""
     rows = []
@@ -493,7 +580,12 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         drawn[spec.name] = figures.draw(spec, runs, steps, configs, shared=shared)
         if spec.name == "accuracy_vs_cost":  # quality against cost from the evaluations (evals.parquet), beside it
             drawn[figures.QUALITY_VS_COST.name] = figures.draw(figures.QUALITY_VS_COST, runs, evals, shared=shared)
+    # the scaling section and its figure only where the GPU runs used more than one GPU count
+    scaling_points = scaling.scaling_table(runs, configs) if scaling.several_gpu_counts(runs) else None
+    if scaling_points is not None:
+        drawn[figures.SCALING_PER_GPU.name] = figures.draw(figures.SCALING_PER_GPU, scaling_points, shared=shared)
     written = figures.save(drawn, figures_dir)
+    in_section = {name: written.pop(name) for name in [figures.SCALING_PER_GPU.name] if name in written}
     target_section = to_target(configs, runs)
     page_summary = summary(runs, configs, price_warnings(runs))
     page_summary["notes"] += target_notes(target_section)
@@ -510,9 +602,10 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         configurations=pages.table(config_rows, shown_columns(config_rows, CONFIG_TABLE_COLUMNS, {"configuration", "method", "runs", "ok"}),
                                    table_id="configurations-table", titles=config_titles(repeat_scoring)),
         runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
+        scaling=scaling_section(scaling_points, runs, figure_blocks(in_section, captions or {})[0]) if scaling_points is not None else None,
         figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
         environment=environment(runs),
         data=summary_text.dropped_rows(runs),
         conventions=CONVENTIONS,
     )
-    return written
+    return {**written, **in_section}

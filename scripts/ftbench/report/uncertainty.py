@@ -7,6 +7,8 @@ Plain numbers in, plain numbers out (no pandas): analysis.py applies them to the
 - ``mean_interval``: the Student-t interval of a mean (the mean of a configuration's repeats).
 - ``ratio_interval``: the interval of sum(x) / sum(y) over a window of steps (tokens over seconds),
   by linearisation: the residuals x - R y carry the step-to-step spread of both.
+- ``quotient_interval``: the interval of a / b from the intervals of a and b (scaling efficiency: per-GPU
+  throughput over the single-GPU throughput), by their ends, so that it reaches 1 exactly where they overlap.
 - ``trimmed_mean``: MLPerf's scoring of repeats: drop the fastest and the slowest, average the rest.
 - ``repeats_to_separate`` / ``scale_to_separate``: roughly how many repeats (or how many times the
   sample) would make two intervals stop overlapping at the observed difference.
@@ -74,6 +76,19 @@ def ratio_interval(numerators: list[float], denominators: list[float],
     se = math.sqrt(sum(e * e for e in residuals) / (n * (n - 1))) / (sum(denominators) / n)
     half = t_quantile(n - 1, confidence) * se
     return ratio, ratio - half, ratio + half
+
+
+def quotient_interval(numerator: tuple[float, float], denominator: tuple[float, float]) -> tuple[float, float]:
+    """(low, high) of a / b from the (low, high) intervals of two positive figures measured apart: the ends
+    divided crosswise (a's low over b's high, a's high over b's low), as a cost's interval follows its
+    throughput's. It holds every quotient of values inside both intervals, so it is wider than a 95% interval
+    of the quotient would need to be; in exchange it contains 1 exactly when the two intervals overlap,
+    which is the report's tie rule (``overlap``) read as a ratio. A denominator interval reaching 0 leaves
+    the high end unbounded (inf)."""
+    (a_low, a_high), (b_low, b_high) = numerator, denominator
+    if b_high <= 0:
+        raise ValueError(f"quotient_interval: the denominator's interval ({b_low}, {b_high}) must reach above 0")
+    return a_low / b_high, a_high / b_low if b_low > 0 else math.inf
 
 
 def trimmed_mean(values: list[float]) -> float:

@@ -169,8 +169,13 @@ def _model_from_checkpoint(spec: RunSpec, family: TaskFamily, kwargs: dict, quan
     source = spec.model_def["source"]
     location, extra = pretrained_args(source)
     extra.update(family.pretrained_kwargs())
+    # Loaded as fp32 whatever dtype the checkpoint is stored in: transformers 5 loads a checkpoint in its
+    # stored dtype by default, so a bf16-stored checkpoint (most hub LLMs) would train bf16 weights under a
+    # run that says fp32 or mixed precision (fp32 masters, autocast), and memory, numerics and the memory
+    # estimate would describe another run than a fp32-stored checkpoint of the same model. QLoRA's
+    # non-quantised layers (norms, embeddings, the head) follow the same rule.
     try:
-        return family.model_class().from_pretrained(location, **extra, **kwargs, **quantised)
+        return family.model_class().from_pretrained(location, **extra, **kwargs, **quantised, dtype=torch.float32)
     except OSError as exc:
         raise SourceError(load_failure("model", source, location, exc)) from None
 

@@ -74,6 +74,7 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
         metrics["overhead_s"] = (environment.process_age_s() - (now - loop_times["first"])
                                  + now - loop_times.get("last", loop_times["first"]) - (metrics.get("eval_time_s") or 0.0))
     metrics["warm_start"] = environment.job_started_at is not None
+    metrics["warm_start_wait_s"] = environment.warm_start_wait_s
     metrics.setdefault("peak_rss_mb", evaluation.peak_rss_mb())
     return metrics, steps
 
