@@ -82,7 +82,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "flops_counted_microbatch": ("Float64", "torch.utils.flop_counter FLOPs of one micro-batch forward+backward"),
     "flops_analytic_microbatch": ("Float64", "analytic FLOPs of the same micro-batch (padded shapes, as the counter sees)"),
     "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
-    "flops_counted_ratio": ("Float64", "counted / analytic; >1 with checkpointing (recompute), <1 for 4-bit matmuls the counter cannot see"),
+    "flops_counted_ratio": ("Float64", "counted / analytic model FLOPs of one micro-batch (one sample with gradient checkpointing, which is off for the count: recomputation is not model FLOPs; bitsandbytes 4-bit matmuls counted as the matmuls they replace)"),
     "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
     # GPU sampling through NVML over the measured window; null without NVML (never 0)
     "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs"),

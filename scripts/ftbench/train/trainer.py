@@ -343,9 +343,11 @@ def _count_batch(record: dict, batch: Batch) -> None:
 
 def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> dict:
     """torch.utils.flop_counter on one micro-batch through ``model``, beside the analytic count for the same
-    (padded) batch: the counter sees padded shapes, and checkpointing's recomputed forward."""
+    (padded) batch: the counter sees padded shapes. Checkpointing is switched off for the count (model FLOPs,
+    not the recomputed forward), so a checkpointed run counts one sample: its batch may fit only with
+    checkpointing on."""
     spec, split = run.spec, run.train_split
-    indices = np.arange(min(spec.batch_size, len(split)))
+    indices = np.arange(min(1 if flops.checkpointed_modules(model) else spec.batch_size, len(split)))
     batch = registry.family(run.task).collate(split, indices, run.pad_id).to(run.device)
     # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
     inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
