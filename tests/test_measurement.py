@@ -474,7 +474,8 @@ def test_fused_attention_is_counted_with_grouped_query_heads():
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_the_flop_tally_gives_flop_counter_modes_total(method):
     """FlopTally is FlopCounterMode's arithmetic without its bookkeeping: the same total, here with
-    autocast, fused attention, LoRA adapters and gradient checkpointing's recomputed forward."""
+    autocast, fused attention and LoRA adapters (on a checkpointed model, whose recomputation both leave out:
+    counted_flops switches it off)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = tiny_llama(attn_implementation="sdpa")
@@ -488,7 +489,7 @@ def test_the_flop_tally_gives_flop_counter_modes_total(method):
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     autocast = {"device_type": "cpu", "dtype": torch.bfloat16}
     reference = FlopCounterMode(display=False, custom_mapping=flops.attention_flop_formulas())
-    with reference:
+    with flops.recomputation_off(model), reference:
         with torch.autocast(**autocast):
             output = model(**inputs)
         output.loss.backward()
