@@ -342,10 +342,13 @@ def test_gradient_checkpointing_on_and_off_both_train(bert_spec, prepared_data, 
         results[checkpointing] = (metrics, steps)
     # The same seeded run: checkpointing changes memory and time, not the numbers.
     assert [s["loss"] for s in results[True][1]] == pytest.approx([s["loss"] for s in results[False][1]], rel=1e-4)
-    # The flop counter sees the forward pass of the checkpointed layers recomputed during backward (about
-    # 1.09x here: the embeddings, head and the attention kernels' own backward are not recomputed).
-    assert results[True][0]["flops_counted_microbatch"] > 1.05 * results[False][0]["flops_counted_microbatch"]
-    assert results[True][0]["flops_analytic_microbatch"] == results[False][0]["flops_analytic_microbatch"]
+    # The FLOP cross-check counts model FLOPs: checkpointing is off for its one-sample count (the batch might
+    # fit only with it on), so the recomputed forward is not counted: 0.95 here, against about 1.4 with it.
+    # (Not the plain run's 0.87: checkpointing makes the embeddings' output require a gradient, so the first
+    # layer's input gradient, which the analytic 4N + 2N_trainable assumes, is computed too.)
+    plain, checkpointed = results[False][0], results[True][0]
+    assert checkpointed["flops_analytic_microbatch"] < plain["flops_analytic_microbatch"]  # one sample, not 8
+    assert 0.85 < checkpointed["flops_counted_ratio"] < 1.05
 
 
 @pytest.mark.slow

@@ -221,7 +221,10 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
     ``four_bit_flop_formulas``), tallied by ``FlopTally``, with activation checkpointing off
     (``recomputation_off``): the count checks the model FLOPs of this module's convention. Gradients are cleared."""
     tally = FlopTally({**attention_flop_formulas(), **four_bit_flop_formulas()})
-    with recomputation_off(model), tally:
+    # The random number streams are left as they were (dropout draws from them): a run's numbers must not
+    # depend on whether, or on how large a micro-batch, the cross-check counted.
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), recomputation_off(model), tally:
         with torch.autocast(**autocast):
             output = model(**inputs)
         output.loss.mean().backward()
