@@ -432,10 +432,10 @@ def test_a_siglip_and_a_lora_clip_train_through_the_loop(tmp_path, caption_folde
         assert metrics["eval_samples"] == 8 and 0 <= metrics["eval_recall_at_1"] <= 1
         assert metrics["memory_estimate_mb"] > 0 and metrics["memory_estimate_note"] is None
         assert metrics["text_tokens_per_s"] > 0 and metrics["image_tokens_per_s"] > 0
-        # analytic FLOPs of both towers against torch's counter (the patch convolution is the known gap); the
-        # counter also sees checkpointing's recomputed forward (about 4/3)
-        low, high = (1.2, 1.5) if checkpointing else (0.8, 1.2)
-        assert low < metrics["flops_counted_ratio"] < high, metrics["flops_counted_ratio"]
+        # analytic FLOPs of both towers against torch's counter (the patch convolution is the known gap); a
+        # checkpointed run is counted with checkpointing off (model FLOPs: 1.09 here, about 1.4 with the
+        # recomputed forward)
+        assert 0.8 < metrics["flops_counted_ratio"] < 1.2, metrics["flops_counted_ratio"]
 
 
 @pytest.mark.slow
