@@ -170,8 +170,9 @@ def test_estimate_shards_states_and_moves_them_to_the_host_with_offload():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [
-    # eval_before_training: the sharded model as built, scored on both ranks, is the one process's model as built.
-    {"eval_before_training": True},
+    # eval_before_training: the sharded model as built, scored on both ranks, is the one process's model as built;
+    # eval_every: so are the evaluations between steps (every rank takes part: the weights are sharded).
+    {"eval_before_training": True, "eval_every": 2, "eval_subset": 8},
     # lora_dropout 0: dropout masks would differ between one process and two.
     {"method": "lora", "lora_dropout": 0.0, "gradient_checkpointing": True, "fsdp_reshard_after_forward": False},
 ], ids=["full", "lora-gc-noreshard"])
@@ -197,6 +198,15 @@ def test_fsdp_two_ranks_train_like_one_process(settings, llama_checkpoint, check
         assert metrics["base_eval_loss"] == pytest.approx(single["base_eval_loss"], abs=2e-4)
         assert ranks[1]["metrics"]["base_eval_loss"] == pytest.approx(metrics["base_eval_loss"])
         assert metrics["base_eval_perplexity"] == pytest.approx(math.exp(metrics["base_eval_loss"]), rel=1e-6)
+    if settings.get("eval_every"):
+        def losses(run_spec):
+            evals = pd.read_parquet(tmp_path / run_spec.run_id / "evals.parquet")
+            return evals[evals["metric"] == "eval_loss"][["step", "scope", "value"]].values.tolist()
+
+        one, sharded = losses(checkpoint_spec(llama_checkpoint, batch_size=8, **settings)), losses(spec)
+        assert [row[:2] for row in sharded] == [row[:2] for row in one]
+        assert len(sharded) > 2  # step 0, the ones between steps, the final one
+        assert [row[2] for row in sharded] == pytest.approx([row[2] for row in one], abs=2e-4)
     # The FLOP cross-check, counted on the sharded model by both ranks, agrees with the one-process count.
     assert metrics["flops_counted_ratio"] == pytest.approx(single["flops_counted_ratio"], rel=1e-6)
 
