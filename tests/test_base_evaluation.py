@@ -24,29 +24,14 @@ from ftbench.experiment import matrix
 from ftbench.tasks import registry
 from ftbench.train import ddp, evaluation, modeling, trainer
 
-from test_families import BERT_DEFAULTS, llama_spec, only_spec, prepare_for
+from test_families import _two_threads, bert_spec, llama_spec, prepare_for  # noqa: F401 - fixtures
+from test_quality_target import measured_time
 from test_retrieval import caption_dataset, caption_folder, experiment, prepare  # noqa: F401 - caption_folder: a fixture
 
 # Scored figures a run with eval_before_training has twice: as built (base_*) and as trained.
 CLASSIFIER_FIGURES = ("eval_accuracy", "eval_loss", "eval_samples")
 
 
-@pytest.fixture(scope="module")
-def bert_spec(tiny_config_factory):
-    def make(**settings):
-        config = tiny_config_factory(defaults={**BERT_DEFAULTS, **settings}, matrix={"model": ["tiny"], "dataset": ["tiny"]})
-        return only_spec(config)
-
-    return make
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    torch.set_num_threads(2)
-
-
-def measured_time(steps: list[dict]) -> float:
-    return sum(step["step_time_s"] for step in steps if step["measured"])
 
 
 def during(before_training: bool, every=None):
