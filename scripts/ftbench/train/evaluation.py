@@ -176,40 +176,44 @@ class DuringTraining:
             self._pause_for_base(since)
             return False  # nothing was trained to reach a target yet
         run = self.run
-        synchronize(run.device)
-        started = time.perf_counter() if since is None else since
         last = self.pauses[-1][1] - self.pauses[-1][0] if self.pauses else 0.0
-        # An evaluation that might not end before the deadline is skipped: the final one needs that time.
-        near = run.stop.deadline is not None and time.monotonic() + 2 * last >= run.stop.deadline
         stop = False
-        if not self.agree(near):
-            self.evaluated += 1
-            scoring = time.perf_counter()
-            scores = self._score() if run.dist.rank == 0 or run.spec.parallel == "fsdp" else {}
-            eval_s = time.perf_counter() - scoring
-            if run.dist.rank == 0:
-                self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), steps_done, "subset", eval_s))
-            metric = self.target["metric"] if self.target else None
-            stop = self.agree(may_stop and metric is not None and reaches(metric, scores.get(metric), self.target["value"]))
-        synchronize(run.device)
-        self.pauses.append((started, time.perf_counter()))
+        with self._clock_paused(since, self.pauses.append):
+            # An evaluation that might not end before the deadline is skipped: the final one needs that time.
+            near = run.stop.deadline is not None and time.monotonic() + 2 * last >= run.stop.deadline
+            if not self.agree(near):
+                self.evaluated += 1
+                scoring = time.perf_counter()
+                scores = self._score() if run.dist.rank == 0 or run.spec.parallel == "fsdp" else {}
+                eval_s = time.perf_counter() - scoring
+                if run.dist.rank == 0:
+                    self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), steps_done, "subset", eval_s))
+                metric = self.target["metric"] if self.target else None
+                stop = self.agree(may_stop and metric is not None and reaches(metric, scores.get(metric), self.target["value"]))
         return stop
+
+    @contextlib.contextmanager
+    def _clock_paused(self, since: float | None, record):
+        """The bracket of every evaluation between steps: the device synchronised at both ends, and
+        ``record((start, end))`` given its span, from ``since`` (the last step's end) when there is one."""
+        synchronize(self.run.device)
+        started = time.perf_counter() if since is None else since
+        yield
+        synchronize(self.run.device)
+        record((started, time.perf_counter()))
 
     def _pause_for_base(self, since: float | None) -> None:
         """The evaluation before training (eval_before_training), with the clock paused from ``since`` as ``pause``
         does: rank 0 scores (every rank under fsdp), and no rank starts training before it is done."""
         run = self.run
-        synchronize(run.device)
-        started = time.perf_counter() if since is None else since
         sharded = run.spec.parallel == "fsdp"
-        scoring = time.perf_counter()
-        scores = self._score_base(sharded) if run.dist.rank == 0 or sharded else {}
-        eval_s = time.perf_counter() - scoring
-        if run.dist.rank == 0 and self.every is not None:
-            self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full", eval_s))
-        self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
-        synchronize(run.device)
-        self.base_pause = (started, time.perf_counter())
+        with self._clock_paused(since, lambda span: setattr(self, "base_pause", span)):
+            scoring = time.perf_counter()
+            scores = self._score_base(sharded) if run.dist.rank == 0 or sharded else {}
+            eval_s = time.perf_counter() - scoring
+            if run.dist.rank == 0 and self.every is not None:
+                self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full", eval_s))
+            self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
         if scores:
             scores.pop("eval_samples_planned")
             self.base_figures = {f"base_{name}": value for name, value in scores.items()}
