@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from ftbench.tasks import registry
-from ftbench.data import prepared
+from ftbench.data import batch_order, prepared
 from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix
-from ftbench.train import modeling, run_state, trainer
+from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftbench_config
 from ftbench.train.devices import Distributed, choose_device, synchronize
 from ftbench.train.optimizers import make_optimizer
@@ -52,7 +52,7 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> float:
     optimizer = make_optimizer(spec, model, device)
     autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
-    order = run_state.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
+    order = batch_order.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
     model.train()
     tokens = 0
     start = None

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from ftbench.tasks import registry
+from ftbench.data import batch_order
 from ftbench.tasks.base import IGNORE_INDEX, TokenisedSplit
 from ftbench.experiment import config as ftconfig
-from ftbench.train import modeling, batching, run_state, trainer
+from ftbench.train import modeling, batching, trainer
 from ftbench.errors import ConfigError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
 from test_families import llama_data, llama_spec  # noqa: F401 - llama_data is a fixture
@@ -33,18 +34,18 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
     lengths = rng.integers(2, 64, size=1000)
     global_batch = 16
     per_epoch = 1000 // global_batch
-    batches = list(batching.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3))
+    batches = list(batch_order.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3))
     for epoch in range(2):
         seen = np.concatenate(batches[epoch * per_epoch : (epoch + 1) * per_epoch])
         assert len(seen) == len(set(seen.tolist())) == per_epoch * global_batch
-    plain = list(run_state.batch_order(1000, global_batch, per_epoch, seed=3))
+    plain = list(batch_order.batch_order(1000, global_batch, per_epoch, seed=3))
 
     def padding(order):
         return 1 - sum(lengths[b].sum() for b in order) / sum(lengths[b].max() * len(b) for b in order)
 
     assert padding(batches[:per_epoch]) < 0.1 < 0.4 < padding(plain)
     # Seeded: the same order again; long batches are not all at the start of the epoch.
-    assert all((a == b).all() for a, b in zip(batches, batching.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3)))
+    assert all((a == b).all() for a, b in zip(batches, batch_order.grouped_order(lengths, global_batch, 2 * per_epoch, seed=3)))
     maxima = [lengths[b].max() for b in batches[:per_epoch]]
     assert maxima != sorted(maxima, reverse=True)
 
@@ -54,13 +55,13 @@ def test_grouped_order_sees_every_kept_example_once_per_epoch_in_similar_length_
 
 
 def test_pack_rows_fill_rows_without_splitting_a_sequence():
-    rows = batching.pack_rows(LENGTHS, 32)
+    rows = batch_order.pack_rows(LENGTHS, 32)
     assert sorted(i for row in rows for i in row) == list(range(len(LENGTHS)))
     assert all(sum(LENGTHS[i] for i in row) <= 32 for row in rows)
     assert len(rows) == 4  # 116 tokens: 4 rows of 32 at best
-    assert batching.pack_rows(LENGTHS, None) == [list(range(len(LENGTHS)))]
+    assert batch_order.pack_rows(LENGTHS, None) == [list(range(len(LENGTHS)))]
     with pytest.raises(ValueError):
-        batching.pack_rows([40], 32)
+        batch_order.pack_rows([40], 32)
 
 
 def test_packed_batch_counts_real_tokens_and_per_sequence_attention_terms():

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 
 from ftbench.tasks import registry
-from ftbench.data import prepared
+from ftbench.data import batch_order, prepared
 from ftbench.experiment import matrix
-from ftbench.train import run_state, trainer
+from ftbench.train import trainer
 from ftbench.report.columns import COLUMNS
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_step_tokens_are_the_real_lengths_of_the_stored_sequences(results):
     lengths = np.array([len(ids) for ids in registry.load_split(data_dir, "train", manifest).input_ids])
     for run in runs:
         steps = pd.read_parquet(folder / "runs" / run.run_id / "steps.parquet")
-        order = run_state.batch_order(len(lengths), run.batch_size, len(steps), run.seed)
+        order = batch_order.batch_order(len(lengths), run.batch_size, len(steps), run.seed)
         expected = [int(lengths[indices].sum()) for indices in order]
         assert steps["tokens"].tolist() == expected
         assert (steps["tokens"] <= steps["padded_tokens"]).all()

@@ -35,8 +35,8 @@ from ftbench.tasks import registry
 from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.data import tokenizers
 from ftbench import cli
-from ftbench.data import prepared
-from ftbench.train import ddp, modeling, run_state, trainer
+from ftbench.data import batch_order, prepared
+from ftbench.train import ddp, modeling, trainer
 from ftbench.experiment import matrix
 from ftbench.runspec import RunSpec
 from ftbench.experiment import config as ftconfig
@@ -268,7 +268,7 @@ def test_ddp_ranks_take_distinct_slices_of_each_global_batch(ddp_run, prepared_d
     folder, manifest = prepared_data
     lengths = np.array([len(ids) for ids in registry.load_split(folder, "train", manifest).input_ids])
     batch = spec.batch_size
-    order = list(run_state.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec.seed))
+    order = list(batch_order.batch_order(len(lengths), batch * 2, metrics["total_steps"], spec.seed))
     for rank in ranks:
         r = rank["rank"]
         assert [s["tokens"] for s in rank["steps"]] == [int(lengths[idx[r * batch:(r + 1) * batch]].sum()) for idx in order]

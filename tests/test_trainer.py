@@ -16,10 +16,10 @@ import torch
 
 from ftbench.tasks import registry
 from ftbench.report import collect
-from ftbench.data import prepared
+from ftbench.data import batch_order, prepared
 from ftbench.measure import environment
 from ftbench.experiment import matrix
-from ftbench.train import run_state, trainer
+from ftbench.train import trainer
 from ftbench.report.columns import COLUMNS
 from ftbench.errors import ManifestError
 
@@ -101,7 +101,7 @@ def test_tokens_are_counted_without_padding(trained, method, prepared_data):
     train_split = registry.load_split(folder, "train", manifest)
     lengths = np.array([len(ids) for ids in train_split.input_ids])
     # The same seeded batch order the loop used: each step's real tokens are the stored lengths.
-    order = list(run_state.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec.seed))
+    order = list(batch_order.batch_order(len(train_split), BATCH, TOTAL_STEPS, spec.seed))
     for record, indices in zip(steps, order):
         assert record["samples"] == BATCH
         assert record["tokens"] == int(lengths[indices].sum())

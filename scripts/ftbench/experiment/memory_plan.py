@@ -9,16 +9,19 @@ less the band does not, "borderline" between. The largest fitting batch is the l
 estimate plus the band fits. Capacity: the table's memory_gb taken as GiB (an "80 GB" H100 shows 79.6 GiB to
 CUDA), less CUDA_CONTEXT_MIB for the context and library handles the allocator does not count.
 
-Packed batches (pack, padding_free) hold the training split's real tokens: from the prepared data's manifest
-where the data is prepared (``data_root``), else full rows (an upper bound, said in the note).
+Packed batches (pack, padding_free) hold the training split's real tokens: where the data is prepared, the
+run's largest packed batch from its rows' lengths (data/batch_order.py, the order the trainer draws), else
+full rows (an upper bound, said in the note).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
-from ftbench.data import prepared, sources
+from ftbench.data import batch_order, prepared, sources
+from ftbench.experiment.batching_modes import PACKED
 from ftbench.data.tokenizers import tokenizer_source
 from ftbench.measure import memory_estimate, model_shape
 from ftbench.runspec import RunSpec
@@ -28,10 +31,9 @@ CUDA_CONTEXT_MIB = 512  # CUDA context, cuBLAS/cuDNN handles: memory a GPU loses
 MIB_PER_GIB = 1024
 
 
-def run_estimate(run: RunSpec, data_root: str | Path | None = None, batch_size: int | None = None,
-                 manifest: dict | None = None) -> dict:
+def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: int | None = None) -> dict:
     """The run's estimate (memory_estimate's figures, plus ``plan_note``), from its model's config alone; packed
-    batches from ``manifest``, else the prepared data's under ``data_root``."""
+    batches from its prepared data in ``data_dir``, where there is one."""
     run = run.replace(batch_size=batch_size) if batch_size else run
     family = model_family(run.model_def)
     source = run.model_def["source"]
@@ -47,12 +49,15 @@ def run_estimate(run: RunSpec, data_root: str | Path | None = None, batch_size: 
     settings = {**settings, "vocab_size": vocab} if vocab else settings
     labels = len(run.dataset_def.get("labels") or ()) or 2
     facts = memory_estimate.facts_from_config(settings, run, family.takes_num_labels, labels)
-    manifest = manifest or prepared_manifest(run, data_root) or {}
+    manifest = prepared_manifest(data_dir) or {}
     manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run), **manifest}
+    lengths = train_lengths(str(data_dir)) if run.batching in PACKED and manifest.get("splits") else None
+    if lengths is not None:
+        manifest["largest_packed_batch"] = batch_order.largest_packed_batch(run, lengths)
     figures = family.memory_estimate(facts, run, manifest)
     notes = []
-    if run.batching in ("pack", "padding_free") and memory_estimate.mean_tokens(manifest) is None:
-        notes.append("packed rows taken as full (data not prepared yet: its mean length is unknown)")
+    if run.batching in PACKED and lengths is None:
+        notes.append("packed rows taken as full (data not prepared yet: its lengths are unknown)")
     if run.parallel == "dp" and run.devices > 1:
         notes.append("dp: GPU 0 also gathers every replica's outputs, not modelled (the estimate is a replica's)")
     figures["plan_note"] = "; ".join(notes) or None
@@ -82,15 +87,32 @@ def tokenizer_vocab(model_def: dict) -> int | None:
     return None
 
 
-def prepared_manifest(run: RunSpec, data_root: str | Path | None) -> dict | None:
-    """The run's prepared data manifest, where it is prepared already."""
-    if data_root is None:
+def prepared_manifest(data_dir: str | Path | None) -> dict | None:
+    """The manifest of the prepared data in ``data_dir``, where it is prepared already."""
+    if data_dir is None:
         return None
-    path = Path(data_root) / run.data_id / prepared.MANIFEST_NAME
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads((Path(data_dir) / prepared.MANIFEST_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def train_lengths(data_dir: str):
+    """Every training row's length, read from the prepared shards' length column."""
+    manifest_path = Path(data_dir) / prepared.MANIFEST_NAME
+    return _train_lengths(data_dir, manifest_path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_lengths(data_dir: str, manifest_mtime_ns: int):
+    # The plan asks once per run and batch size: read once per preparation of the data (its manifest's time).
+    manifest = prepared_manifest(data_dir)
+    return prepared.DiskSplit(prepared.shard_paths(data_dir, manifest, "train"), decode=None).lengths()
+
+
+def data_dir_of(run: RunSpec, data_root: str | Path | None) -> Path | None:
+    """Where the run's data is prepared under ``data_root`` (results/data), if given."""
+    return Path(data_root) / run.data_id if data_root is not None else None
 
 
 def capacity_mib(gpu: dict) -> float:
@@ -100,25 +122,26 @@ def capacity_mib(gpu: dict) -> float:
 
 def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None) -> dict:
     """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch."""
-    figures = run_estimate(run, data_root)
+    data_dir = data_dir_of(run, data_root)
+    figures = run_estimate(run, data_dir)
     rows = []
     for gpu in gpus:
         if not gpu.get("memory_gb") or figures["memory_estimate_mb"] is None:
             continue
         capacity = capacity_mib(gpu)
         largest = memory_estimate.largest_fitting_batch(
-            lambda batch: run_estimate(run, data_root, batch)["memory_estimate_mb"], capacity)
+            lambda batch: run_estimate(run, data_dir, batch)["memory_estimate_mb"], capacity)
         rows.append({"gpu": gpu["name"], "capacity_mib": capacity,
                      "fits": memory_estimate.fit(figures["memory_estimate_mb"], capacity), "largest_batch": largest})
     return {**figures, "gpus": rows}
 
 
-def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, manifest: dict | None = None) -> str | None:
+def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, data_dir: str | Path | None = None) -> str | None:
     """The status_reason of a run predicted not to fit its own GPU ("no": beyond the error band), else None.
     A run with auto_batch_size searches for what fits instead, and one without an estimate is launched."""
     if run.auto_batch_size or run.confirm_oom:
         return None
-    figures = run_estimate(run, manifest=manifest)
+    figures = run_estimate(run, data_dir)
     estimate = figures["memory_estimate_mb"]
     capacity = capacity_bytes / 2**20 - CUDA_CONTEXT_MIB
     if estimate is None or memory_estimate.fit(estimate, capacity) != "no":

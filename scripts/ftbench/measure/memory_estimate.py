@@ -52,9 +52,10 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   the gradients are views into the buckets at the end of the backward pass (no third copy there); that does
   not shrink the buckets held at its start (zero_grad(set_to_none) drops the views every step).
 - token positions: a padded batch holds batch x seq_len positions (its longest row, the peak's batch);
-  pack holds the batch's real tokens in rows of seq_len, padding_free in one row. The real tokens of a batch
-  are batch x the training split's mean tokens per row (the manifest's tokens / rows): what activations and
-  logits are counted over.
+  pack holds the batch's real tokens in rows of seq_len, padding_free in one row. Which packed batch makes
+  the peak is read from the data: the run's largest (data/batch_order.py's largest_packed_batch, over the
+  batches its seeded order draws), what activations and logits are counted over. Before the data is
+  prepared, packed rows are taken as full (an upper bound, said in the plan's note).
 - kernels liger (traced on an H100 with saved-tensor hooks, Llama layers, bf16: 7,688 fewer bytes per
   layer-token at width 576 / MLP 1,536, where these terms give 7,680): fused RMSNorm keeps its input and
   not its fp32 normalised copy (8 x width per layer, two norms; none with adapters, whose frozen norms
@@ -241,21 +242,15 @@ def vocab_of(model) -> int | None:
     return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def mean_tokens(manifest: dict | None) -> float | None:
-    """Real tokens per row of the prepared training split (the manifest's tokens / rows); None when unknown."""
-    train = ((manifest or {}).get("splits") or {}).get("train") or {}
-    return train["tokens"] / train["rows"] if train.get("tokens") and train.get("rows") else None
-
-
-def estimate(model, spec: RunSpec, logits_vocab: int | None, mean_tokens: float | None = None) -> dict:
+def estimate(model, spec: RunSpec, logits_vocab: int | None, packed_batch: tuple[int, int] | None = None) -> dict:
     """The estimate (MiB) and its parts; or, for a run the model does not describe, nulls and a note.
     ``model``: the built module or its ``ModelFacts``. ``logits_vocab``: the vocabulary a language model's
-    logits run over (None: a head without such logits, a classifier's). ``mean_tokens``: real tokens per row
-    of the training split (the manifest's tokens / rows), what packed batches hold; None: rows are full."""
+    logits run over (None: a head without such logits, a classifier's). ``packed_batch``: (token positions,
+    row width) of a packed run's largest micro-batch (data/batch_order.py); None: rows are full."""
     if spec.compile:
         return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": NOT_MODELLED_COMPILED}
     facts = model if isinstance(model, ModelFacts) else facts_of(model)
-    parts = estimate_parts(facts, spec, logits_vocab, mean_tokens)
+    parts = estimate_parts(facts, spec, logits_vocab, packed_batch)
     host = 0.0
     if spec.parallel == "fsdp":
         parts, host = sharded(parts, facts, spec)
@@ -267,11 +262,12 @@ def estimate(model, spec: RunSpec, logits_vocab: int | None, mean_tokens: float 
     }
 
 
-def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None, mean_tokens: float | None) -> dict:
+def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
+                   packed_batch: tuple[int, int] | None = None) -> dict:
     """Every part in bytes, for one GPU before any sharding (see the module's docstring)."""
     sixteen_bit = spec.precision in ("bf16", "fp16")
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
-    positions, row = batch_positions(spec, mean_tokens)
+    positions, row = batch_positions(spec, packed_batch)
     parts = {
         "weights": facts.quantised * (0.5 + constants) + facts.other * 4,
         # Checkpointing: autocast's weight copies are not saved for backward inside checkpointed layers: they go
@@ -290,18 +286,16 @@ def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None, m
     return parts
 
 
-def batch_positions(spec: RunSpec, mean_tokens: float | None) -> tuple[int, int]:
+def batch_positions(spec: RunSpec, packed_batch: tuple[int, int] | None) -> tuple[int, int]:
     """(token positions of one micro-batch on one GPU, the length of its rows). Padded batches: batch x seq_len
-    (the longest batch, the one that makes the peak); pack: the batch's real tokens in rows of seq_len;
-    padding_free: one row of the batch's real tokens."""
+    (the longest batch, the one that makes the peak); packed ones: ``packed_batch``, the run's largest, when
+    the data says which it is, else full rows (batch x seq_len; padding_free: one row of them)."""
     batch, seq = spec.batch_size, spec.seq_len
-    if spec.batching not in ("pack", "padding_free") or not mean_tokens:
+    if spec.batching not in ("pack", "padding_free"):
         return batch * seq, seq
-    real = math.ceil(batch * min(float(mean_tokens), seq))
-    if spec.batching == "pack":
-        rows = min(batch, math.ceil(real / seq))
-        return rows * seq, seq
-    return real, real
+    if packed_batch:
+        return packed_batch
+    return (batch * seq, seq) if spec.batching == "pack" else (batch * seq, batch * seq)
 
 
 def logits_bytes(facts: ModelFacts, spec: RunSpec, vocab: int | None, positions: int) -> float:

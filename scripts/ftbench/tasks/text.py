@@ -213,8 +213,10 @@ class TextFamily(TaskFamily):
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         """memory_estimate.py's model, with the logits over the vocabulary a language model computes, over the
-        tokens a batch holds (packed batches: the training split's mean tokens per row)."""
-        return memory_estimate.estimate(model, spec, memory_estimate.vocab_of(model), memory_estimate.mean_tokens(manifest))
+        tokens a batch holds (packed batches: the run's largest, ``largest_packed_batch`` beside the manifest's
+        keys, where the caller read it from the data)."""
+        packed = manifest.get("largest_packed_batch")
+        return memory_estimate.estimate(model, spec, memory_estimate.vocab_of(model), tuple(packed) if packed else None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """How a run's examples become batches (the ``batching`` setting), beyond plain padding.
 
 - ``pad``: each batch padded to its longest row (the task family's ``collate``), batches drawn from a seeded shuffle.
-- ``group_by_length``: the same examples per epoch, but the shuffle is cut into mega-batches of
-  ``MEGA_BATCHES`` global batches, each sorted by length and cut into batches, whose order is then shuffled
-  (seeded). Batches hold similar lengths, so little padding; every example is still seen once per epoch,
-  and DDP ranks still take their own slice of the same global batch.
+- ``group_by_length``: batches of similar lengths (data/batch_order.py draws them), so little padding; every
+  example is still seen once per epoch, and DDP ranks still take their own slice of the same global batch.
 - ``pack``: the batch's sequences are packed into rows of up to ``seq_len`` tokens (first fit, longest
-  first). ``padding_free``: all of the batch's sequences in one row, no padding.
+  first: data/batch_order.py's ``pack_rows``, which the memory plan reads too). ``padding_free``: all of the
+  batch's sequences in one row, no padding.
 
 Packed rows carry no attention mask: ``position_ids`` restart at 0 for each sequence, and transformers'
 masking utilities (``masking_utils.find_packed_sequence_indices``, sdpa / eager / flex attention; flash
@@ -26,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ftbench.experiment.batching_modes import MEGA_BATCHES, PACKED  # noqa: F401 - one place, torch-free
+from ftbench.data.batch_order import pack_rows
+from ftbench.experiment.batching_modes import PACKED  # noqa: F401 - one place, torch-free
 from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.tasks.registry import family
 
@@ -34,49 +34,6 @@ from ftbench.tasks.registry import family
 def lengths_of(split) -> np.ndarray:
     """Input length of every row of a split (in memory or on disk)."""
     return np.asarray(split.lengths(), dtype=np.int64)
-
-
-def grouped_order(lengths: np.ndarray, global_batch: int, count: int, seed: int):
-    """Like ``trainer.batch_order`` (seeded reshuffle each epoch, last incomplete batch dropped), with each
-    batch drawn from examples of similar length."""
-    rng = np.random.default_rng(seed)
-    mega = global_batch * MEGA_BATCHES
-    produced = 0
-    while produced < count:
-        order = rng.permutation(len(lengths))
-        usable = order[: len(order) - len(order) % global_batch]  # the same examples batch_order keeps
-        batches = []
-        for start in range(0, len(usable), mega):
-            chunk = usable[start : start + mega]
-            # Stable sort: ties keep their shuffled order, so equal lengths are not always batched together.
-            chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
-            batches.extend(chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch))
-        for index in rng.permutation(len(batches)):
-            yield batches[index]
-            produced += 1
-            if produced == count:
-                return
-
-
-def pack_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
-    """Sequence indices per row: first fit decreasing into rows of ``capacity`` tokens; None: one row."""
-    if capacity is None:
-        return [list(range(len(lengths)))]
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        need = lengths[index]
-        for row, space in enumerate(free):
-            if need <= space:
-                rows[row].append(index)
-                free[row] -= need
-                break
-        else:
-            if need > capacity:
-                raise ValueError(f"a sequence of {need} tokens does not fit a packed row of {capacity}")
-            rows.append([index])
-            free.append(capacity - need)
-    return rows
 
 
 def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, capacity: int | None) -> Batch:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ftbench.data import prepared
+from ftbench.data import batch_order, prepared
 from ftbench.runspec import RunSpec
 from ftbench.tasks import registry
 from ftbench.tasks.base import TokenisedSplit
@@ -57,23 +57,6 @@ class Run:
     last_step: int | None = None  # kept current so an OOM or a stop says how far the run got
 
 
-def batch_order(num_examples: int, global_batch: int, count: int, seed: int):
-    """Yield ``count`` index arrays of ``global_batch`` examples, reshuffled each epoch (seeded, so every
-    DDP rank sees the same order and takes its own slice).
-
-    The last incomplete batch of an epoch is dropped so every measured step has the same shape.
-    """
-    rng = np.random.default_rng(seed)
-    produced = 0
-    while produced < count:
-        order = rng.permutation(num_examples)
-        for start in range(0, num_examples - global_batch + 1, global_batch):
-            yield order[start : start + global_batch]
-            produced += 1
-            if produced == count:
-                return
-
-
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -82,11 +65,9 @@ def set_seed(seed: int) -> None:
 
 def training_order(run: Run, total_steps: int):
     """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it)."""
-    spec = run.spec
-    global_batch, count = spec.batch_size * spec.devices, total_steps * spec.grad_accum_steps
-    if spec.batching == "group_by_length":
-        return batching.grouped_order(batching.lengths_of(run.train_split), global_batch, count, spec.seed)
-    return batch_order(len(run.train_split), global_batch, count, spec.seed)
+    split = run.train_split
+    lengths = batching.lengths_of(split) if run.spec.batching == "group_by_length" else None
+    return batch_order.run_order(run.spec, len(split), total_steps, lengths)
 
 
 def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:

@@ -29,7 +29,7 @@ from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine
 from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, training_order
 from ftbench.tasks import registry
 from ftbench.tasks.base import Batch, TokenisedSplit
-from ftbench.data import prepared
+from ftbench.data import batch_order, prepared
 from ftbench.experiment import memory_plan
 from ftbench.measure import environment, flops, gpu_monitor
 from ftbench.train.devices import Distributed, autocast_args, choose_device, local_gpus, synchronize
@@ -94,7 +94,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
     manifest = prepared.verify(data_dir)
     if device.type == "cuda":  # not launched to discover an OOM the estimate predicts (unless confirm_oom)
         reason = memory_plan.predicted_not_to_fit(spec, torch.cuda.get_device_properties(device).total_memory,
-                                                  metrics["device_name"], manifest)
+                                                  metrics["device_name"], data_dir)
         if reason:
             raise torch.OutOfMemoryError(reason)
     metrics.update(prepared.data_columns(manifest))  # rows dropped, majority-class rate: part of the result
@@ -118,6 +118,9 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     """Estimate, cross-check, train and evaluate the prepared run into ``metrics``; its step records."""
     if run.spec.auto_batch_size:
         _use_largest_batch(run, metrics)
+    if run.spec.batching in batching.PACKED:  # the largest packed batch of the run sets its peak
+        lengths = batching.lengths_of(run.train_split)
+        manifest = {**manifest, "largest_packed_batch": batch_order.largest_packed_batch(run.spec, lengths)}
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
     shape = flops.ModelShape.of(run.model)
     if run.dist.rank == 0 and run.spec.parallel != "fsdp":  # fsdp: every rank counts once sharded (_set_up_loop)
