@@ -201,7 +201,7 @@ def plan(argv: list[str]) -> None:
     parser.add_argument("experiment", help="experiment YAML file")
     parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table with memory_gb (default: %(default)s)")
     parser.add_argument("--data-root", default="results/data",
-                        help="prepared data (packed runs read their mean tokens per row there; default: %(default)s)")
+                        help="prepared data (packed runs read their rows' lengths there; default: %(default)s)")
     args = parser.parse_args(argv)
     gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
     runs = matrix.expand_runs(config.load_config(args.experiment))
