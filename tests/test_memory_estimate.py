@@ -83,20 +83,22 @@ def test_ddp_buckets_are_the_gradients_at_the_end_of_the_backward_pass():
 # --- token positions of packed batches ------------------------------------------------------------------------
 
 def test_padding_free_activations_are_the_padded_ones_times_real_over_padded():
-    pad = estimate(batching="pad")
-    free = estimate(batching="padding_free", packed_batch=(128, 128))  # the largest batch: 128 real tokens, one row
+    flash = {"attn_implementation": "flash_attention_2"}  # no mask bias (the next tests count it)
+    pad = estimate(batching="pad", **flash)
+    free = estimate(batching="padding_free", packed_batch=(128, 128), **flash)  # the largest batch: 128 real tokens, one row
     real, padded = 128, 8 * 64
     assert part(free, "activations") == pytest.approx(part(pad, "activations") * real / padded)
     assert part(free, "logits") == pytest.approx(part(pad, "logits") * real / padded)
     # a padded batch is counted at its longest (seq_len): the peak's batch
-    assert part(pad, "activations") == part(estimate(batching="pad", packed_batch=(128, 128)), "activations")
+    assert part(pad, "activations") == part(estimate(batching="pad", packed_batch=(128, 128), **flash), "activations")
 
 
 def test_pack_holds_the_largest_batch_rows_and_full_rows_before_the_data_is_known():
     packed = estimate(batching="pack", packed_batch=(3 * 64, 64))  # the largest batch packs into 3 rows of 64
     unknown = estimate(batching="pack")  # data not prepared: full rows, an upper bound
     assert part(packed, "activations") == pytest.approx(part(unknown, "activations") * 3 / 8)
-    assert part(unknown, "activations") == part(estimate(batching="pad"), "activations")
+    flash = {"attn_implementation": "flash_attention_2"}
+    assert part(estimate(batching="pack", **flash), "activations") == part(estimate(batching="pad", **flash), "activations")
 
 
 def test_a_packed_batch_is_counted_as_first_fit_decreasing_packs_it():
@@ -130,6 +132,34 @@ def test_the_largest_packed_batch_is_the_largest_the_trainer_collates(batching):
     largest = batch_order.largest_packed_batch(run, lengths)
     assert largest[0] == max(positions)
     assert largest[0] > 1.15 * np.mean(positions)
+
+
+def test_packed_rows_under_sdpa_keep_one_mask_bias_per_layer():
+    """sdpa turns the packed rows' block-diagonal mask into a 16-bit bias per layer, kept for backward: 2 bytes x
+    rows x row^2 per layer (one row of 128: 2 layers x 2 x 128 x 128); flash attention takes no mask."""
+    sdpa = estimate(batching="padding_free", packed_batch=(128, 128))
+    flash = estimate(batching="padding_free", packed_batch=(128, 128), attn_implementation="flash_attention_2")
+    assert part(sdpa, "activations") - part(flash, "activations") == pytest.approx(2 * 2 * 128 * 128)
+    packed = estimate(batching="pack", packed_batch=(3 * 64, 64))  # 3 rows of 64: 3 x 64^2 per layer
+    packed_flash = estimate(batching="pack", packed_batch=(3 * 64, 64), attn_implementation="flash_attention_2")
+    assert part(packed, "activations") - part(packed_flash, "activations") == pytest.approx(2 * 2 * 3 * 64 * 64)
+    # padded batches: no packed mask
+    assert part(estimate(batching="pad"), "activations") == part(estimate(batching="pad", attn_implementation="flash_attention_2"), "activations")
+
+
+@pytest.mark.parametrize("method, per_width, per_inter", [("full", -10, 0), ("lora", -8, 0), ("qlora", -8, -6)])
+def test_fsdp_mixed_precision_keeps_sixteen_bit_residuals(method, per_width, per_inter):
+    """FSDP2 casts the parameters to bf16: the residual stream and RMSNorm outputs are 16-bit, and QLoRA's MLP
+    is no longer fp32. Per layer-token, against the same run on one GPU: width 64, MLP 128, 2 layers, 8 x 64."""
+    adapted = FACTS if method == "full" else me.ModelFacts(**{**FACTS.__dict__, "adapted_inputs": (64,) * 7})
+    one_gpu = estimate(adapted, method=method)
+    sharded = estimate(adapted, method=method, parallel="fsdp", num_gpus=2)
+    positions = 8 * 64
+    expected = (per_width * 64 + per_inter * 128) * 2 * positions
+    assert part(sharded, "activations") - part(one_gpu, "activations") == pytest.approx(expected)
+    # fp32 runs keep fp32 parameters either way
+    assert part(estimate(adapted, method=method, precision="fp32", parallel="fsdp", num_gpus=2), "activations") == \
+        part(estimate(adapted, method=method, precision="fp32"), "activations")
 
 
 def test_the_plan_reads_the_packed_batches_from_the_prepared_data(tmp_path):

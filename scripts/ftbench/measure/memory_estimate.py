@@ -38,6 +38,8 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   kept gathered) plus two blocks (the one computing and the one prefetched), or every block with
   fsdp_reshard_after_forward off (all stay gathered from their forward to their backward). Gradients add
   two blocks' unsharded gradients in the reduce dtype, before their reduce-scatter.
+  Its mixed precision casts the parameters themselves to 16 bits, so the residual stream and RMSNorm outputs
+  are 16-bit and QLoRA's MLP is not fp32 (SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES).
 - gradient accumulation (grad_accum_steps > 1): every micro-batch after the first starts its backward pass
   with the gradients accumulated so far (all of them; under fsdp this GPU's shard): the "accumulated" part
   is added to the start of the backward pass.
@@ -56,6 +58,8 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   the peak is read from the data: the run's largest (data/batch_order.py's largest_packed_batch, over the
   batches its seeded order draws), what activations and logits are counted over. Before the data is
   prepared, packed rows are taken as full (an upper bound, said in the plan's note).
+  Under sdpa every attention layer keeps the packed rows' block-diagonal mask as a 16-bit bias
+  (PACKED_MASK_BIAS_BYTES): rows x row length^2 each, large for padding_free's one long row.
 - kernels liger (traced on an H100 with saved-tensor hooks, Llama layers, bf16: 7,688 fewer bytes per
   layer-token at width 576 / MLP 1,536, where these terms give 7,680): fused RMSNorm keeps its input and
   not its fp32 normalised copy (8 x width per layer, two norms; none with adapters, whose frozen norms
@@ -118,6 +122,19 @@ ADAPTER_WIDTH_BYTES = {("rms", True): -6, ("rms", False): -8, ("layer", True): 2
 # QLoRA under 16-bit autocast, per unit of MLP width: the MLP's intermediate-wide tensors kept in fp32 instead
 # of 16 bits, 2 more bytes each: three in a gated MLP (gate and up outputs, activation), one in a plain one.
 QLORA_MLP_BYTES = {"gated": 6, "plain": 2}
+# FSDP2 in 16-bit mixed precision casts the parameters themselves to the compute dtype (MixedPrecisionPolicy), so
+# the embeddings' output, the residual stream and an RMSNorm's output are 16-bit where autocast alone keeps
+# fp32 (fp32 master weights). Traced (saved-tensor hooks, Llama layers, bf16 parameters under bf16 autocast):
+# 10 bytes less per unit of width and layer-token for full fine-tuning; with adapters 8 less than autocast
+# alone (their frozen norms keep less already), and QLoRA's MLP stays 16-bit (no QLORA_MLP_BYTES). H100, 2 GPUs:
+# the FSDP2 estimates were 1.05-1.12 of the measured peak (full), 1.20-1.25 (QLoRA) without these terms.
+# LayerNorm models keep their norms in fp32 under autocast either way: not traced, left as they are.
+SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES = {"full": -10, "adapters": -8}
+# Packed batches under sdpa (the default attention): the block-diagonal mask packed position ids make is turned
+# into an additive bias in the compute dtype by every attention layer, each keeping its own for the backward
+# pass: 2 bytes (16-bit; 4 in fp32) x rows x row length^2 per layer. Seen on an H100 (134M Llama, padding_free,
+# one row of ~3,200 tokens): 0.6 GB, what made the padding-free estimate 0.86-0.90 of the measured peak.
+PACKED_MASK_BIAS_BYTES = {True: 2, False: 4}
 LORA_DROPOUT_MASK_BYTES = 1  # per element of an adapted Linear's input: CUDA's fused dropout keeps a bool mask
 GATE_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w1")
 # The fp32 gradient copy DistributedDataParallel's reducer keeps (its all-reduce buckets), per trainable parameter.
@@ -328,6 +345,10 @@ def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positi
         per_layer_token -= liger_saved_per_layer_token(facts, spec, sixteen_bit)
     if spec.attn_implementation == "eager":
         per_layer_token += 5 * shape.heads * row * (1 if sixteen_bit else 2)
+    elif spec.batching in ("pack", "padding_free") and spec.attn_implementation in (None, "sdpa"):
+        per_layer_token += PACKED_MASK_BIAS_BYTES[sixteen_bit] * row  # the mask bias, row x row per row
+    if sixteen_bit_parameters(facts, spec, sixteen_bit):
+        per_layer_token += SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES["full" if spec.method == "full" else "adapters"] * width
     if spec.gradient_checkpointing:
         # each layer's fp32 input; one layer's activations, while the backward pass recomputes it
         return {"activations": positions * layers * 4 * width, "recompute": positions * per_layer_token}
@@ -343,9 +364,15 @@ def adapter_bytes_per_layer_token(facts: ModelFacts, spec: RunSpec, inter: int, 
     if spec.lora_dropout:
         added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
     per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(facts.norm, sixteen_bit)] * width
-    if spec.method == "qlora" and sixteen_bit:
+    if spec.method == "qlora" and sixteen_bit and not sixteen_bit_parameters(facts, spec, sixteen_bit):
         per_layer += QLORA_MLP_BYTES[facts.mlp] * inter
     return per_layer
+
+
+def sixteen_bit_parameters(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> bool:
+    """Whether the layers compute with 16-bit parameters (FSDP2's mixed precision casts them) where the traced
+    coefficients assume fp32 masters under autocast; RMSNorm models only (see SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES)."""
+    return spec.parallel == "fsdp" and sixteen_bit and facts.norm == "rms"
 
 
 def liger_saved_per_layer_token(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> float:

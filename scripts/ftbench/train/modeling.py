@@ -7,6 +7,8 @@ training does); QLoRA's 4-bit base weights compute in the run's dtype.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,22 +149,45 @@ def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantise
         # the first forward pass would fail while shifting the labels right.
         config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else SYNTHETIC_PAD_ID
     model_class = family.model_class()
+    if quantised:
+        return _quantised_random_model(model_class, config, kwargs, quantised, device, spec.run_id)
     # Random weights are made where they will live: initialising a large model on the CPU and copying
     # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
-    # autocast.) QLoRA quantises on load, from a CPU copy.
-    with torch.device("cpu" if quantised else device):
-        model = model_class.from_config(config)
-    if quantised:
-        # Quantisation happens on load: save the random weights and load them back quantised, so a
-        # Llama-shaped model with no checkpoint can still be measured under QLoRA.
-        with tempfile.TemporaryDirectory(prefix="ftbench-model-") as folder:
-            # Written by hand: under torch.distributed, save_pretrained writes on rank 0 only, and every rank
-            # of a QLoRA fsdp run loads its own copy (same seed, same weights).
+    # autocast.)
+    with torch.device(device):
+        return model_class.from_config(config)
+
+
+def _quantised_random_model(model_class, config, kwargs: dict, quantised: dict, device: torch.device, run_id: str):
+    """A config-built QLoRA model: bitsandbytes quantises while loading, so the random weights are saved and
+    loaded back quantised. Made on the run's device in bf16 (what gets quantised: a random weight loses
+    nothing), not in fp32 on the CPU: the 8B shape took minutes on the CPU, and 32 GB per process. Under
+    torch.distributed one process per node writes them and every process loads that copy; the parameters
+    that stay unquantised load as fp32 masters, as a checkpoint's do."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    writer = not distributed or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))  # the same in every process of one launch
+    folder = Path(tempfile.gettempdir()) / f"ftbench-model-{run_id}-{launch}"
+    try:
+        if writer:
+            folder.mkdir(parents=True, exist_ok=True)
+            with torch.device(device):
+                model = model_class.from_config(config, dtype=torch.bfloat16)
+            # Written by hand: under torch.distributed, save_pretrained writes on rank 0 only.
             model.config.save_pretrained(folder)
-            safetensors.torch.save_model(model, str(Path(folder) / "model.safetensors"))
+            safetensors.torch.save_model(model, str(folder / "model.safetensors"))
             del model
-            model = model_class.from_pretrained(folder, **kwargs, **quantised)
-    return model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if distributed:
+            torch.distributed.barrier()  # every node's copy is written
+        model = model_class.from_pretrained(folder, **kwargs, **quantised, dtype=torch.float32)
+        if distributed:
+            torch.distributed.barrier()  # every process has loaded it: the copy may go
+        return model
+    finally:
+        if writer:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _model_from_checkpoint(spec: RunSpec, family: TaskFamily, kwargs: dict, quantised: dict):
