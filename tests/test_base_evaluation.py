@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ftbench.data import prepared
+from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix
 from ftbench.tasks import registry
 from ftbench.train import ddp, evaluation, modeling, trainer
@@ -123,9 +124,42 @@ def slow_evaluation(monkeypatch):
     monkeypatch.setattr(trainer, "evaluate", slowly)
 
 
+@pytest.fixture
+def sampler_calls(monkeypatch):
+    """What the engines ask of their GPU sampler, in order, with the evaluations (trainer.evaluate) among them."""
+    calls = []
+
+    class RecordingSampler(gpu_monitor.GpuSampler):
+        def start(self):
+            calls.append("start")
+            super().start()
+
+        def pause(self):
+            calls.append("pause")
+            super().pause()
+
+        def resume(self):
+            calls.append("resume")
+            super().resume()
+
+        def stop(self):
+            calls.append("stop")
+            return super().stop()
+
+    evaluate = trainer.evaluate
+
+    def recorded_evaluate(*args, **kwargs):
+        calls.append("evaluate")
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_monitor, "GpuSampler", RecordingSampler)
+    monkeypatch.setattr(trainer, "evaluate", recorded_evaluate)
+    return calls
+
+
 @pytest.mark.parametrize("engine", ["loop", "hf_trainer"])
 def test_the_base_evaluation_is_kept_out_of_the_steps_and_the_measured_window(engine, bert_spec, prepared_data,
-                                                                              slow_evaluation):
+                                                                              slow_evaluation, sampler_calls):
     # warmup_steps 0: the measured window begins at the first step, right after the base evaluation.
     spec = bert_spec(engine=engine, eval_before_training=True, eval_every=2, eval_subset=16, max_steps=4, warmup_steps=0)
     metrics, steps = trainer.train_run(spec, prepared_data[0])
@@ -145,6 +179,9 @@ def test_the_base_evaluation_is_kept_out_of_the_steps_and_the_measured_window(en
     assert accuracy["scope"].tolist() == ["full", "subset", "full"]
     assert accuracy["eval_samples"].tolist() == [metrics["eval_samples"], 16, metrics["eval_samples"]]
     assert accuracy["value"].iloc[0] == pytest.approx(metrics["base_eval_accuracy"])
+    # The GPU sampler is paused for both evaluations during training: the base one's comes before its start, which
+    # the sampler ignores (tests/test_measurement.py), the one at step 2 is left out of the window's energy.
+    assert sampler_calls == ["pause", "evaluate", "resume", "start", "pause", "evaluate", "resume", "stop", "evaluate"]
 
 
 # ---------------------------------------------------------------------------------------------------

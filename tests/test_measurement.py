@@ -10,10 +10,13 @@ MFU of a collected row and merging DDP ranks are unit-tested in tests/test_metri
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import signal
+import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -852,14 +855,19 @@ def nvmlDeviceGetMemoryInfo(handle): return types.SimpleNamespace(used=(1 + hand
 """
 
 
-def test_the_sampler_process_samples_between_start_and_stop(monkeypatch, tmp_path):
-    """The run's process only writes start and stop: the sampling happens in a process of its own (no
-    interpreter lock shared with the loop), which answers with the window's summary."""
-    (tmp_path / "fake_nvml.py").write_text(FAKE_NVML_MODULE)
+def stand_in_sampler(monkeypatch, tmp_path, gpus: list[int], module: str = FAKE_NVML_MODULE) -> gpu_monitor.GpuSampler:
+    """A GpuSampler whose process opens ``module`` (Python source, a stand-in for pynvml) in place of NVML."""
+    (tmp_path / "fake_nvml.py").write_text(module)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(gpu_monitor, "gpu_uuids", lambda indices: [f"GPU-{index}" for index in indices])
-    sampler = gpu_monitor.GpuSampler([0, 1], interval_s=0.01, nvml_module="fake_nvml")
+    return gpu_monitor.GpuSampler(gpus, interval_s=0.01, nvml_module="fake_nvml")
+
+
+def test_the_sampler_process_samples_between_start_and_stop(monkeypatch, tmp_path):
+    """The run's process only writes start and stop: the sampling happens in a process of its own (no
+    interpreter lock shared with the loop), which answers with the window's summary."""
+    sampler = stand_in_sampler(monkeypatch, tmp_path, [0, 1])
     assert sampler.available
     sampler.start()
     time.sleep(0.3)
@@ -872,14 +880,146 @@ def test_the_sampler_process_samples_between_start_and_stop(monkeypatch, tmp_pat
 
 
 def test_a_sampler_never_started_ends_its_process(monkeypatch, tmp_path):
-    (tmp_path / "fake_nvml.py").write_text(FAKE_NVML_MODULE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(gpu_monitor, "gpu_uuids", lambda indices: [f"GPU-{index}" for index in indices])
-    sampler = gpu_monitor.GpuSampler([0], interval_s=0.01, nvml_module="fake_nvml")
+    sampler = stand_in_sampler(monkeypatch, tmp_path, [0])
     process = sampler._process
     assert sampler.stop() == gpu_monitor.NULL_RESULT  # an OOM before the window: no figures, no stray process
     assert process.poll() is not None
+
+
+# Energy counters read at both ends of two spans with a pause between: GPU 0 gains 10 J in the first span,
+# 29 J while paused and 5 J in the second; GPU 1 gains 4, 12 and 2 J. The window's energy: 10 + 5 + 4 + 2 J.
+SPANNED_ENERGY_MJ = {0: [1_000, 11_000, 40_000, 45_000], 1: [3_000, 7_000, 19_000, 21_000]}
+SPANNED_ENERGY_J = 21.0
+SPANNED_NVML_MODULE = FAKE_NVML_MODULE.replace(
+    "_energy = {0: iter([1_000, 51_000]), 1: iter([5_000, 35_000])}",
+    f"_energy = {{handle: iter(reads) for handle, reads in {SPANNED_ENERGY_MJ}.items()}}")
+
+
+class ServedNvml(FakeNvml):
+    """FakeNvml as the sampler process opens it (by UUID), with SPANNED_ENERGY_MJ's counters; it counts the
+    counter's readings, and the samples taken while the test says an evaluation runs."""
+
+    def __init__(self, counter: bool = True):
+        super().__init__(counter)
+        self.energy_reads = {handle: iter(reads) for handle, reads in SPANNED_ENERGY_MJ.items()}
+        self.counter_reads = 0
+        self.evaluating = False
+        self.samples_while_evaluating = 0
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return int(uuid.rsplit("-", 1)[1])
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self.counter_reads += 1
+        return super().nvmlDeviceGetTotalEnergyConsumption(handle)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.samples_while_evaluating += self.evaluating
+        return super().nvmlDeviceGetUtilizationRates(handle)
+
+
+def serve_request(monkeypatch, nvml: ServedNvml, interval_s: float) -> dict:
+    """The sampler process's request for two GPUs, ``nvml`` importable by the name it gives (``serve`` runs
+    in this process in these tests)."""
+    module = types.ModuleType("served_nvml")
+    for name in dir(nvml):
+        if name.startswith("nvml"):
+            setattr(module, name, getattr(nvml, name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return {"uuids": ["GPU-0", "GPU-1"], "interval_s": interval_s, "nvml_module": module.__name__}
+
+
+def serve_all_at_once(monkeypatch, nvml: ServedNvml, commands: list[str], clock_readings: list[float]) -> dict:
+    """``serve``'s summary given ``commands`` all at once through a pipe, on a clock that reads
+    ``clock_readings`` in turn (one reading where each span opens and one where it closes)."""
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, "".join(f"{command}\n" for command in commands).encode())
+    os.close(write_fd)
+    readings, out = iter(clock_readings), io.StringIO()
+    with os.fdopen(read_fd) as pipe:
+        gpu_monitor.serve(serve_request(monkeypatch, nvml, 60.0), pipe, out, clock=lambda: next(readings))
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("counter", [True, False])
+def test_the_window_s_energy_and_time_leave_a_paused_evaluation_out(monkeypatch, counter):
+    """Steps from 0 s to 10 s, an evaluation to 25 s, steps to 30 s: 15 s of window. With a counter, its
+    readings' increase over the two spans (SPANNED_ENERGY_J, not the 62 J of 0-30 s); without one, the two
+    GPUs' 200 W each over the 15 s (not the 30 s)."""
+    result = serve_all_at_once(monkeypatch, ServedNvml(counter), ["start", "pause", "resume", "stop"],
+                               [0.0, 10.0, 25.0, 30.0])
+    assert result["nvml_window_s"] == pytest.approx(15.0)
+    energy_j = SPANNED_ENERGY_J if counter else 400.0 * 15.0
+    assert result["energy_j"] == pytest.approx(energy_j)
+    assert result["gpu_power_mean_w"] == pytest.approx(energy_j / 15.0)
+
+
+def test_a_window_that_ends_paused_counts_up_to_the_pause(monkeypatch):
+    """A pipe closed during an evaluation (the run stopped there): the span before it is the window."""
+    nvml = ServedNvml()
+    result = serve_all_at_once(monkeypatch, nvml, ["start", "pause"], [0.0, 10.0])
+    assert result["nvml_window_s"] == pytest.approx(10.0)
+    assert result["energy_j"] == pytest.approx(10.0 + 4.0)  # the first span's readings only
+    assert nvml.counter_reads == 4  # nothing read again at the end
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the sampler did not act on the command"
+        time.sleep(0.001)
+
+
+def test_no_samples_are_taken_while_paused(monkeypatch):
+    """Sampling every 5 ms, paused for 100 ms: none of the evaluation's utilisation or power reaches the figures."""
+    nvml = ServedNvml()
+    read_fd, write_fd = os.pipe()
+    out = io.StringIO()
+    with os.fdopen(read_fd) as pipe:
+        served = threading.Thread(target=gpu_monitor.serve, args=(serve_request(monkeypatch, nvml, 0.005), pipe, out),
+                                  daemon=True)
+        served.start()
+        os.write(write_fd, b"start\n")
+        time.sleep(0.05)
+        os.write(write_fd, b"pause\n")
+        wait_for(lambda: nvml.counter_reads == 4)  # the span closed: both GPUs read at start and at pause
+        nvml.evaluating = True
+        time.sleep(0.1)
+        nvml.evaluating = False
+        os.write(write_fd, b"resume\n")
+        time.sleep(0.05)
+        os.write(write_fd, b"stop\n")
+        served.join(timeout=5)
+    os.close(write_fd)
+    assert not served.is_alive()
+    assert nvml.samples_while_evaluating == 0
+    assert json.loads(out.getvalue())["nvml_samples"] >= 4  # the spans were sampled
+
+
+def test_the_sampler_process_leaves_out_what_lies_between_pause_and_resume(monkeypatch, tmp_path):
+    """Through the pipe: pause, resume and stop written back to back (read together, none may wait unseen)."""
+    sampler = stand_in_sampler(monkeypatch, tmp_path, [0, 1], SPANNED_NVML_MODULE)
+    sampler.start()
+    time.sleep(0.05)
+    sampler.pause()
+    sampler.resume()
+    assert sampler.stop()["energy_j"] == pytest.approx(SPANNED_ENERGY_J)
+
+
+def test_a_pause_before_the_window_or_after_it_sends_nothing(monkeypatch, tmp_path):
+    """The evaluation before training pauses a sampler not yet started: the process must not take that for
+    the run ending before its window (its first line not "start")."""
+    sampler = stand_in_sampler(monkeypatch, tmp_path, [0, 1])
+    sampler.pause()
+    sampler.resume()
+    sampler.start()
+    time.sleep(0.05)
+    assert sampler.stop()["energy_j"] == pytest.approx(80.0)  # FAKE_NVML_MODULE's counters, start to stop
+    sampler.pause()  # after the window: the process has ended, nothing to tell it
+    sampler.resume()
 
 
 def test_sampler_energy_from_the_driver_counter(monkeypatch):

@@ -143,6 +143,31 @@ def test_evaluations_are_due_every_n_steps_from_the_first_but_not_after_the_last
     assert during(3).paused_within(None, 1.0) == 0.0
 
 
+def test_an_evaluation_between_steps_pauses_the_gpu_sampler_between_the_synchronisations(monkeypatch, bert_spec):
+    """The energy of the window must leave the evaluation out as its time does: the sampler is paused once the
+    steps' kernels are done and resumed once the evaluation's are."""
+    calls = []
+
+    class Sampler:  # stands in for gpu_monitor.GpuSampler
+        def pause(self):
+            calls.append("pause sampler")
+
+        def resume(self):
+            calls.append("resume sampler")
+
+    def evaluate(*args, **kwargs):
+        calls.append("evaluate")
+        return {"eval_samples": 10, "eval_accuracy": 0.5, "eval_loss": 0.7}
+
+    monkeypatch.setattr(evaluation, "synchronize", lambda device: calls.append("synchronize"))
+    run = SimpleNamespace(spec=bert_spec(eval_every=2), eval_split=[0] * 10, task="classification", model=torch.nn.Linear(1, 1),
+                          device=torch.device("cpu"), pad_id=0, dist=SimpleNamespace(rank=0), stop=SimpleNamespace(deadline=None))
+    evals = evaluation.DuringTraining(run, evaluate)
+    evals.measure_with(Sampler())
+    assert evals.pause(2, may_stop=True) is False
+    assert calls == ["synchronize", "pause sampler", "evaluate", "synchronize", "resume sampler"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Configurations ranked by cost to target, and the figure
 

@@ -4,17 +4,22 @@ Why a process: a sampling thread in the training process takes the interpreter's
 and on a launch-bound run (a small batch, the GPU waiting on Python's kernel launches) that cost the loop
 5-10% of its throughput (H100, 1B Llama at batch 2: NVML on / off 0.93, scripts/benchmark_overhead.py). A
 separate process (``python -m ftbench.measure.gpu_monitor``) shares no lock with the loop: the run's
-process only writes "start" and "stop" to its pipe, outside the timed steps' work.
+process only writes commands to its pipe, outside the timed steps' work: "start" and "stop" at the measured
+window's ends, and "pause" and "resume" around every evaluation between steps inside it.
 
-Energy comes from the driver's energy counter (total millijoules since boot, Volta and newer) read at the
-start and end of the measured window; where a GPU has no counter it is integrated from the sampled power.
-Without NVML (CPU runs, other vendors) every figure is None: a missing measurement is never reported as zero.
+The figures cover what the window's time covers: the measured steps, without the evaluations between them
+(train/evaluation.py pauses the clock for those, and the sampler with it). Energy comes from the driver's
+energy counter (total millijoules since boot, Volta and newer), read where each un-paused span begins and
+ends and summed over the spans; where a GPU has no counter it is the sampled power times the un-paused time.
+No samples are taken while paused. Without NVML (CPU runs, other vendors) every figure is None: a missing
+measurement is never reported as zero.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import select
 import subprocess
 import sys
@@ -62,16 +67,26 @@ def driver_version() -> str | None:
 
 
 class Sampling:
-    """The samples of some GPUs (NVML handles) over a window, and their summary. Runs in the sampler process."""
+    """The samples of some GPUs (NVML handles) over a window, and their summary. Runs in the sampler process.
+    The window is one or more measured spans (``begin`` or ``resume`` to ``pause`` or ``end``): energy and
+    time are summed over them, and samples are taken only within them. ``clock``: seconds (tests give a
+    stand-in)."""
 
-    def __init__(self, nvml, handles: list):
-        self.nvml, self.handles = nvml, handles
+    def __init__(self, nvml, handles: list, clock=time.perf_counter):
+        self.nvml, self.handles, self.clock = nvml, handles, clock
         self.util: list[float] = []
         self.power_w: list[float] = []
         self.mem_peak_bytes = 0
-        self._energy_start: list[int | None] = []
-        self._t0 = 0.0
-        self.duration_s = 0.0
+        # Per GPU, millijoules of the closed spans; None once a reading failed (no counter: power x time instead).
+        self.energy_mj: list[float | None] = [0] * len(handles)
+        self.duration_s = 0.0  # seconds of the closed spans
+        self._span_energy_start: list[int | None] | None = None  # None while no span is open
+        self._span_t0 = 0.0
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a span is open: the window has begun and is not paused or ended."""
+        return self._span_energy_start is not None
 
     def _energy_mj(self) -> list[int | None]:
         readings = []
@@ -91,20 +106,45 @@ class Sampling:
             except Exception:  # noqa: BLE001
                 pass
 
+    def _open_span(self) -> None:
+        self._span_energy_start = self._energy_mj()
+        self._span_t0 = self.clock()
+
+    def _close_span(self) -> None:
+        self.duration_s += self.clock() - self._span_t0
+        end = self._energy_mj()
+        self.energy_mj = [None if None in (total, start, stop) else total + stop - start
+                          for total, start, stop in zip(self.energy_mj, self._span_energy_start, end)]
+        self._span_energy_start = None
+
     def begin(self) -> None:
-        self._energy_start = self._energy_mj()
-        self._t0 = time.perf_counter()
+        """The window's start: the first span opens, with a sample (the steps before it were training's too)."""
+        self._open_span()
         self.sample()
 
+    def pause(self) -> None:
+        """An evaluation begins: the span closes, with a last sample of the steps."""
+        if self.measuring:
+            self.sample()
+            self._close_span()
+
+    def resume(self) -> None:
+        """The evaluation has ended: a new span opens. No sample yet: NVML's utilisation and power average over
+        the last fraction of a second, the evaluation's; the first comes an interval later."""
+        if not self.measuring:
+            self._open_span()
+
     def end(self) -> dict:
-        self.duration_s = time.perf_counter() - self._t0
-        self.sample()
-        end = self._energy_mj()
+        """The window's end (paused or not): its summary over the spans."""
+        self.pause()
+        return self.summary()
+
+    def summary(self) -> dict:
         samples_per_gpu = max(1, len(self.power_w) // len(self.handles))
         # Power of all the run's GPUs together: mean per-GPU sample x number of GPUs.
         power_total = sum(self.power_w) / samples_per_gpu if self.power_w else None
-        if all(a is not None and b is not None for a, b in zip(self._energy_start, end)):
-            energy = sum(b - a for a, b in zip(self._energy_start, end)) / 1000.0
+        if None not in self.energy_mj:
+            energy = sum(self.energy_mj) / 1000.0
         else:
             energy = power_total * self.duration_s if power_total is not None else None
         return {
@@ -119,7 +159,8 @@ class Sampling:
 
 class GpuSampler:
     """Samples the run's GPUs between ``start()`` and ``stop()`` from a sampler process; ``stop()`` returns
-    the summary. Started (the process launched, NVML opened) when made, before the measured window."""
+    the summary; ``pause()`` and ``resume()`` leave a span inside the window out (an evaluation between steps).
+    Started (the process launched, NVML opened) when made, before the measured window."""
 
     def __init__(self, cuda_indices: list[int], interval_s: float = 0.5, nvml_module: str = NVML_MODULE):
         self.interval_s = interval_s
@@ -133,11 +174,24 @@ class GpuSampler:
     def available(self) -> bool:
         return self._process is not None
 
+    def _send(self, command: str) -> None:
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+
     def start(self) -> None:
         if self.available:
-            self._process.stdin.write("start\n")
-            self._process.stdin.flush()
+            self._send("start")
             self._started = True
+
+    def pause(self) -> None:
+        """Leave what follows out of the window until ``resume()``. Before ``start()`` (an evaluation before the
+        window) and after ``stop()`` nothing is sent: a first line other than "start" ends the sampler process."""
+        if self.available and self._started:
+            self._send("pause")
+
+    def resume(self) -> None:
+        if self.available and self._started:
+            self._send("resume")
 
     def stop(self) -> dict:
         if not self.available:
@@ -145,8 +199,7 @@ class GpuSampler:
         try:
             if not self._started:
                 return dict(NULL_RESULT)
-            self._process.stdin.write("stop\n")
-            self._process.stdin.flush()
+            self._send("stop")
             line = self._process.stdout.readline()
             return {key: value for key, value in json.loads(line).items() if key in NULL_RESULT} if line else dict(NULL_RESULT)
         finally:
@@ -164,20 +217,53 @@ def _launch(request: dict) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
-def serve(request: dict, commands=sys.stdin, out=sys.stdout) -> int:
+class Commands:
+    """The run's commands, one a line, read from a pipe without reading ahead. A buffered reader given
+    "pause\\nresume\\n" in one read would return "pause" and keep "resume" in its buffer, where select() on the
+    pipe does not see it: the sampler would stay paused until the next write."""
+
+    def __init__(self, stream):
+        self.fd = stream.fileno()
+        self.pending = b""
+
+    def next(self, timeout_s: float | None) -> str | None:
+        """The next command; "" once the pipe closed; None if ``timeout_s`` passed first (None: wait for one)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self.pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                return ""  # the run's process closed the pipe (it ended, or the window never began)
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode().strip()
+
+
+def serve(request: dict, commands=sys.stdin, out=sys.stdout, clock=time.perf_counter) -> int:
     """The sampler process: open the GPUs, then on "start" sample every ``interval_s`` until "stop" (or the
-    run's process closes the pipe), and print the summary as one JSON line."""
+    run's process closes the pipe), and print the summary as one JSON line. "pause" closes the measured span
+    and stops sampling until "resume" opens the next: while paused it only waits for the next command."""
     nvml = _nvml(request.get("nvml_module", NVML_MODULE))
     handles = [nvml.nvmlDeviceGetHandleByUUID(uuid) for uuid in request["uuids"]] if nvml else []
-    sampling = Sampling(nvml, handles)
-    if commands.readline().strip() != "start":
+    sampling = Sampling(nvml, handles, clock)
+    reader = Commands(commands)
+    if reader.next(timeout_s=None) != "start":
         return 0  # the run ended before its window began
     sampling.begin()
+    interval_s = float(request["interval_s"])
     while True:
-        ready, _, _ = select.select([commands], [], [], float(request["interval_s"]))
-        if ready:
+        command = reader.next(timeout_s=interval_s if sampling.measuring else None)
+        if command is None:
+            sampling.sample()  # an interval passed without a command
+        elif command == "pause":
+            sampling.pause()
+        elif command == "resume":
+            sampling.resume()
+        else:
             break  # "stop", or the pipe closed
-        sampling.sample()
     out.write(json.dumps(sampling.end() if handles else NULL_RESULT) + "\n")
     out.flush()
     return 0

@@ -84,13 +84,14 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
     "flops_counted_ratio": ("Float64", "counted / analytic model FLOPs of one micro-batch (one sample with gradient checkpointing, which is off for the count: recomputation is not model FLOPs; bitsandbytes 4-bit matmuls counted as the matmuls they replace)"),
     "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
-    # GPU sampling through NVML over the measured window; null without NVML (never 0)
-    "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs"),
+    # GPU sampling through NVML over the measured window, paused like its time for evaluations between steps;
+    # null without NVML (never 0)
+    "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs in the measured window, evaluations between steps left out"),
     "gpu_mem_used_peak_mb": ("Float64", "peak device memory in use per GPU as NVML sees it (MiB), all processes"),
-    "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W)"),
-    "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J)"),
+    "gpu_power_mean_w": ("Float64", "mean power of all the run's GPUs together (W): energy_j over the measured window's time, evaluations between steps left out of both"),
+    "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J), evaluations between steps left out as they are from its time"),
     "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
-    "nvml_samples": ("Int64", "NVML samples taken over the measured window; 0 without NVML"),
+    "nvml_samples": ("Int64", "NVML samples taken over the measured window (none during evaluations between steps); 0 without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/measure/memory_estimate.py), MiB"),
     "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),

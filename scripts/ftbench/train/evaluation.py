@@ -5,9 +5,11 @@ time, with the memory peaks of training and evaluation kept apart.
   device is synchronised, the clock paused, a fixed seeded eval subset scored (eval_subset examples, the
   same for every run), the time spent recorded apart (eval_during_training_s), and the clock resumed: the
   next step's time starts after it, and the measured window's seconds leave it out (``paused_within``), so
-  tokens/s is that of the steps alone. Its batches are no larger than a training batch, so its memory stays
-  under a training step's. A DDP run evaluates on rank 0 (the unwrapped model: no collective) and every rank
-  learns the stop decision from it (``agree``); an fsdp run evaluates on every rank (a sharded forward).
+  tokens/s is that of the steps alone. The GPU sampler (measure.gpu_monitor) is paused with the clock, so the
+  window's energy, power and utilisation leave the evaluations out too (``measure_with``). Its batches are no
+  larger than a training batch, so its memory stays under a training step's. A DDP run evaluates on rank 0
+  (the unwrapped model: no collective) and every rank learns the stop decision from it (``agree``); an fsdp
+  run evaluates on every rank (a sharded forward).
   Each evaluation becomes rows of evals.parquet (measure.metrics.EVAL_FIELDS), the final one too.
 
 - Before training (``eval_before_training``): the model as built is scored before the first step, on the final
@@ -160,6 +162,13 @@ class DuringTraining:
         self.base_figures: dict = {}  # base_eval_* of the model as built (eval_before_training)
         self.loading_peak_rss_mb: float | None = None  # the resident peak before the base evaluation reset it
         self.evaluated = 0  # pauses that evaluated (one near the deadline skips it)
+        self.sampler = None  # the measured window's gpu_monitor.GpuSampler (measure_with), paused with the clock
+
+    def measure_with(self, sampler) -> None:
+        """The engine's GPU sampler (gpu_monitor.GpuSampler, made after this object): every evaluation pauses it
+        as it pauses the clock, so energy per token counts the steps' energy alone, as tokens/s counts their time.
+        One before the window starts (the base evaluation) pauses nothing: the sampler ignores it."""
+        self.sampler = sampler
 
     def due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to evaluate before the next step: before the first with eval_before_training, and every
@@ -195,11 +204,16 @@ class DuringTraining:
     @contextlib.contextmanager
     def _clock_paused(self, since: float | None, record):
         """The bracket of every evaluation between steps: the device synchronised at both ends, and
-        ``record((start, end))`` given its span, from ``since`` (the last step's end) when there is one."""
+        ``record((start, end))`` given its span, from ``since`` (the last step's end) when there is one. The GPU
+        sampler is paused between the synchronisations: the steps' kernels are done, the evaluation's not begun."""
         synchronize(self.run.device)
         started = time.perf_counter() if since is None else since
+        if self.sampler is not None:
+            self.sampler.pause()
         yield
         synchronize(self.run.device)
+        if self.sampler is not None:
+            self.sampler.resume()
         record((started, time.perf_counter()))
 
     def _pause_for_base(self, since: float | None) -> None:

@@ -7,7 +7,8 @@ in a callback and a Trainer subclass:
   from the previous step's end to its own (batch fetching, clipping and the Trainer's own work included,
   as the loop's clock includes its batch fetching);
 - the same warmup (metrics.Warmup, warmup_until_stable included) and measured window, NVML sampling over
-  the window, CUDA peak memory from the start of training, analytic FLOPs;
+  the window (paused, like the clock, for evaluations between steps), CUDA peak memory from the start of
+  training, analytic FLOPs;
 - real (unpadded) tokens counted from the batches: the data collator attaches each micro-batch's counts,
   training_step takes them off before the model sees the batch (counting at collation would be off by the
   dataloader's look-ahead);
@@ -175,6 +176,8 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
         raise ValueError(f"warmup_steps ({spec.warmup_steps}) must be smaller than the run's {total_steps} steps")
     meter = Meter(run, shape, total_steps, local_gpus(spec, device))
     meter.evals = evals
+    if evals is not None:
+        evals.measure_with(meter.sampler)  # evaluations inside the window pause the sampler with the clock
     # The loop's order (its batching's), one index at a time: the Trainer's DataLoader batches it back into
     # the same batches.
     order = [int(i) for batch in training_order(run, total_steps) for i in batch]

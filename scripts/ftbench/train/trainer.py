@@ -211,6 +211,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
     loop = _set_up_loop(run, shape)
     warmup = Warmup.of(spec, loop.total_steps)
     sampler = gpu_monitor.GpuSampler(loop.local_gpus, spec.gpu_sample_interval_s)
+    evals.measure_with(sampler)  # evaluations inside the window pause the sampler with the clock
     loop.model.train()
     train_started = time.perf_counter()
     synchronize(device)
