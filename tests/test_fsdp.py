@@ -301,3 +301,55 @@ def test_offload_asks_for_host_memory_and_time():
     extra_mb = 4 * params * 16 / 4 / 1e6
     assert resources.train_mem_mb(offload) == pytest.approx(resources.train_mem_mb(sharded) + extra_mb, abs=1)
     assert resources.train_compute_seconds(offload) > 10 * resources.train_compute_seconds(sharded)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A config-built QLoRA model under torch.distributed: one copy of the random weights per node
+
+
+def _build_qlora_rank(rank: int, port: int, out: str) -> None:
+    """One process of a two-process gloo group on this "node": build the config-built QLoRA model, and note
+    which ranks wrote the random weights and what each loaded."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      TORCHELASTIC_RUN_ID="test-launch", TMPDIR=str(Path(out) / "tmp"))
+    import tempfile
+
+    tempfile.tempdir = None  # read TMPDIR again in this process
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    save = modeling.safetensors.torch.save_model
+
+    def noted_save(model, filename, *args, **kwargs):
+        with open(Path(out) / "writers", "a") as notes:
+            notes.write(f"{rank}\n")
+        return save(model, filename, *args, **kwargs)
+
+    modeling.safetensors.torch.save_model = noted_save
+    torch.manual_seed(rank)  # different seeds: equal weights can only come from the one copy
+    spec = llama_spec(parallel="fsdp", num_gpus=2, method="qlora", precision="bf16")
+    model = modeling.build_model(spec, None, torch.device("cpu")).model
+    weights = {name: tensor.float().sum().item() for name, tensor in model.state_dict().items()
+               if "lora" not in name and tensor.is_floating_point()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(weights))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_config_built_qlora_writes_one_copy_per_node_that_every_rank_loads(tmp_path):
+    """QLoRA quantises while loading, so a config-built model's random weights are written and loaded back: under
+    torch.distributed the node's first process writes them once, every process loads that copy (the same
+    weights whatever its own seed), and the copy is gone afterwards."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "tmp").mkdir()
+    mp.spawn(_build_qlora_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "writers").read_text().split() == ["0"]
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first == second and len(first) > 5
+    assert not list((tmp_path / "tmp").glob("ftbench-model-*"))  # (torch.compile caches may be there)
