@@ -195,6 +195,9 @@ def test_a_warm_job_gives_the_result_of_a_cold_one(cpu_spec, prepared_data, tmp_
     assert warm["eval_accuracy"] == cold["eval_accuracy"]
     assert warm["eval_loss"] == pytest.approx(cold["eval_loss"], rel=1e-6)
     assert warm["overhead_s"] > 0
+    # what a job spends before its run begins: the cold one imports the stack, the warm one was forked with it
+    assert 0 < warm["startup_s"] < cold["startup_s"] < cold["overhead_s"]
+    assert warm["startup_s"] < warm["overhead_s"]
     # the warm process was listening when the warm job came: it waited for nothing
     assert cold["warm_start_wait_s"] is None and warm["warm_start_wait_s"] < 1.0
 

@@ -183,7 +183,7 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
         metrics["status"] = worst
         metrics["status_reason"] = f"rank {culprit['rank']}: {culprit['metrics'].get('status_reason')}"
     for key in ("peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "wall_time_s", "train_time_s",
-                "gpu_mem_used_peak_mb"):
+                "startup_s", "gpu_mem_used_peak_mb"):
         values = [r["metrics"][key] for r in rank_results if r["metrics"].get(key) is not None]
         if values:
             metrics[key] = max(values)

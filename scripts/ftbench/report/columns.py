@@ -137,6 +137,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     **{f"rows_dropped_{rule}": ("Int64", f"source rows dropped: {meaning}") for rule, meaning in prepared.DROP_REASONS.items()},
     "rows_dropped_total": ("Int64", "source rows dropped by every rule above together"),
     # time
+    "startup_s": ("Float64", "seconds from the job's process start to its run beginning: interpreter start and imports (a warm-started job: its client's start, the fork and any wait for the warm process; ddp/fsdp: the slowest rank's, from its own start); part of overhead_s, before load_time_s"),
     "load_time_s": ("Float64", "seconds to read data and build the model"),
     "overhead_s": ("Float64", "seconds of the job outside training steps and evaluation: process start (imports included) to the first step, plus after the last step"),
     "warm_start": ("boolean", "the job ran in a process forked from a warm one that had imported the stack (warmstart.py): its overhead_s holds no imports of torch or transformers"),

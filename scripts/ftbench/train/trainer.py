@@ -50,8 +50,11 @@ def train_run(spec: RunSpec, data_dir: str | Path, stop: StopSignal | None = Non
     """
     stop = stop or StopSignal()
     dist = dist or Distributed()
+    # Interpreter start and imports (a warm-started job: its client's start, the fork, any wait): what a cold
+    # job on SLURM pays before anything of the run begins.
+    startup_s = environment.process_age_s()
     loop_times: dict = {}  # when the training loop's first step started and its last step ended (overhead_s)
-    metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None}
+    metrics: dict = {"run_id": spec.run_id, "status": "ok", "status_reason": None, "startup_s": startup_s}
     steps: list[dict] = []
     run = None
     try:
