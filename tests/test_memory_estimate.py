@@ -116,8 +116,8 @@ def test_the_largest_packed_batch_is_the_largest_the_trainer_collates(batching):
     """Over every micro-batch the run's order draws (two devices, two micro-steps per step, three epochs),
     collated as the trainer collates them: the largest tensor is the one the estimate counts, and it holds
     more than the mean batch (what the estimate used to count: 0.74-0.83 of the H100's measured peak)."""
-    batching_module = pytest.importorskip("ftbench.train.batching")
     from ftbench.tasks.base import TokenisedSplit
+    from ftbench.train import batching as batching_module  # torch: imported here, the rest of this file is torch-free
 
     rng = np.random.default_rng(5)
     lengths = np.minimum(rng.geometric(1 / 40, size=240), 256)  # short reviews with a long tail, as real data

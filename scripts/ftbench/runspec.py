@@ -285,6 +285,11 @@ class RunSpec:
         return self.num_gpus > 0 and self.device != "cpu"
 
     @property
+    def packed(self) -> bool:
+        """Rows hold several sequences (batching pack or padding_free): a batch's size follows the lengths drawn."""
+        return self.batching in ("pack", "padding_free")
+
+    @property
     def devices(self) -> int:
         """Devices that train together: all GPUs of a dp/ddp/fsdp run (on every node), else one."""
         if self.parallel == "dp":

@@ -20,7 +20,7 @@ import yaml
 from ftbench import runspec
 from ftbench.data import images, sources
 from ftbench.errors import ConfigError
-from ftbench.experiment import batching_modes, feasibility
+from ftbench.experiment import feasibility
 from ftbench.runspec import RunSpec
 from ftbench.tasks import registry
 from ftbench.tasks.base import is_proportion
@@ -347,7 +347,7 @@ def unused_settings(config: dict, runs: list[RunSpec]) -> list[str]:
 
 def _check_batching(run: RunSpec, config: dict, family) -> None:
     """Packed rows (batching.py) are exact for some families only, and their row count is not the batch size."""
-    if run.batching not in batching_modes.PACKED:
+    if not run.packed:
         return
     key = _setting_key(config, "batching", run.batching)
     if not family.packable:

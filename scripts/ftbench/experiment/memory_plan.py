@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 from ftbench.data import batch_order, prepared, sources
-from ftbench.experiment.batching_modes import PACKED
 from ftbench.data.tokenizers import tokenizer_source
 from ftbench.measure import memory_estimate, model_shape
 from ftbench.runspec import RunSpec
@@ -51,12 +50,12 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     facts = memory_estimate.facts_from_config(settings, run, family.takes_num_labels, labels)
     manifest = prepared_manifest(data_dir) or {}
     manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run), **manifest}
-    lengths = train_lengths(str(data_dir)) if run.batching in PACKED and manifest.get("splits") else None
+    lengths = train_lengths(str(data_dir)) if run.packed and manifest.get("splits") else None
     if lengths is not None:
         manifest["largest_packed_batch"] = batch_order.largest_packed_batch(run, lengths)
     figures = family.memory_estimate(facts, run, manifest)
     notes = []
-    if run.batching in PACKED and lengths is None:
+    if run.packed and lengths is None:
         notes.append("packed rows taken as full (data not prepared yet: its lengths are unknown)")
     if run.parallel == "dp" and run.devices > 1:
         notes.append("dp: GPU 0 also gathers every replica's outputs, not modelled (the estimate is a replica's)")

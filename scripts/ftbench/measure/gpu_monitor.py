@@ -137,9 +137,6 @@ class Sampling:
     def end(self) -> dict:
         """The window's end (paused or not): its summary over the spans."""
         self.pause()
-        return self.summary()
-
-    def summary(self) -> dict:
         samples_per_gpu = max(1, len(self.power_w) // len(self.handles))
         # Power of all the run's GPUs together: mean per-GPU sample x number of GPUs.
         power_total = sum(self.power_w) / samples_per_gpu if self.power_w else None

@@ -308,7 +308,7 @@ def batch_positions(spec: RunSpec, packed_batch: tuple[int, int] | None) -> tupl
     (the longest batch, the one that makes the peak); packed ones: ``packed_batch``, the run's largest, when
     the data says which it is, else full rows (batch x seq_len; padding_free: one row of them)."""
     batch, seq = spec.batch_size, spec.seq_len
-    if spec.batching not in ("pack", "padding_free"):
+    if not spec.packed:
         return batch * seq, seq
     if packed_batch:
         return packed_batch
@@ -345,7 +345,7 @@ def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positi
         per_layer_token -= liger_saved_per_layer_token(facts, spec, sixteen_bit)
     if spec.attn_implementation == "eager":
         per_layer_token += 5 * shape.heads * row * (1 if sixteen_bit else 2)
-    elif spec.batching in ("pack", "padding_free") and spec.attn_implementation in (None, "sdpa"):
+    elif spec.packed and spec.attn_implementation in (None, "sdpa"):
         per_layer_token += PACKED_MASK_BIAS_BYTES[sixteen_bit] * row  # the mask bias, row x row per row
     if sixteen_bit_parameters(facts, spec, sixteen_bit):
         per_layer_token += SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES["full" if spec.method == "full" else "adapters"] * width

@@ -215,8 +215,7 @@ class TextFamily(TaskFamily):
         """memory_estimate.py's model, with the logits over the vocabulary a language model computes, over the
         tokens a batch holds (packed batches: the run's largest, ``largest_packed_batch`` beside the manifest's
         keys, where the caller read it from the data)."""
-        packed = manifest.get("largest_packed_batch")
-        return memory_estimate.estimate(model, spec, memory_estimate.vocab_of(model), tuple(packed) if packed else None)
+        return memory_estimate.estimate(model, spec, memory_estimate.vocab_of(model), manifest.get("largest_packed_batch"))
 
 
 # ---------------------------------------------------------------------------------------------------

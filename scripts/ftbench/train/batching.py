@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from ftbench.data.batch_order import pack_rows
-from ftbench.experiment.batching_modes import PACKED  # noqa: F401 - one place, torch-free
 from ftbench.tasks.base import Batch, IGNORE_INDEX
 from ftbench.tasks.registry import family
 

@@ -110,7 +110,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                                  vocab_size=manifest.get("vocab_size"))
     run = Run(spec, device, dist, stop, injector, manifest["task"], manifest["pad_token_id"], train_split,
               eval_split, built.model)
-    if spec.batching in batching.PACKED:
+    if spec.packed:
         batching.check_isolation(built.model, device)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
                    load_time_s=time.perf_counter() - load_started)
@@ -121,7 +121,7 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     """Estimate, cross-check, train and evaluate the prepared run into ``metrics``; its step records."""
     if run.spec.auto_batch_size:
         _use_largest_batch(run, metrics)
-    if run.spec.batching in batching.PACKED:  # the largest packed batch of the run sets its peak
+    if run.spec.packed:  # the largest packed batch of the run sets its peak
         lengths = batching.lengths_of(run.train_split)
         manifest = {**manifest, "largest_packed_batch": batch_order.largest_packed_batch(run.spec, lengths)}
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
