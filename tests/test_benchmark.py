@@ -76,8 +76,22 @@ def test_trials_that_agree_resolve_the_ratio_and_scattered_ones_do_not():
     # The batch-8 figures, launch-bound: the median (0.99) looks fine, but trials span 0.85-1.08.
     scattered = benchmark.summarise_trials([_trial(r, 1.0) for r in (0.851, 1.076, 1.077, 1.044, 0.861, 0.936)])
     assert not scattered["resolved"] and scattered["median_ftbench_over_bare"] == pytest.approx(0.990)
+    assert scattered["verdict_ftbench_over_bare"] == "not resolved" and steady["verdict_ftbench_over_bare"] == "meets"
     # Either ratio scattering is enough to leave the result unresolved.
     assert not benchmark.summarise_trials([_trial(0.99, r) for r in (0.95, 1.02, 1.0)])["resolved"]
+
+
+def test_five_scattered_trials_all_on_one_side_of_the_target_settle_it():
+    """Launch-bound trials that scatter by 8% but all lie above 0.97 (five of them: a sign test) meet the
+    target; all below it miss; four are not enough; close agreement settles either way."""
+    benchmark = _load_benchmark_module()
+    above = benchmark.summarise_trials([_trial(r, 1.0) for r in (1.08, 1.13, 1.05, 0.99, 1.02)])
+    assert above["resolved"] and above["verdict_ftbench_over_bare"] == "meets"
+    below = benchmark.summarise_trials([_trial(r, 1.0) for r in (0.90, 0.85, 0.93, 0.96, 0.88)])
+    assert below["resolved"] and below["verdict_ftbench_over_bare"] == "misses"
+    four = benchmark.summarise_trials([_trial(r, 1.0) for r in (1.08, 1.13, 1.05, 0.99)])
+    assert not four["resolved"] and four["verdict_ftbench_over_bare"] == "not resolved"
+    assert benchmark.summarise_trials([_trial(0.95, 1.0)] * 2)["verdict_ftbench_over_bare"] == "misses"
 
 
 @pytest.mark.slow

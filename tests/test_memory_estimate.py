@@ -230,11 +230,34 @@ def test_qlora_under_fsdp_shards_the_packed_base_and_gathers_it_packed():
     assert part(result, "gradients") == pytest.approx(4 * adapters / 4 + 2 * 1_000 * 2)
 
 
-def test_the_cublas_workspace_is_a_constant_part():
-    """32 MiB, read around one bf16 matmul on an H100 / H200: what a tiny model's estimate missed most."""
+def test_the_cublas_workspaces_are_a_constant_part():
+    """32 MiB each for the forward pass's thread and autograd's backward thread (two blocks in a CUDA memory
+    snapshot on an H100): what a tiny model's estimate missed most."""
     result = estimate()
-    assert part(result, "workspace") == 32 * MIB
-    assert estimate(batch_size=16)["memory_estimate_parts_mb"]["workspace"] == 32
+    assert part(result, "workspace") == 2 * 32 * MIB
+    assert estimate(batch_size=16)["memory_estimate_parts_mb"]["workspace"] == 64
+
+
+def test_checkpointing_keeps_only_the_output_heads_autocast_copy():
+    """With checkpointing the layers' 16-bit weight copies are not saved, but the head's matmul (outside the
+    checkpointed layers) keeps its bf16 weight: 2 bytes x 1000 x 64 here, trainable or not (LoRA's frozen head
+    too). Without checkpointing every weight's copy; fp32 none; Liger's fused loss none."""
+    facts = me.ModelFacts(**{**FACTS.__dict__, "head": 1000 * 64})
+    assert part(me.estimate(facts, spec(gradient_checkpointing=True), 1000), "weight_copies") == 2 * 64_000
+    assert part(me.estimate(facts, spec(gradient_checkpointing=True, method="lora"), 1000), "weight_copies") == 2 * 64_000
+    assert part(me.estimate(facts, spec(), 1000), "weight_copies") == 2 * PARAMS
+    assert part(me.estimate(facts, spec(gradient_checkpointing=True, precision="fp32"), 1000), "weight_copies") == 0
+    assert part(me.estimate(facts, spec(gradient_checkpointing=True, kernels="liger"), 1000), "weight_copies") == 0
+
+
+def test_the_head_is_counted_from_the_built_model_and_from_the_config():
+    """facts_of reads the output embeddings' weight; facts_from_config counts vocabulary x width, tied or not."""
+    transformers = pytest.importorskip("transformers")
+    settings = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=500, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
+    assert me.facts_of(model).head == 500 * 32
+    assert me.facts_from_config({"model_type": "llama", **settings}, spec(), classifier=False).head == 500 * 32
 
 
 # --- what fits ------------------------------------------------------------------------------------------------------
@@ -342,3 +365,18 @@ def test_plan_command_runs_without_torch():
                           "from ftbench import cli\ncli.main(['plan', 'config/examples/dp-vs-ddp.yaml'])")
     assert result.returncode == 0, result.stderr
     assert "ddp_buckets" in result.stdout and "largest batch" in result.stdout
+
+
+def test_quick_gelu_keeps_its_sigmoid_in_fp32_under_qlora():
+    """QLoRA's 4-bit layers return fp32 (their input's dtype after k-bit preparation), so a plain MLP's fc1
+    output (QLORA_MLP_BYTES) and CLIP's quick_gelu sigmoid are fp32: 2 + 2 more bytes per MLP element than LoRA
+    keeps (batch 8 x 64 positions x 2 layers x MLP width 128). Seen on an H100: CLIP ViT-B/32's QLoRA
+    estimate was 0.896 of the peak without the sigmoid's."""
+    facts = me.ModelFacts(quantised=0, other=PARAMS, trainable=1_000, shape=SHAPE, norm="layer", mlp="plain",
+                          quick_gelu=True, adapted_inputs=(64,) * 4)
+    lora = part(me.estimate(facts, spec(method="lora"), None), "activations")
+    qlora = part(me.estimate(facts, spec(method="qlora"), None), "activations")
+    assert qlora - lora == 8 * 64 * 2 * (2 + 2) * 128
+    plain = me.ModelFacts(**{**facts.__dict__, "quick_gelu": False})
+    assert part(me.estimate(plain, spec(method="qlora"), None), "activations") - \
+        part(me.estimate(plain, spec(method="lora"), None), "activations") == 8 * 64 * 2 * 2 * 128

@@ -382,7 +382,7 @@ def test_training_reports_answer_metrics_and_image_tokens_apart(tmp_path, qa_fol
     assert metrics["image_tokens_per_s"] == pytest.approx(IMAGE_TOKENS * metrics["images_per_s"])
     assert all(step["image_tokens"] == 8 * IMAGE_TOKENS for step in steps)
     assert 0 <= metrics["eval_token_accuracy"] <= 1 and metrics["eval_perplexity"] > 1 and metrics["eval_samples"] == 8
-    assert metrics["memory_estimate_mb"] is None and "not modelled" in metrics["memory_estimate_note"]
+    assert metrics["memory_estimate_mb"] > 0 and metrics["memory_estimate_note"] is None
     # the analytic count (vision tower, projector, decoder) against torch's counter; the patch convolution is the gap
     assert 0.9 < metrics["flops_counted_ratio"] < 1.1
 
@@ -429,7 +429,7 @@ def test_vision_language_experiment_through_snakemake(tmp_path, snakemake_runner
     for column in ("eval_token_accuracy", "eval_perplexity", "eval_loss", "images_per_s", "image_tokens_per_s",
                    "text_tokens_per_s", "flops_per_step_analytic"):
         assert table[column].notna().all() and (table[column] >= 0).all(), column
-    assert table["eval_accuracy"].isna().all() and table["memory_estimate_mb"].isna().all()
+    assert table["eval_accuracy"].isna().all() and (table["memory_estimate_mb"] > 0).all()
     report = (tmp_path / "results" / "report.html").read_text(encoding="utf-8")
     assert "answer token accuracy" in report
 
@@ -456,3 +456,58 @@ def test_mixed_reports_name_the_answer_token_accuracy_apart(tmp_path):
     assert "Most accurate (answer token accuracy): <b>" in page
     runs_table = re.search(r'id="runs">.*?</thead>', page, flags=re.S).group(0)
     assert ">images_per_s</th>" in runs_table and ">image_tokens_per_s</th>" in runs_table
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory estimate
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_memory_estimate_counts_the_vision_tower_only_where_it_trains(tmp_path, qa_folder, method):
+    """The bytes autograd saves while the vision tower runs (saved-tensor hooks, bf16 autocast on the CPU):
+    nothing at all under LoRA (frozen, fed pixels that need no gradient); under full fine-tuning its activations,
+    per layer (a tower of 4 layers less one of 2, so its embeddings cancel), against the estimate's vision part (its encoder model over the
+    tower's own tokens, class token included) within 5%. The rest is the decoder's estimate over the longest
+    row, image features included, with the whole model's weights."""
+    from ftbench.measure import memory_estimate as me
+
+    traced, estimated = {}, {}
+    for layers in (2, 4):
+        model_def = {"task": "vision_language", "source": {**TINY_LLAVA, "overrides": {
+            "vision_config": {**VISION, "num_hidden_layers": layers}, "text_config": TEXT}}}
+        config = experiment(qa_dataset(qa_folder), method=method, precision="bf16", lora_dropout=0.0)
+        config["models"]["llava"] = model_def
+        spec = first_run(config)
+        data = tmp_path / str(layers)
+        prepare_run(spec, data)
+        manifest = prepared.verify(data)
+        split = registry.load_split(data, "train", manifest)
+        longest = int(split.lengths().max())
+        model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
+        tower = vision_language_family.submodule(model, "vision_tower")
+        inside, saved = [False], {}
+
+        def keep(tensor, inside=inside, saved=saved, rows=(spec.batch_size, spec.batch_size * (IMAGE_TOKENS + 1))):
+            # activations (a batch dimension first); autocast's weight copies are another part of the estimate
+            if inside[0] and (method == "lora" or (tensor.dim() >= 2 and tensor.shape[0] in rows)):
+                saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        tower.register_forward_pre_hook(lambda *_, inside=inside: inside.__setitem__(0, True))
+        tower.register_forward_hook(lambda *_, inside=inside: inside.__setitem__(0, False))
+        batch = registry.family("vision_language").collate(split, np.arange(spec.batch_size), manifest["pad_token_id"])
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**batch.to(torch.device("cpu")).inputs).loss.backward()
+        estimate = registry.family("vision_language").memory_estimate(model, spec, {**manifest, "longest_row": longest})
+        parts = {name: value * me.MIB for name, value in estimate["memory_estimate_parts_mb"].items()}
+        whole, decoder_facts = me.facts_of(model), me.facts_of(vision_language_family.submodule(model, "language_model"))
+        decoder = me.estimate_parts(decoder_facts, spec.replace(seq_len=longest), decoder_facts.shape.vocab_size)
+        traced[layers], estimated[layers] = sum(saved.values()), parts["activations"] - decoder["activations"]
+        assert parts["logits"] == pytest.approx(12 * spec.batch_size * longest * decoder_facts.shape.vocab_size)
+        assert parts["weights"] == pytest.approx(4 * whole.total)
+        if method == "lora":  # no 16-bit copies of the frozen tower's weights either
+            assert parts["weight_copies"] == pytest.approx(2 * (whole.other - me.facts_of(tower).other))
+    if method == "lora":
+        assert traced == {2: 0, 4: 0} and estimated == {2: 0, 4: 0}
+    else:
+        assert estimated[4] - estimated[2] == pytest.approx(traced[4] - traced[2], rel=0.05)

@@ -80,12 +80,17 @@ PRELOAD = (
     "transformers.generation.utils", "transformers.modeling_layers", "transformers.processing_utils",
     "ftbench.cli", "ftbench.train.job", "ftbench.train.trainer", "ftbench.train.modeling", "ftbench.train.evaluation", "ftbench.data.images",
 )
-# Not preloaded, though a LoRA job would gain 0.9 s: torch._dynamo and torch._inductor.compile_fx (what
-# torch.compile imports, which bitsandbytes calls at import). On the H100 (torch 2.11) importing them
-# initialised the CUDA driver without setting torch's flag; forked jobs could then not use the GPU.
-# Preloaded only where importing them leaves CUDA alone (tried first in a forked child): with a CUDA
-# build of bitsandbytes installed, importing peft imports it, and it initialises CUDA to pick its library.
-PRELOAD_IF_FORK_SAFE = ("peft",)
+# Preloaded only where importing them leaves CUDA alone (tried first in a forked child). torch._dynamo and
+# torch._inductor.compile_fx are what torch.compile imports, and what bitsandbytes imports (through peft): most
+# of a LoRA job's 3.9 s more than a full one's before its first step on an H100. Imported plainly they
+# initialised the CUDA driver there (asking torch.cuda.is_available() does), so the warm process asks NVML
+# instead (NVML_CUDA_CHECK). peft: with a CUDA build of bitsandbytes installed, importing peft imports it, and
+# it initialises CUDA to pick its library; then jobs import it.
+PRELOAD_IF_FORK_SAFE = ("torch._dynamo", "torch._inductor.compile_fx", "peft")
+# torch's switch for answering torch.cuda.is_available() from NVML, which does not initialise the CUDA driver
+# in the asking process (a forked child of it can then still use the GPU). Set in the warm process only: a
+# job's environment is its own.
+NVML_CUDA_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # Signals the client passes on to the job it stands for (SIGTERM: stop and save; SIGUSR1: dump stacks).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -285,7 +290,7 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     if lock is None:
         return 0  # two jobs started one each at once: the other one serves
     started = time.perf_counter()
-    reason = _preload()
+    reason, import_the_rest = _preload()
     if reason:
         return _give_up(path, reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop_server: clean up the socket on the way out
@@ -301,7 +306,7 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     listener.listen(64)
     print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path}", flush=True)
     try:
-        _fork_jobs(listener, idle_s)
+        _fork_jobs(listener, idle_s, import_the_rest)
     finally:
         listener.close()  # from here a connecting client is refused and runs inline
         with contextlib.suppress(FileNotFoundError):
@@ -325,34 +330,45 @@ def _take_lock(path: Path):
     return lock
 
 
-def _preload() -> str | None:
-    """Import what every job needs (PRELOAD, and PRELOAD_IF_FORK_SAFE where that leaves CUDA alone);
-    why forked jobs could not use the GPU afterwards, or None."""
+def _preload():
+    """Import what every job needs (PRELOAD); (why forked jobs could not use the GPU afterwards, or None; a
+    function that imports PRELOAD_IF_FORK_SAFE where that leaves CUDA alone). The second is called once the
+    first job has been forked: that job would otherwise wait for imports it may not need (a full fine-tuning
+    job's), or that it makes itself in the same time."""
     # The libraries' idle pool threads (OpenBLAS, jemalloc) have fork handlers, as in a DataLoader worker.
     warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+    os.environ[NVML_CUDA_CHECK[0]] = NVML_CUDA_CHECK[1]
     started = time.perf_counter()
     import torch  # deferred on purpose: importing it is this process's job, not its importers'
 
     gpu_visible = _in_forked_child(_sees_gpu)  # asked before anything else is imported
-    # Whether each optional module imports leaving CUDA alone: asked of forked children, which answer
-    # while this process imports the rest.
-    optional = {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError as exc:
             print(f"warm start: {name} not preloaded ({exc})", flush=True)
     print(f"warm start: imports took {time.perf_counter() - started:.1f} s", flush=True)
-    for name, probe in optional.items():
-        if _check_result(probe):
-            importlib.import_module(name)
-        else:
-            print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
-    return _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
+    reason = _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
+    # Whether each optional module imports leaving CUDA alone, asked of children forked now, with everything
+    # above imported: what holds in such a child holds in this process after the same import. They answer
+    # while the first job starts.
+    probes = {} if reason else {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
+
+    def import_the_rest() -> None:
+        started = time.perf_counter()
+        for name, probe in probes.items():
+            if _check_result(probe):
+                importlib.import_module(name)
+            else:
+                print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
+        print(f"warm start: the optional imports took {time.perf_counter() - started:.1f} s", flush=True)
+
+    return reason, import_the_rest
 
 
-def _fork_jobs(listener: socket.socket, idle_s: float) -> None:
-    """Accept jobs and fork a child for each until no child has run for ``idle_s``."""
+def _fork_jobs(listener: socket.socket, idle_s: float, import_the_rest=None) -> None:
+    """Accept jobs and fork a child for each until no child has run for ``idle_s``; ``import_the_rest()`` once
+    the first job is forked (while it runs: it waits for the probe children before _reap collects children)."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -370,6 +386,9 @@ def _fork_jobs(listener: socket.socket, idle_s: float) -> None:
             os.read(wake_read, 4096)
         if listener in ready:
             _start_job(listener, children, (wake_read, wake_write))
+            if import_the_rest is not None:
+                import_the_rest()
+                import_the_rest = None
 
 
 def _start_job(listener: socket.socket, children: dict[int, socket.socket], wake_fds: tuple[int, int]) -> None:

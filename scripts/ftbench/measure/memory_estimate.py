@@ -31,7 +31,8 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   (weight copies, activations, logits; no gradient yet) and its end (gradients; with checkpointing also
   the layer inputs and one recomputed layer). Seen on an H100 by reading the allocated memory after each
   phase of a step (Llama-134M shape, bf16, 8 x 1024): the peak came at the start of the backward pass,
-  without gradients, and with checkpointing also without autocast's weight copies.
+  without gradients, and with checkpointing also without autocast's weight copies but the output head's
+  (weight_copies_bytes).
 - fsdp (FSDP2, per GPU): the fp32 weights, gradients and optimizer state are sharded, 1/world each (none
   on the GPU with fsdp_cpu_offload: they are host memory, memory_estimate_host_mb). In place of autocast's
   weight copies, the gathered (unsharded) parameters in the compute dtype: the root's (embeddings, head,
@@ -72,8 +73,9 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   packed 4-bit bytes / world, the quantisation constants whole on every GPU, the other parameters and the
   adapters' gradients and AdamW state / world; gathered, each unit's packed bytes as stored (4-bit stays
   4-bit) plus its other parameters in the compute dtype.
-- workspace: the cuBLAS(Lt) workspace the caching allocator holds from the first matmul on (32 MiB, read
-  from memory_allocated around one bf16 matmul on an H100 / H200, torch 2.11). Seen on a tiny ViT (2.7M
+- workspace: the cuBLAS(Lt) workspaces the caching allocator holds from the first matmul on: 32 MiB (read
+  from memory_allocated around one bf16 matmul on an H100 / H200, torch 2.11) for each thread that runs
+  matmuls, the forward pass's and autograd's backward thread (two 32 MiB blocks in a CUDA memory snapshot). Seen on a tiny ViT (2.7M
   parameters, 64 x 65 tokens, H200): the forward pass added what the activation model says (183 MiB measured,
   188 estimated), the rest of the 0.70 ratio was constant memory of this kind (about 70 MiB); negligible
   beside a large model.
@@ -114,6 +116,8 @@ ACTIVATION_BYTES = {
 DROPOUT_MASK_BYTES = {True: 4, False: 8}  # per unit of width, when hidden dropout is on (training mode)
 # CLIP's quick_gelu (x * sigmoid(1.702 x), unfused) keeps its sigmoid too: one more intermediate-wide tensor in
 # the compute dtype than a fused GELU (traced on CLIP's towers: 20% more activations than BERT's MLP term).
+# Under QLoRA the MLP computes in fp32 (QLORA_MLP_BYTES), and so does the sigmoid: 4 bytes (an H100, CLIP
+# ViT-B/32's shape, QLoRA: the estimate had missed 2.1 bytes per MLP element of both towers, 0.896 of the peak).
 QUICK_GELU_BYTES = {True: 2, False: 4}
 # Adapters, per layer-token per unit of width, by (norm kind, 16-bit?), relative to the full fine-tuning
 # row above. Llama: -8 for its two frozen RMSNorms, +2 for one more 16-bit copy under autocast; BERT
@@ -139,7 +143,9 @@ LORA_DROPOUT_MASK_BYTES = 1  # per element of an adapted Linear's input: CUDA's 
 GATE_NAMES = ("gate_proj", "gate_up_proj", "wi_0", "w1")
 # The fp32 gradient copy DistributedDataParallel's reducer keeps (its all-reduce buckets), per trainable parameter.
 DDP_BUCKET_BYTES = 4
-WORKSPACE_BYTES = 32 * 2**20  # cuBLAS(Lt) workspace held by the caching allocator (see the module's docstring)
+# cuBLAS(Lt) workspaces held by the caching allocator: 32 MiB per thread that runs matmuls, the forward pass's and
+# autograd's backward thread (a CUDA memory snapshot of a 1B Llama run on an H100 holds two 32 MiB blocks).
+WORKSPACE_BYTES = 2 * 32 * 2**20
 # The fraction either side of the estimate within which a measured peak is expected (the model's error band, as
 # seen on an H100: 1B/8B full and FSDP runs 1.00-1.12 of the measured peak).
 ERROR_BAND = 0.10
@@ -178,6 +184,7 @@ class ModelFacts:
     # per repeated block (the fsdp units): (parameters cast to the compute dtype when gathered, 4-bit ones, trainable)
     blocks: tuple[tuple[int, int, int], ...] = ()
     head_trainable: int = 0  # trainable parameters of the output head over the vocabulary (liger's weight gradient)
+    head: int = 0  # parameters of the output head's weight over the vocabulary, trainable or not (its autocast copy)
 
     @property
     def total(self) -> int:
@@ -214,7 +221,8 @@ def facts_of(model: torch.nn.Module) -> ModelFacts:
     return ModelFacts(quantised, other, trainable, model_shape.from_transformers_config(config), norm, mlp,
                       hidden_dropout(config), getattr(config, "hidden_act", None) == "quick_gelu",
                       tuple(adapted_linears(model)), blocks,
-                      head_weight.numel() if head_weight is not None and head_weight.requires_grad else 0)
+                      head_weight.numel() if head_weight is not None and head_weight.requires_grad else 0,
+                      head_weight.numel() if head_weight is not None else 0)
 
 
 def _block_counts(block: torch.nn.Module) -> tuple[int, int, int]:
@@ -249,7 +257,7 @@ def facts_from_config(settings: dict, spec: RunSpec, classifier: bool, num_label
         quick_gelu=settings.get("hidden_act") == "quick_gelu",
         adapted_inputs=tuple(fan_in for _ in range(layers) for fan_in, _ in targets),
         blocks=((per_block - quantised + adapters, quantised, trainable_block),) * layers,
-        head_trainable=lm_head if spec.method == "full" else 0)
+        head_trainable=lm_head if spec.method == "full" else 0, head=lm_head)
 
 
 def vocab_of(model) -> int | None:
@@ -287,9 +295,7 @@ def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
     positions, row = batch_positions(spec, packed_batch)
     parts = {
         "weights": facts.quantised * (0.5 + constants) + facts.other * 4,
-        # Checkpointing: autocast's weight copies are not saved for backward inside checkpointed layers: they go
-        # with autocast's cache when the forward pass ends, and the recompute casts one layer's at a time.
-        "weight_copies": facts.other * 2 if sixteen_bit and not spec.gradient_checkpointing else 0,
+        "weight_copies": weight_copies_bytes(facts, spec, sixteen_bit),
         "gradients": facts.trainable * 4,
         "optimizer": facts.trainable * OPTIMIZER_BYTES[spec.optimizer],
         **activation_parts(facts, spec, sixteen_bit, positions, row),
@@ -301,6 +307,20 @@ def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
         parts["ddp_buckets"] = DDP_BUCKET_BYTES * facts.trainable
         parts["ddp_rebuild"] = parts["ddp_buckets"] if spec.grad_accum_steps == 1 else 0
     return parts
+
+
+def weight_copies_bytes(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> float:
+    """Autocast's 16-bit copies of the weights, saved for the backward pass. Checkpointing: the copies made
+    inside checkpointed layers are not saved (they go with autocast's cache when the forward pass ends, and the
+    recompute casts one layer's at a time), but the output head runs outside them and its matmul keeps its
+    16-bit weight for the gradient of its input: 2 bytes per head parameter, trainable or not (seen in a CUDA
+    memory snapshot of the 1B Llama shape's LoRA and QLoRA runs with checkpointing on an H100: the 501 MB those
+    rows missed). Liger's fused cross-entropy computes the head's gradients in the forward pass, keeping no copy."""
+    if not sixteen_bit:
+        return 0
+    if not spec.gradient_checkpointing:
+        return facts.other * 2
+    return facts.head * 2 if spec.kernels != "liger" else 0
 
 
 def batch_positions(spec: RunSpec, packed_batch: tuple[int, int] | None) -> tuple[int, int]:
@@ -337,7 +357,7 @@ def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positi
     if facts.dropout > 0:
         per_width += DROPOUT_MASK_BYTES[sixteen_bit]
     if facts.quick_gelu:
-        per_intermediate += QUICK_GELU_BYTES[sixteen_bit]
+        per_intermediate += QUICK_GELU_BYTES[sixteen_bit and not fp32_qlora_mlp(facts, spec, sixteen_bit)]
     per_layer_token = per_width * width + per_intermediate * inter
     if spec.method in ("lora", "qlora"):
         per_layer_token += adapter_bytes_per_layer_token(facts, spec, inter, width, layers, sixteen_bit)
@@ -364,9 +384,15 @@ def adapter_bytes_per_layer_token(facts: ModelFacts, spec: RunSpec, inter: int, 
     if spec.lora_dropout:
         added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
     per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(facts.norm, sixteen_bit)] * width
-    if spec.method == "qlora" and sixteen_bit and not sixteen_bit_parameters(facts, spec, sixteen_bit):
+    if fp32_qlora_mlp(facts, spec, sixteen_bit):
         per_layer += QLORA_MLP_BYTES[facts.mlp] * inter
     return per_layer
+
+
+def fp32_qlora_mlp(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> bool:
+    """Whether a 16-bit run's MLP computes in fp32: QLoRA's 4-bit layers return their fp32 input's dtype (not
+    under FSDP2's 16-bit parameters)."""
+    return spec.method == "qlora" and sixteen_bit and not sixteen_bit_parameters(facts, spec, sixteen_bit)
 
 
 def sixteen_bit_parameters(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> bool:

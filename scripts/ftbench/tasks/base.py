@@ -120,6 +120,9 @@ class TaskFamily:
     takes_num_labels: bool = False  # the model is built with the data's class count
     packable: bool = False  # packed batching (batching.py) is exact for it
     not_packable: str = "not supported"  # why packed batching is refused, when it is
+    # Whether memory_estimate reads ``longest_row`` beside the manifest's keys (the train split's longest row,
+    # which bounds a padded batch's row length), for rows often much shorter than seq_len says.
+    estimate_reads_longest_row: bool = False
     separate_targets: bool = False  # labels are a separate decoder sequence (their tokens count apart)
     images_beside_text: bool = False  # image tokens are not in input_ids (a dual encoder's pairs)
 

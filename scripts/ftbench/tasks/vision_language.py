@@ -26,6 +26,7 @@ seq_len - target_len tokens, answer of target_len, default seq_len / 4).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import pyarrow.compute as pc
 from ftbench.data import images, prepared, sources
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, check_vocab, load_tokenizer, tokenizer_source
 from ftbench.errors import ConfigError, SourceError
+from ftbench.measure import memory_estimate as estimate_module
 from ftbench.runspec import RunSpec
 from ftbench.tasks.base import IGNORE_INDEX, Batch, TaskFamily, pad
 from ftbench.tasks.image_classification import ImageBatch, ImageFacts
@@ -49,8 +51,6 @@ VISION_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # LlavaConfig's vision tower when a config names none (CLIP ViT-L/14 at 336), and CLIPVisionConfig's defaults.
 LLAVA_DEFAULT_VISION = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
 CLIP_VISION_DEFAULTS = {"image_size": 224, "patch_size": 32}
-MEMORY_NOT_MODELLED = ("not modelled for vision_language: the vision tower's activations and the image tokens "
-                       "in the decoder are not in memory_estimate.py's model yet")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -366,9 +366,41 @@ def lora_target_modules(model, spec) -> list[str]:
     return chosen
 
 
-def memory_estimate() -> dict:
-    """No estimate rather than a wrong one (memory_estimate_note says why)."""
-    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": MEMORY_NOT_MODELLED}
+def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
+    """memory_estimate.py's decoder model over the decoder's whole rows (the text tokens and the image features
+    placed among them, with logits over all of them; ``longest_row`` beside the manifest's keys, when given, is
+    the longest), with the whole model's weights, gradients and optimizer
+    state, plus the vision tower's activations as its encoder model over the tower's own tokens, only where the
+    tower trains (full fine-tuning): frozen, and fed pixels that need no gradient, it keeps nothing for the
+    backward pass, and neither does autocast keep 16-bit copies of its weights. Left out: the projector's
+    activations (two Linears over the image features, small beside either tower's)."""
+    if spec.compile:
+        return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
+    tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
+    whole = estimate_module.facts_of(model)
+    decoder = dataclasses.replace(estimate_module.facts_of(language_model), quantised=whole.quantised, other=whole.other,
+                                  trainable=whole.trainable, head=whole.head, head_trainable=whole.head_trainable)
+    # The decoder's rows: the longest in the data where the caller read it (prompts and answers are often far
+    # shorter than seq_len allows), else the most they can hold.
+    row = manifest.get("longest_row") or manifest["seq_len"] + manifest["image_tokens_per_image"]
+    parts = estimate_module.estimate_parts(decoder, spec.replace(seq_len=row), decoder.shape.vocab_size)
+    vision = estimate_module.facts_of(tower)
+    sixteen_bit = spec.precision in ("bf16", "fp16")
+    if vision.trainable:
+        tokens = manifest["vision_tokens_per_image"]
+        own = estimate_module.activation_parts(vision, spec.replace(seq_len=tokens), sixteen_bit, spec.batch_size * tokens, tokens)
+        parts["activations"] += own["activations"]
+        parts["recompute"] = max(parts["recompute"], own["recompute"])  # one layer recomputed at a time
+    elif parts["weight_copies"] and not spec.gradient_checkpointing:
+        parts["weight_copies"] -= 2 * vision.other
+    return {"memory_estimate_mb": estimate_module.peak_bytes(parts) / estimate_module.MIB,
+            "memory_estimate_parts_mb": {name: value / estimate_module.MIB for name, value in parts.items()},
+            "memory_estimate_note": None, "memory_estimate_host_mb": None}
+
+
+def submodule(model, name: str):
+    """The module called ``name`` in a LLaVA model, however wrapped (peft puts it under base_model.model)."""
+    return next(module for path, module in model.named_modules() if path == name or path.endswith(f".{name}"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -415,6 +447,7 @@ class VisionLanguage(TaskFamily):
     auto_model = "AutoModelForImageTextToText"
     column_keys = ("image_column", "prompt_column", "answer_column")
     modality = "image"
+    estimate_reads_longest_row = True
     not_packable = ("a packed row would hold several images whose features LLaVA places by counting image "
                     "tokens, which packing does not keep apart; use group_by_length")
 
@@ -450,7 +483,7 @@ class VisionLanguage(TaskFamily):
         return TokenAccumulator(shift=True)
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
-        return memory_estimate()
+        return memory_estimate(model, spec, manifest)
 
 
 FAMILY = VisionLanguage()

@@ -124,6 +124,8 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     if run.spec.packed:  # the largest packed batch of the run sets its peak
         lengths = batching.lengths_of(run.train_split)
         manifest = {**manifest, "largest_packed_batch": batch_order.largest_packed_batch(run.spec, lengths)}
+    elif registry.family(run.task).estimate_reads_longest_row:  # a padded batch is as long as its longest row
+        manifest = {**manifest, "longest_row": int(batching.lengths_of(run.train_split).max(initial=0))}
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
     shape = flops.ModelShape.of(run.model)
     if run.dist.rank == 0 and run.spec.parallel != "fsdp":  # fsdp: every rank counts once sharded (_set_up_loop)
@@ -363,6 +365,7 @@ def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> d
     n = batch.samples
     # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
     pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
+    started = time.perf_counter()
     try:
         counted = flops.counted_flops(model, batch.inputs, autocast_args(run.device, spec.precision))
     except Exception as exc:  # noqa: BLE001 - the counter is a cross-check; a gap in it must not end the run
@@ -376,6 +379,7 @@ def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> d
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,
         "flops_counted_ratio": counted / analytic if analytic else None,
+        "flops_count_time_s": time.perf_counter() - started,
     }
 
 
