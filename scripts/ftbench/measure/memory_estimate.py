@@ -54,6 +54,10 @@ The model (bytes), so the ratio estimate / measured says where it is off:
   nothing more (seen: single + two copies on every step). The trainer wraps with gradient_as_bucket_view, so
   the gradients are views into the buckets at the end of the backward pass (no third copy there); that does
   not shrink the buckets held at its start (zero_grad(set_to_none) drops the views every step).
+- dp (DataParallel, one process): each GPU holds a replica's estimate (batch_size is per device). GPU 0 also
+  gathers the replicas' outputs, but the trainer keeps only the loss, so the gathered logits are freed before
+  the backward pass makes the peak (seen on two H100s, Llama-134M shape, 16 x 1024: GPU 0 at the single run's
+  peak plus 21 MB).
 - token positions: a padded batch holds batch x seq_len positions (its longest row, the peak's batch);
   pack holds the batch's real tokens in rows of seq_len, padding_free in one row. Which packed batch makes
   the peak is read from the data: the run's largest (data/batch_order.py's largest_packed_batch, over the
