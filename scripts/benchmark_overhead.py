@@ -14,8 +14,8 @@ trial and summarised by their median over trials.
         --batch-size 32 --steps 100 --warmup 10 --trials 6
 
 Prints one line per trial, the median ratios and a verdict on each: the targets are ftbench / bare >= 0.97
-and NVML sampling on / off >= 0.99. A verdict needs trials that agree within 3%, or at least 5 trials all
-on one side of the target. When the host's kernel launches are the bottleneck (a small model or batch),
+and NVML sampling on / off >= 0.99. A verdict needs every trial on one side of the target, and the trials
+either within 3% of each other or at least 5 of them. When the host's kernel launches are the bottleneck (a small model or batch),
 trials of the same loop differ by more than the overhead being measured: run more trials, or raise
 --batch-size until the GPU is busy; the script says "not resolved" rather than report a ratio it has not
 settled.
@@ -91,23 +91,23 @@ def ftbench_loop(spec: RunSpec, data_dir: str, sampling: bool, samples_taken: li
     return metrics["tokens_per_s"]
 
 
-# Trials whose ratios span more than this have not resolved a 2% overhead: the noise is larger than it.
+# Trials of one ratio that span at most this agree: their verdict needs no more of them.
 UNRESOLVED_SPREAD = 0.03
 # The targets: ftbench within 3% of the bare loop (issue 30), the NVML sampling within 1% of none.
 TARGETS = {"ftbench_over_bare": 0.97, "nvml_on_over_off": 0.99}
-# Trials that all fall on one side of a target settle it however much they scatter, once there are enough of
-# them that chance alone would rarely put them all there: 5 (a sign test: 1 in 32 if each trial were a coin).
+# Trials that scatter more settle a target only when there are enough of them, all on one side of it, that
+# chance alone would rarely put them there: 5 (a sign test: 1 in 32 if each trial were a coin toss).
 SIDE_TRIALS = 5
 
 
 def verdict(values: list[float], target: float) -> str:
-    """'meets' / 'misses' the target, or 'not resolved': settled by trials that agree within UNRESOLVED_SPREAD,
-    or by SIDE_TRIALS or more that all fall on one side of the target."""
-    if max(values) - min(values) <= UNRESOLVED_SPREAD:
-        return "meets" if statistics.median(values) >= target else "misses"
-    if len(values) >= SIDE_TRIALS and min(values) >= target:
+    """'meets' / 'misses' the target when every trial lies on that side of it, and the trials either agree
+    within UNRESOLVED_SPREAD or number SIDE_TRIALS or more; else 'not resolved' (trials on both sides of the
+    target are never settled, however close)."""
+    enough = max(values) - min(values) <= UNRESOLVED_SPREAD or len(values) >= SIDE_TRIALS
+    if enough and min(values) >= target:
         return "meets"
-    if len(values) >= SIDE_TRIALS and max(values) < target:
+    if enough and max(values) < target:
         return "misses"
     return "not resolved"
 
@@ -173,9 +173,9 @@ def main() -> None:
         f"{results[f'range_{key}'][1]:.3f}): {results[f'verdict_{key}']}"
         for key, name in (("ftbench_over_bare", "ftbench/bare"), ("nvml_on_over_off", "NVML sampling on/off"))))
     if not results["resolved"]:
-        print(f"not resolved: the trials of a ratio span more than {UNRESOLVED_SPREAD:.0%} and fall on both sides of its "
-              f"target (or are fewer than {SIDE_TRIALS}); the host is probably launch-bound here: run more trials, "
-              "or raise --batch-size until the GPU is busy")
+        print(f"not resolved: the trials of a ratio fall on both sides of its target, or span more than "
+              f"{UNRESOLVED_SPREAD:.0%} and are fewer than {SIDE_TRIALS}; where the host is launch-bound: run more "
+              "trials, or raise --batch-size until the GPU is busy")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

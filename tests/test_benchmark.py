@@ -92,6 +92,9 @@ def test_five_scattered_trials_all_on_one_side_of_the_target_settle_it():
     four = benchmark.summarise_trials([_trial(r, 1.0) for r in (1.08, 1.13, 1.05, 0.99)])
     assert not four["resolved"] and four["verdict_ftbench_over_bare"] == "not resolved"
     assert benchmark.summarise_trials([_trial(0.95, 1.0)] * 2)["verdict_ftbench_over_bare"] == "misses"
+    # Trials close together but on both sides of the target settle nothing (a 3% spread cannot decide a 1% margin).
+    straddling = benchmark.summarise_trials([_trial(1.0, r) for r in (0.985, 1.0, 1.005)])
+    assert straddling["verdict_nvml_on_over_off"] == "not resolved" and not straddling["resolved"]
 
 
 @pytest.mark.slow

@@ -511,3 +511,16 @@ def test_memory_estimate_counts_the_vision_tower_only_where_it_trains(tmp_path, 
         assert traced == {2: 0, 4: 0} and estimated == {2: 0, 4: 0}
     else:
         assert estimated[4] - estimated[2] == pytest.approx(traced[4] - traced[2], rel=0.05)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"image_token_index": 5}])
+def test_the_plan_of_a_llava_says_it_has_no_estimate_yet(qa_folder, overrides):
+    """Before anything is built the plan has one stack's facts, which the LLaVA estimate cannot use: a note, not
+    a crash (a config without nested vision/text configs used to reach it), so its train job is not refused."""
+    from ftbench.experiment import memory_plan
+
+    config = experiment(qa_dataset(qa_folder))
+    config["models"]["llava"] = {"task": "vision_language", "source": {**TINY_LLAVA, "overrides": overrides}}
+    plan = memory_plan.plan_run(first_run(config), [{"name": "H100 SXM", "memory_gb": 80}])
+    assert plan["memory_estimate_mb"] is None and "vision-language model is not planned" in plan["memory_estimate_note"]
+    assert memory_plan.predicted_not_to_fit(first_run(config), 80 * 2**30, "NVIDIA H100", None) is None

@@ -290,7 +290,7 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     if lock is None:
         return 0  # two jobs started one each at once: the other one serves
     started = time.perf_counter()
-    reason, import_the_rest = _preload()
+    reason, optional = _preload()
     if reason:
         return _give_up(path, reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop_server: clean up the socket on the way out
@@ -306,7 +306,7 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     listener.listen(64)
     print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path}", flush=True)
     try:
-        _fork_jobs(listener, idle_s, import_the_rest)
+        _fork_jobs(listener, idle_s, optional)
     finally:
         listener.close()  # from here a connecting client is refused and runs inline
         with contextlib.suppress(FileNotFoundError):
@@ -331,10 +331,8 @@ def _take_lock(path: Path):
 
 
 def _preload():
-    """Import what every job needs (PRELOAD); (why forked jobs could not use the GPU afterwards, or None; a
-    function that imports PRELOAD_IF_FORK_SAFE where that leaves CUDA alone). The second is called once the
-    first job has been forked: that job would otherwise wait for imports it may not need (a full fine-tuning
-    job's), or that it makes itself in the same time."""
+    """Import what every job needs (PRELOAD); (why forked jobs could not use the GPU afterwards, or None; the
+    OptionalImports that check and import PRELOAD_IF_FORK_SAFE later)."""
     # The libraries' idle pool threads (OpenBLAS, jemalloc) have fork handlers, as in a DataLoader worker.
     warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
     os.environ[NVML_CUDA_CHECK[0]] = NVML_CUDA_CHECK[1]
@@ -350,31 +348,71 @@ def _preload():
     print(f"warm start: imports took {time.perf_counter() - started:.1f} s", flush=True)
     reason = _why_not_fork_safe(torch.cuda.is_initialized(), gpu_visible, gpu_visible and _forked_child_can_use_gpu())
     # Whether each optional module imports leaving CUDA alone, asked of children forked now, with everything
-    # above imported: what holds in such a child holds in this process after the same import. They answer
-    # while the first job starts.
+    # above imported: what holds in such a child holds in this process after the same import.
     probes = {} if reason else {name: _fork_check(_imports_leaving_cuda_alone(name, gpu_visible)) for name in PRELOAD_IF_FORK_SAFE}
+    return reason, OptionalImports(probes)
 
-    def import_the_rest() -> None:
+
+class OptionalImports:
+    """PRELOAD_IF_FORK_SAFE, imported by the warm process where its probe child found that importing leaves CUDA
+    alone. Polled from the accept loop once the first job is forked and while no job is asking, never waited
+    on: the first job would otherwise wait for imports it may not need (a full fine-tuning job's), or that it
+    makes itself in the same time."""
+
+    DEADLINE_S = 120.0  # a probe still running after this is stopped and its module left to the jobs
+
+    def __init__(self, probes: dict[str, int]):
+        self.pending = dict(probes)  # module name -> the probe child's pid
+        self.passed: list[str] = []
+        self.started = time.monotonic()
+
+    def poll(self) -> bool:
+        """Collect the probes that have answered; once all have (or the deadline passed), import the modules
+        that passed and return True. False while a probe is still running."""
+        for name, pid in list(self.pending.items()):
+            answer = _probe_answer(pid)
+            if answer is not None:
+                del self.pending[name]
+                if answer:
+                    self.passed.append(name)
+                else:
+                    print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
+        if self.pending and time.monotonic() - self.started < self.DEADLINE_S:
+            return False
+        for name, pid in self.pending.items():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            print(f"warm start: {name} not preloaded: its check took over {self.DEADLINE_S:.0f} s", flush=True)
         started = time.perf_counter()
-        for name, probe in probes.items():
-            if _check_result(probe):
+        for name in self.passed:
+            try:
                 importlib.import_module(name)
-            else:
-                print(f"warm start: {name} not preloaded: importing it initialises CUDA (or fails); jobs import it", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a job imports it itself; serving goes on
+                print(f"warm start: {name} not preloaded ({type(exc).__name__}: {exc})", flush=True)
         print(f"warm start: the optional imports took {time.perf_counter() - started:.1f} s", flush=True)
+        return True
 
-    return reason, import_the_rest
+
+def _probe_answer(pid: int) -> bool | None:
+    """Whether probe child ``pid`` found its check held; None while it runs."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return None if done == 0 else os.waitstatus_to_exitcode(status) == 0
 
 
-def _fork_jobs(listener: socket.socket, idle_s: float, import_the_rest=None) -> None:
-    """Accept jobs and fork a child for each until no child has run for ``idle_s``; ``import_the_rest()`` once
-    the first job is forked (while it runs: it waits for the probe children before _reap collects children)."""
+def _fork_jobs(listener: socket.socket, idle_s: float, optional: OptionalImports | None = None) -> None:
+    """Accept jobs and fork a child for each until no child has run for ``idle_s``; between them, once the first
+    job is forked and while no job is asking, the ``optional`` imports."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes select() through wake_read
     children: dict[int, socket.socket] = {}
     idle_since = time.monotonic()
+    forked = False
     while True:
         _reap(children)
         if children:
@@ -386,9 +424,9 @@ def _fork_jobs(listener: socket.socket, idle_s: float, import_the_rest=None) -> 
             os.read(wake_read, 4096)
         if listener in ready:
             _start_job(listener, children, (wake_read, wake_write))
-            if import_the_rest is not None:
-                import_the_rest()
-                import_the_rest = None
+            forked = True
+        elif optional is not None and forked and optional.poll():
+            optional = None
 
 
 def _start_job(listener: socket.socket, children: dict[int, socket.socket], wake_fds: tuple[int, int]) -> None:
@@ -398,6 +436,12 @@ def _start_job(listener: socket.socket, children: dict[int, socket.socket], wake
         request, fds = _receive(connection)
     except (OSError, ValueError) as exc:
         print(f"warm start: a bad request ({exc})", flush=True)
+        connection.close()
+        return
+    if _hung_up(connection):  # it gave up waiting and runs the job itself: a second copy must not start
+        print(f"warm start: the client {request.get('client_pid')} left before its job started; not starting it", flush=True)
+        for fd in fds:
+            os.close(fd)
         connection.close()
         return
     sys.stdout.flush()
@@ -513,15 +557,26 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
+def _hung_up(connection: socket.socket) -> bool:
+    """Whether the other end of ``connection`` has closed it (nothing more to read, ever)."""
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _reap(children: dict[int, socket.socket]) -> None:
-    """Collect ended children; tell each one's client its exit status (a signal's death as 128 + signal)."""
-    while children:
+    """Collect ended jobs (only those: the probe children are OptionalImports'); tell each one's client its exit
+    status (a signal's death as 128 + signal)."""
+    for pid in list(children):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            done, status = pid, 1 << 8  # not ours to wait for any more: its status is lost, reported as 1
+        if done == 0:
+            continue
         code = os.waitstatus_to_exitcode(status)
         code = code if code >= 0 else 128 - code
         print(f"warm start: job {pid} exited with {code}", flush=True)

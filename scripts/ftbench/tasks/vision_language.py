@@ -376,7 +376,11 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     activations (two Linears over the image features, small beside either tower's)."""
     if spec.compile:
         return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
+    if isinstance(model, estimate_module.ModelFacts):  # the plan, from a config alone: one stack's facts
+        return _no_estimate("a vision-language model is not planned from its config yet (the train job estimates it)")
     tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
+    if tower is None or language_model is None:
+        return _no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")
     whole = estimate_module.facts_of(model)
     decoder = dataclasses.replace(estimate_module.facts_of(language_model), quantised=whole.quantised, other=whole.other,
                                   trainable=whole.trainable, head=whole.head, head_trainable=whole.head_trainable)
@@ -399,8 +403,14 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
 
 
 def submodule(model, name: str):
-    """The module called ``name`` in a LLaVA model, however wrapped (peft puts it under base_model.model)."""
-    return next(module for path, module in model.named_modules() if path == name or path.endswith(f".{name}"))
+    """The outermost module called ``name`` in a LLaVA model, however wrapped (peft puts it under
+    base_model.model); None if there is none."""
+    return next((module for path, module in model.named_modules() if path == name or path.endswith(f".{name}")), None)
+
+
+def _no_estimate(note: str) -> dict:
+    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": note,
+            "memory_estimate_host_mb": None}
 
 
 # ---------------------------------------------------------------------------------------------------
