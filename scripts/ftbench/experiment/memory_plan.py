@@ -65,7 +65,7 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
 
 
 def _no_estimate(note: str) -> dict:
-    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": note, "plan_note": None}
+    return {**memory_estimate.no_estimate(note), "plan_note": None}
 
 
 def tokenizer_vocab(model_def: dict) -> int | None:

@@ -277,32 +277,46 @@ def estimate(model, spec: RunSpec, logits_vocab: int | None, packed_batch: tuple
     logits run over (None: a head without such logits, a classifier's). ``packed_batch``: (token positions,
     row width) of a packed run's largest micro-batch (data/batch_order.py); None: rows are full."""
     if spec.compile:
-        return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": NOT_MODELLED_COMPILED}
+        return no_estimate(NOT_MODELLED_COMPILED)
     facts = model if isinstance(model, ModelFacts) else facts_of(model)
     parts = estimate_parts(facts, spec, logits_vocab, packed_batch)
-    host = 0.0
+    host = None
     if spec.parallel == "fsdp":
         parts, host = sharded(parts, facts, spec)
-    return {
-        "memory_estimate_mb": peak_bytes(parts) / MIB,
-        "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
-        "memory_estimate_note": None,
-        "memory_estimate_host_mb": host / MIB if spec.parallel == "fsdp" and spec.fsdp_cpu_offload else None,
-    }
+    return figures(parts, host if spec.parallel == "fsdp" and spec.fsdp_cpu_offload else None)
+
+
+def figures(parts: dict, host_bytes: float | None = None) -> dict:
+    """The estimate's columns from its parts (bytes): the peak and the parts in MiB, and the host memory where
+    the run keeps state there (FSDP's CPU offload)."""
+    return {"memory_estimate_mb": peak_bytes(parts) / MIB,
+            "memory_estimate_parts_mb": {name: value / MIB for name, value in parts.items()},
+            "memory_estimate_note": None, "memory_estimate_host_mb": None if host_bytes is None else host_bytes / MIB}
+
+
+def no_estimate(note: str) -> dict:
+    """The estimate's columns for a run the model does not describe: nulls, and ``note`` saying why."""
+    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": note,
+            "memory_estimate_host_mb": None}
+
+
+def computes_in_16_bit(spec: RunSpec) -> bool:
+    """Whether the run computes in 16 bits (autocast over fp32 master weights)."""
+    return spec.precision in ("bf16", "fp16")
 
 
 def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
                    packed_batch: tuple[int, int] | None = None) -> dict:
     """Every part in bytes, for one GPU before any sharding (see the module's docstring)."""
-    sixteen_bit = spec.precision in ("bf16", "fp16")
+    sixteen = computes_in_16_bit(spec)
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
     positions, row = batch_positions(spec, packed_batch)
     parts = {
         "weights": facts.quantised * (0.5 + constants) + facts.other * 4,
-        "weight_copies": weight_copies_bytes(facts, spec, sixteen_bit),
+        "weight_copies": weight_copies_bytes(facts, spec, sixteen),
         "gradients": facts.trainable * 4,
         "optimizer": facts.trainable * OPTIMIZER_BYTES[spec.optimizer],
-        **activation_parts(facts, spec, sixteen_bit, positions, row),
+        **activation_parts(facts, spec, sixteen, positions, row),
         "logits": logits_bytes(facts, spec, logits_vocab, positions),
     }
     parts["accumulated"] = parts["gradients"] if spec.grad_accum_steps > 1 else 0
@@ -323,8 +337,10 @@ def weight_copies_bytes(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> 
     copy: its cast goes with autocast's cache, with or without checkpointing."""
     if not sixteen_bit:
         return 0
-    head = facts.head * 2 if spec.kernels != "liger" else 0
-    return facts.other * 2 - facts.head * 2 + head if not spec.gradient_checkpointing else head
+    head_copy = 0 if spec.kernels == "liger" else 2 * facts.head
+    if spec.gradient_checkpointing:
+        return head_copy
+    return 2 * (facts.other - facts.head) + head_copy
 
 
 def batch_positions(spec: RunSpec, packed_batch: tuple[int, int] | None) -> tuple[int, int]:

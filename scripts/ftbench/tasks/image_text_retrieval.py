@@ -428,10 +428,10 @@ def memory_estimate(model, spec, manifest: dict) -> dict:
         if figures["memory_estimate_mb"] is None:
             return figures  # not modelled (a compiled run), with the reason
         for name, value in figures["memory_estimate_parts_mb"].items():
-            # one process, one cuBLAS workspace: the towers share it
+            value *= estimate_module.MIB
+            # one process, one set of cuBLAS workspaces: the towers share them
             parts[name] = max(parts.get(name, 0.0), value) if name == "workspace" else parts.get(name, 0.0) + value
-    return {"memory_estimate_mb": estimate_module.peak_bytes(parts), "memory_estimate_parts_mb": parts,
-            "memory_estimate_note": None, "memory_estimate_host_mb": None}
+    return estimate_module.figures(parts)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -377,10 +377,10 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     if spec.compile:
         return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
     if isinstance(model, estimate_module.ModelFacts):  # the plan, from a config alone: one stack's facts
-        return _no_estimate("a vision-language model is not planned from its config yet (the train job estimates it)")
+        return estimate_module.no_estimate("a vision-language model is not planned from its config yet (the train job estimates it)")
     tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
     if tower is None or language_model is None:
-        return _no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")
+        return estimate_module.no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")
     whole = estimate_module.facts_of(model)
     decoder = dataclasses.replace(estimate_module.facts_of(language_model), quantised=whole.quantised, other=whole.other,
                                   trainable=whole.trainable, head=whole.head, head_trainable=whole.head_trainable)
@@ -389,28 +389,21 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     row = manifest.get("longest_row") or manifest["seq_len"] + manifest["image_tokens_per_image"]
     parts = estimate_module.estimate_parts(decoder, spec.replace(seq_len=row), decoder.shape.vocab_size)
     vision = estimate_module.facts_of(tower)
-    sixteen_bit = spec.precision in ("bf16", "fp16")
     if vision.trainable:
         tokens = manifest["vision_tokens_per_image"]
-        own = estimate_module.activation_parts(vision, spec.replace(seq_len=tokens), sixteen_bit, spec.batch_size * tokens, tokens)
+        own = estimate_module.activation_parts(vision, spec.replace(seq_len=tokens), estimate_module.computes_in_16_bit(spec),
+                                              spec.batch_size * tokens, tokens)
         parts["activations"] += own["activations"]
         parts["recompute"] = max(parts["recompute"], own["recompute"])  # one layer recomputed at a time
     elif parts["weight_copies"] and not spec.gradient_checkpointing:
         parts["weight_copies"] -= 2 * vision.other
-    return {"memory_estimate_mb": estimate_module.peak_bytes(parts) / estimate_module.MIB,
-            "memory_estimate_parts_mb": {name: value / estimate_module.MIB for name, value in parts.items()},
-            "memory_estimate_note": None, "memory_estimate_host_mb": None}
+    return estimate_module.figures(parts)
 
 
 def submodule(model, name: str):
     """The outermost module called ``name`` in a LLaVA model, however wrapped (peft puts it under
     base_model.model); None if there is none."""
     return next((module for path, module in model.named_modules() if path == name or path.endswith(f".{name}")), None)
-
-
-def _no_estimate(note: str) -> dict:
-    return {"memory_estimate_mb": None, "memory_estimate_parts_mb": None, "memory_estimate_note": note,
-            "memory_estimate_host_mb": None}
 
 
 # ---------------------------------------------------------------------------------------------------
