@@ -34,14 +34,46 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
     # Every side goes first once in three trials: drift cannot favour one side.
     assert sorted(trial["order"][0] for trial in trials) == ["bare", "ftbench", "ftbench_no_nvml"]
     for trial in trials:
-        assert trial["ftbench_over_bare"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["bare_tokens_per_s"])
-        assert trial["nvml_on_over_off"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["ftbench_no_nvml_tokens_per_s"])
-        assert all(trial[f"{side}_tokens_per_s"] > 0 for side in ("bare", "ftbench", "ftbench_no_nvml"))
+        # The verdicts' ratios are of the typical (median) step; the window's are kept beside them.
+        assert trial["ftbench_over_bare"] == pytest.approx(
+            trial["ftbench_typical_step_tokens_per_s"] / trial["bare_typical_step_tokens_per_s"])
+        assert trial["nvml_on_over_off"] == pytest.approx(
+            trial["ftbench_typical_step_tokens_per_s"] / trial["ftbench_no_nvml_typical_step_tokens_per_s"])
+        assert trial["window_ftbench_over_bare"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["bare_tokens_per_s"])
+        for side in ("bare", "ftbench", "ftbench_no_nvml"):
+            assert trial[f"{side}_tokens_per_s"] > 0 and trial[f"{side}_typical_step_tokens_per_s"] > 0
+            # A window is never shorter than its steps at the median step's pace by much (ties in 4 steps).
+            assert trial[f"{side}_stall_share"] > -0.5
         assert trial["nvml_samples"] == 0  # a CPU has nothing to sample
     ratios = sorted(trial["ftbench_over_bare"] for trial in trials)
     assert results["median_ftbench_over_bare"] == pytest.approx(ratios[1])
     assert results["range_ftbench_over_bare"] == pytest.approx([ratios[0], ratios[2]])
     assert "ftbench/bare median" in process.stdout and results["verdict_ftbench_over_bare"] in process.stdout
+    window = sorted(trial["window_ftbench_over_bare"] for trial in trials)
+    assert results["median_window_ftbench_over_bare"] == pytest.approx(window[1])
+
+
+def test_a_side_speed_is_its_window_and_its_median_step():
+    """Four steps of 1,000 tokens, one of them stalled: the window's tokens/s carry the stall, the typical
+    step does not, and the stall share says how much longer the window was than four typical steps."""
+    benchmark = _load_benchmark_module()
+    speed = benchmark.Speed.of([1000] * 4, [0.10, 0.10, 0.10, 0.20], window_s=0.50)
+    assert speed.window == pytest.approx(8000) and speed.typical_step == pytest.approx(10000)
+    assert speed.stall_share == pytest.approx(0.25)
+    # Steps of different sizes: the median of each step's own tokens/s, not tokens over a median time.
+    mixed = benchmark.Speed.of([1000, 2000, 3000], [0.1, 0.1, 0.5], window_s=0.7)
+    assert mixed.typical_step == pytest.approx(10000)
+
+
+def test_a_trial_row_divides_typical_steps_and_windows_alike():
+    benchmark = _load_benchmark_module()
+    speed = {"bare": benchmark.Speed(window=100.0, typical_step=110.0, stall_share=0.1),
+             "ftbench": benchmark.Speed(window=90.0, typical_step=107.8, stall_share=0.2),
+             "ftbench_no_nvml": benchmark.Speed(window=95.0, typical_step=107.8, stall_share=0.13)}
+    row = benchmark.trial_row(["bare", "ftbench", "ftbench_no_nvml"], speed, nvml_samples=12)
+    assert row["ftbench_over_bare"] == pytest.approx(0.98) and row["window_ftbench_over_bare"] == pytest.approx(0.9)
+    assert row["nvml_on_over_off"] == pytest.approx(1.0) and row["window_nvml_on_over_off"] == pytest.approx(90 / 95)
+    assert row["bare_stall_share"] == 0.1 and row["nvml_samples"] == 12
 
 
 @pytest.mark.slow
@@ -59,6 +91,7 @@ def _load_benchmark_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("benchmark_overhead", ROOT / "scripts" / "benchmark_overhead.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
