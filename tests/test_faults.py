@@ -219,6 +219,33 @@ def test_injected_nan_diverges_before_the_optimizer_step(cpu_spec, prepared_data
 
 
 @pytest.mark.slow
+def test_a_fused_optimizer_skips_a_nan_steps_update_on_the_device(cpu_spec, prepared_data, monkeypatch):
+    """Where the optimizer can skip a non-finite loss's update itself (fused AdamW, CUDA's default), the loop
+    launches the update without waiting for the loss: step 4's update runs with found_inf set and leaves the
+    weights, moments and step count as step 3 left them; the run still stops as diverged at step 4."""
+    made = []
+
+    def fused_adamw(spec, model, device):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate, fused=True)
+        after_each_step = []
+        optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: after_each_step.append([p.detach().clone() for p in opt.param_groups[0]["params"]]))
+        made.append((optimizer, after_each_step))
+        return optimizer
+
+    monkeypatch.setattr(trainer, "make_optimizer", fused_adamw)
+    monkeypatch.setenv(ENV, "nan@4")
+    metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
+    ((optimizer, after_each_step),) = made
+    assert metrics["status"] == "diverged" and metrics["diverged_step"] == 4 and "nan" in metrics["status_reason"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps)
+    assert len(after_each_step) == 5  # step 4's update was launched...
+    assert all(torch.equal(a, b) for a, b in zip(after_each_step[3], after_each_step[4]))  # ...and changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(after_each_step[2], after_each_step[3]))  # as a finite step does
+    assert {state["step"].item() for state in optimizer.state.values()} == {4.0}
+
+
+@pytest.mark.slow
 def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec, prepared_data, tmp_path,
                                                                           monkeypatch, keep_sigterm, capfd):
     """scancel (SIGTERM) mid-run: the job fails with one line and writes neither metrics.json nor

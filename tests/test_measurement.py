@@ -175,6 +175,13 @@ def clocked_run(llama_data):
     patch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, monotonic=clock.monotonic,
                                                          sleep=clock.sleep, time=time.time))
     patch.setattr(trainer, "synchronize", clock.synchronize)
+    next_batch = trainer._next_batch
+
+    def logged_next_batch(run, loop):
+        clock.events.append("next batch")
+        return next_batch(run, loop)
+
+    patch.setattr(trainer, "_next_batch", logged_next_batch)
     try:
         metrics, steps = trainer.train_run(spec, llama_data)
     finally:
@@ -233,6 +240,22 @@ def test_loader_time_is_part_of_step_time(clocked_run):
     measured = [r for r in steps if r["measured"]]
     assert metrics["loader_wait_fraction"] == pytest.approx(
         sum(r["loader_s"] for r in measured) / sum(r["step_time_s"] for r in measured))
+
+
+@pytest.mark.slow
+def test_each_step_collates_the_next_steps_first_batch_before_its_closing_sync(clocked_run):
+    """The host's data work overlaps the GPU's: a step's first micro-batch is collated before the sync that
+    ends the step before it (a bare loop never waits for it either); the second micro-batch during the
+    step's own first one. Every micro-batch is collated exactly once."""
+    spec, _, steps, clock = clocked_run
+    events = clock.events[clock.events.index("next batch"):]
+    closing = [index for index, event in enumerate(events) if event == "sync"][: len(steps)]
+    segments = [events[start:end] for start, end in zip([0] + [i + 1 for i in closing], closing)]
+    per_step = [segment.count("next batch") for segment in segments]
+    accum = spec.grad_accum_steps
+    # Step 0: its own two and step 1's first; steps in between: their second and the next one's first; the last: its second.
+    assert per_step == [accum + 1] + [accum] * (len(steps) - 2) + [accum - 1]
+    assert events.count("next batch") == accum * len(steps)
 
 
 # ---------------------------------------------------------------------------------------------------

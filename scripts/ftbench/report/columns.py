@@ -84,7 +84,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
     "flops_counted_ratio": ("Float64", "counted / analytic model FLOPs of one micro-batch (one sample with gradient checkpointing, which is off for the count: recomputation is not model FLOPs; bitsandbytes 4-bit matmuls counted as the matmuls they replace)"),
     "flops_count_time_s": ("Float64", "seconds of the FLOP cross-check's counted forward and backward pass (before the first step: part of overhead_s; it also pays lazy CUDA initialisation the first step would otherwise pay)"),
-    "loader_wait_fraction": ("Float64", "share of measured step time spent producing the next batch"),
+    "loader_wait_fraction": ("Float64", "share of measured step time the host spent collating batches; a step's first batch is collated during the step before, while the GPU runs its update (the GPU waits only for what exceeds that)"),
     # GPU sampling through NVML over the measured window, paused like its time for evaluations between steps;
     # null without NVML (never 0)
     "gpu_util_mean": ("Float64", "mean GPU utilisation (%) over the run's GPUs in the measured window, evaluations between steps left out"),

@@ -12,7 +12,7 @@ followed by qualifiers ``:rankR`` (only DDP rank R) and ``:run=TEXT`` (only runs
 Steps count optimizer steps from 0, as ``last_step`` does.
 
     oom@3                torch.OutOfMemoryError at the start of step 3 (status oom)
-    nan@2                the loss of step 2 becomes NaN (status diverged, before the optimizer step)
+    nan@2                the loss of step 2 becomes NaN (status diverged; that step does not update the weights)
     error@1              RuntimeError at step 1: an unknown exception (the job fails with its traceback)
     sleep@2=30           sleep 30 s at the start of step 2 (a job to kill, or a slow job)
     kill@1               the process kills itself with SIGKILL at step 1, as the kernel's OOM killer does

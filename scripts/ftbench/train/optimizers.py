@@ -24,6 +24,20 @@ def make_optimizer(spec: RunSpec, model: torch.nn.Module, device: torch.device):
     return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused or None)
 
 
+def skips_non_finite_on_device(optimizer, scaler: torch.amp.GradScaler, parallel: str) -> bool:
+    """Whether a non-finite loss can stop the step's update on the device, with no wait for the loss first:
+    fused Adam/AdamW take a ``found_inf`` tensor and leave the weights, their moments and step count as they
+    were where it is 1 (``skip_update_if``). Not under a GradScaler (fp16), which sets found_inf itself; not
+    across processes (ddp, fsdp), where a rank's own loss does not say whether the all-reduced gradients are."""
+    return (parallel in ("single", "dp") and not scaler.is_enabled() and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+            and bool(optimizer.defaults.get("fused")))
+
+
+def skip_update_if(optimizer, loss: torch.Tensor) -> None:
+    """Make the optimizer's next step leave everything as it was if ``loss`` is not finite (decided on the device)."""
+    optimizer.found_inf = torch.logical_not(torch.isfinite(loss)).to(torch.float32)
+
+
 def make_scheduler(optimizer, spec: RunSpec, total_steps: int):
     """Linear warmup over ``lr_warmup_steps``, then linear decay to zero."""
     warmup = spec.lr_warmup_steps

@@ -36,7 +36,8 @@ from ftbench.train.devices import Distributed, autocast_args, choose_device, loc
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.experiment import feasibility
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
-from ftbench.train.optimizers import make_grad_scaler, make_optimizer, make_scheduler, scaler_step
+from ftbench.train.optimizers import (make_grad_scaler, make_optimizer, make_scheduler, scaler_step, skip_update_if,
+                                      skips_non_finite_on_device)
 from ftbench.runspec import RunSpec
 
 
@@ -203,6 +204,7 @@ class _Loop:
     total_steps: int
     local_gpus: list[int]  # the GPUs this process drives (peaks, sampling)
     flop_check: dict  # fsdp: the FLOP cross-check, counted on the sharded model by every rank
+    skip_on_device: bool  # the optimizer skips a non-finite loss's update itself (optimizers.skips_non_finite_on_device)
 
 
 def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None,
@@ -254,12 +256,14 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     # so the counter sees the same matmuls as on one device.
     flop_check = _count_flops(run, shape, model) if spec.parallel == "fsdp" else {}
     optimizer = make_optimizer(spec, model, device)
+    scaler = make_grad_scaler(spec, device)
     gpus = local_gpus(spec, device)
     for index in gpus:
         torch.cuda.reset_peak_memory_stats(index)
-    return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), make_grad_scaler(spec, device),
+    return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), scaler,
                  autocast_args(device, spec.precision), training_order(run, total_steps),
-                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check)
+                 spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check,
+                 skips_non_finite_on_device(optimizer, scaler, spec.parallel))
 
 
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,
@@ -270,6 +274,7 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
     steps: list[dict] = []
     window_start = window_end = None
     step_start = loop_times["first"] = time.perf_counter()
+    upcoming = _next_batch(run, loop)
     for step in range(loop.total_steps):
         if evals.due(step, loop.total_steps):
             if evals.pause(step, may_stop=window_start is not None, since=step_start):
@@ -286,9 +291,13 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
         run.last_step = step
-        record, loss_value = _forward_backward(run, loop, shape, step, measured=window_start is not None)
-        if not math.isfinite(loss_value):
-            figures.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
+        record, loss = _forward_backward(run, loop, shape, step, upcoming, measured=window_start is not None)
+        # A NaN must not reach the weights. Where the optimizer can skip its update on the device, the loss is read
+        # at the step's closing sync; otherwise before the update, which leaves the GPU idle while the host then
+        # launches it.
+        if loop.skip_on_device:
+            skip_update_if(loop.optimizer, loss)
+        elif _diverged(figures, loss.item(), step):
             loop.optimizer.zero_grad(set_to_none=True)
             break
         # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
@@ -298,8 +307,15 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
         record["lr"] = loop.scheduler.get_last_lr()[0]
         loop.scheduler.step()
         loop.optimizer.zero_grad(set_to_none=True)
+        if step + 1 < loop.total_steps:
+            # The next step's first batch while the GPU still runs this step's update, as a DataLoader's workers
+            # would have it ready, rather than after the clock's sync with the GPU idle.
+            upcoming = _next_batch(run, loop)
         synchronize(run.device)
         step_end = time.perf_counter()
+        loss_value = loss.item()  # after the sync: no wait
+        if loop.skip_on_device and _diverged(figures, loss_value, step):
+            break
         record.update(step_time_s=step_end - step_start, loss=loss_value)
         steps.append(record)
         window_end = loop_times["last"] = step_end
@@ -307,18 +323,43 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
     return figures, steps, (window_start, window_end)
 
 
-def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int, measured: bool) -> tuple[dict, float]:
-    """One optimizer step's micro-batches, forward and backward: (the step's record so far, its loss)."""
+def _diverged(figures: dict, loss_value: float, step: int) -> bool:
+    """Whether the step's loss is NaN or infinite; if so, the run's status says so."""
+    if math.isfinite(loss_value):
+        return False
+    figures.update(status="diverged", status_reason=f"loss became {loss_value} at step {step}", diverged_step=step)
+    return True
+
+
+@dataclass
+class _PreparedBatch:
+    batch: Batch  # on the run's device
+    loader_s: float  # host seconds taken to collate it and start its copy to the device
+
+
+def _next_batch(run: Run, loop: _Loop) -> _PreparedBatch:
+    """This process's share of the next global micro-batch, collated and on its way to the device."""
+    started = time.perf_counter()
+    indices = next(loop.order)[run.dist.rank * loop.share : (run.dist.rank + 1) * loop.share]
+    batch = batching.collate(run.task, run.train_split, indices, run.pad_id, run.spec.batching, run.spec.seq_len).to(run.device)
+    return _PreparedBatch(batch, time.perf_counter() - started)
+
+
+def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int, first: _PreparedBatch,
+                      measured: bool) -> tuple[dict, torch.Tensor]:
+    """One optimizer step's micro-batches, forward and backward: (the step's record so far, its loss on the
+    device: nothing here waits for the GPU). ``first``
+    was prepared during the previous step; the others are collated while the GPU runs the one before (nothing
+    waits for the device between micro-batches)."""
     spec, dist, injector = run.spec, run.dist, run.injector
     accum = spec.grad_accum_steps
     record = {"step": step, "measured": measured, "samples": 0, "tokens": 0,
               "padded_tokens": 0, "capacity_tokens": 0, "flops": 0, "loader_s": 0.0}
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(accum):
-        fetch_start = time.perf_counter()
-        indices = next(loop.order)[dist.rank * loop.share : (dist.rank + 1) * loop.share]
-        batch = batching.collate(run.task, run.train_split, indices, run.pad_id, spec.batching, spec.seq_len).to(run.device)
-        record["loader_s"] += time.perf_counter() - fetch_start
+        prepared_batch = first if micro == 0 else _next_batch(run, loop)
+        batch = prepared_batch.batch
+        record["loader_s"] += prepared_batch.loader_s
         record["flops"] += flops.batch_flops(shape, spec.method == "full", batch)
         if injector:
             if micro == 0:
@@ -337,7 +378,7 @@ def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int,
             loop.scaler.scale(loss).backward()
         loss_sum += loss.detach()
         _count_batch(record, batch)
-    return record, loss_sum.item()  # .item() synchronises; needed to stop before a NaN reaches the weights
+    return record, loss_sum
 
 
 def _count_batch(record: dict, batch: Batch) -> None:
