@@ -221,6 +221,21 @@ def built(method: str = "full", model_def: dict = CLIP_DEF, **settings):
     return spec, modeling.build_model(spec, None, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_plan_of_a_clip_is_the_estimate_its_train_job_makes(tmp_path, method):
+    """The plan builds the dual encoder on the meta device: both towers' estimate, equal to the train job's from
+    the built model, before any data is prepared."""
+    from ftbench.experiment import memory_plan
+
+    spec, made = built(method, precision="bf16")
+    plan = memory_plan.plan_run(spec, [{"name": "H100 SXM", "memory_gb": 80}], tmp_path, build=modeling.meta_model)
+    manifest = {"seq_len": spec.seq_len, "image_tokens_per_image": registry.family("image_text_retrieval").tokens_per_example(spec)}
+    expected = retrieval.memory_estimate(made.model, spec, manifest)
+    assert expected["memory_estimate_mb"] > 0
+    assert plan["memory_estimate_mb"] == pytest.approx(expected["memory_estimate_mb"], rel=1e-9)
+    assert plan["gpus"][0]["fits"] == "yes"
+
+
 def test_the_contrastive_loss_of_a_config_built_clip_decreases(tmp_path):
     """16 synthetic pairs (every caption its own, ending in the MiniLM tokenizer's [SEP]) learnt as one batch."""
     manifest = prepare(SYNTHETIC, tmp_path)

@@ -251,6 +251,12 @@ def test_a_checkpoint_folder_brings_its_tokenizer_and_processor(tmp_path, qa_fol
     # its vision tower has position embeddings for 16 x 16 only
     with pytest.raises(ConfigError, match=r"image_size: 24, but model 'llava'.*built for 16"):
         prepare_run(spec.replace(image_size=24), tmp_path / "larger")
+    # The plan of a checkpoint folder: its config built on the meta device, the train job's estimate.
+    from ftbench.experiment import memory_plan
+
+    plan = memory_plan.run_estimate(spec, tmp_path / "not-prepared", model=modeling.meta_model(spec))
+    made = registry.family("vision_language").memory_estimate(model, spec, manifest)
+    assert plan["memory_estimate_mb"] == pytest.approx(made["memory_estimate_mb"], rel=1e-9)
 
 
 def test_a_checkpoint_whose_image_token_is_not_its_tokenizers_is_refused(tmp_path, qa_folder, llava_checkpoint):
@@ -513,14 +519,40 @@ def test_memory_estimate_counts_the_vision_tower_only_where_it_trains(tmp_path, 
         assert estimated[4] - estimated[2] == pytest.approx(traced[4] - traced[2], rel=0.05)
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_plan_of_a_llava_is_the_estimate_its_train_job_makes(tmp_path, method):
+    """Before any data is prepared, the plan builds the model on the meta device and gets the estimate the train
+    job makes from the built model and the prepared manifest (the decoder over its full rows; the tower where it
+    trains); a run that cannot fit is refused before its model is built."""
+    from ftbench.experiment import memory_plan
+
+    spec = first_run(experiment({"source": {"kind": "synthetic"}, "train_size": 8, "eval_size": 4}, method=method,
+                                precision="bf16"))
+    plan = memory_plan.plan_run(spec, [{"name": "H100 SXM", "memory_gb": 80}], tmp_path / "not-prepared",
+                                build=modeling.meta_model)
+    manifest = prepare_run(spec, tmp_path / "data")
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
+    made = registry.family("vision_language").memory_estimate(model, spec, manifest)
+    assert plan["memory_estimate_mb"] == pytest.approx(made["memory_estimate_mb"], rel=1e-9)
+    assert plan["memory_estimate_parts_mb"] == pytest.approx(made["memory_estimate_parts_mb"], rel=1e-9)
+    assert plan["gpus"][0]["fits"] == "yes" and plan["gpus"][0]["largest_batch"] > spec.batch_size
+    assert memory_plan.predicted_not_to_fit(spec, 2**30, "a 1 GiB GPU", None, build=modeling.meta_model) is None  # 512 MiB context
+    tight = int((plan["memory_estimate_mb"] / 2 + memory_plan.CUDA_CONTEXT_MIB) * 2**20)
+    assert "predicted not to fit" in memory_plan.predicted_not_to_fit(spec, tight, "a small GPU", None, build=modeling.meta_model)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"image_token_index": 5}])
-def test_the_plan_of_a_llava_says_it_has_no_estimate_yet(qa_folder, overrides):
-    """Before anything is built the plan has one stack's facts, which the LLaVA estimate cannot use: a note, not
-    a crash (a config without nested vision/text configs used to reach it), so its train job is not refused."""
+def test_a_llava_plan_without_its_model_or_under_qlora_says_why_it_has_no_estimate(qa_folder, overrides):
+    """No builder given (or QLoRA, whose 4-bit layers exist only once loaded): a note, not a crash, and the train
+    job is not refused."""
     from ftbench.experiment import memory_plan
 
     config = experiment(qa_dataset(qa_folder))
     config["models"]["llava"] = {"task": "vision_language", "source": {**TINY_LLAVA, "overrides": overrides}}
     plan = memory_plan.plan_run(first_run(config), [{"name": "H100 SXM", "memory_gb": 80}])
-    assert plan["memory_estimate_mb"] is None and "vision-language model is not planned" in plan["memory_estimate_note"]
+    assert plan["memory_estimate_mb"] is None and "meta device" in plan["memory_estimate_note"]
+    qlora = first_run(experiment(qa_dataset(qa_folder), method="qlora", precision="bf16"))
+    assert modeling.meta_model(qlora) is None
+    plan = memory_plan.plan_run(qlora, [{"name": "H100 SXM", "memory_gb": 80}], build=modeling.meta_model)
+    assert plan["memory_estimate_mb"] is None and "QLoRA" in plan["memory_estimate_note"]
     assert memory_plan.predicted_not_to_fit(first_run(config), 80 * 2**30, "NVIDIA H100", None) is None

@@ -207,7 +207,14 @@ def plan(argv: list[str]) -> None:
     runs = matrix.expand_runs(config.load_config(args.experiment))
     print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity)")
     for run in runs:
-        print(plan_table(run, memory_plan.plan_run(run, gpus, args.data_root)))
+        print(plan_table(run, memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)))
+
+
+def _meta_model(run: RunSpec):
+    """The run's model on the meta device, for the plan of a model of two stacks (torch imported only then)."""
+    from ftbench.train.modeling import meta_model
+
+    return meta_model(run)
 
 
 def plan_table(run: RunSpec, planned: dict) -> str:

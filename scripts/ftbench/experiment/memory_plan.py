@@ -3,7 +3,9 @@ GPUs of config/gpus.yaml (``python -m ftbench plan X.yaml``), and the check a tr
 before it builds the model (train/trainer.py ``_prepare``).
 
 The estimate is measure/memory_estimate.py's, from ``facts_from_config`` (parameter counts by kind derived
-from the config's shape, no model built, torch-free). A GPU's verdict allows for the estimate's error band
+from the config's shape, no model built, torch-free). A model of two stacks (a dual encoder's towers, a
+vision-language model's tower and decoder) is estimated by its family from the model itself, built with no
+memory behind it (train/modeling.py ``meta_model``, passed in as ``build``: this layer imports no torch). A GPU's verdict allows for the estimate's error band
 (memory_estimate.ERROR_BAND, +-10%): "yes" when the estimate plus the band fits, "no" when even the estimate
 less the band does not, "borderline" between. The largest fitting batch is the largest per-GPU batch whose
 estimate plus the band fits. Capacity: the table's memory_gb taken as GiB (an "80 GB" H100 shows 79.6 GiB to
@@ -30,26 +32,31 @@ CUDA_CONTEXT_MIB = 512  # CUDA context, cuBLAS/cuDNN handles: memory a GPU loses
 MIB_PER_GIB = 1024
 
 
-def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: int | None = None) -> dict:
+def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: int | None = None,
+                 model: object | None = None) -> dict:
     """The run's estimate (memory_estimate's figures, plus ``plan_note``), from its model's config alone; packed
-    batches from its prepared data in ``data_dir``, where there is one."""
+    batches from its prepared data in ``data_dir``, where there is one. ``model``: the run's model on the meta
+    device, which a model of two stacks needs (``needs_built_model``; else a note says why there is none)."""
     run = run.replace(batch_size=batch_size) if batch_size else run
     family = model_family(run.model_def)
     source = run.model_def["source"]
     settings = sources.local_model_config(source)
     if settings is None:
         return _no_estimate("the model's config is not readable here (a hub model): no estimate before it is loaded")
-    if family.images_beside_text:
-        return _no_estimate("a dual encoder's towers are not planned from the config yet (the train job estimates them)")
+    manifest = prepared_manifest(data_dir) or {}
+    manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run),
+                **family.planning_manifest(run), **manifest}
+    if needs_built_model(run):
+        if model is None:
+            return _no_estimate(UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])
+        # A padded batch is as long as its longest row, which the train job reads from the data: here the most a row holds.
+        note = "rows taken as seq_len plus the image's tokens (an upper bound)" if family.estimate_reads_longest_row else None
+        return {**family.memory_estimate(model, run, manifest), "plan_note": note}
     settings = model_shape.with_defaults(source.get("architecture"), settings)
-    if settings.get("text_config") or settings.get("vision_config"):
-        return _no_estimate("a multimodal config is not planned from the config yet")
     vocab = settings.get("vocab_size") or tokenizer_vocab(run.model_def)
     settings = {**settings, "vocab_size": vocab} if vocab else settings
     labels = len(run.dataset_def.get("labels") or ()) or 2
     facts = memory_estimate.facts_from_config(settings, run, family.takes_num_labels, labels)
-    manifest = prepared_manifest(data_dir) or {}
-    manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run), **manifest}
     lengths = train_lengths(str(data_dir)) if run.packed and manifest.get("splits") else None
     if lengths is not None:
         manifest["largest_packed_batch"] = batch_order.largest_packed_batch(run, lengths)
@@ -62,6 +69,23 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     # single-GPU run's plus 21 MB, and the replica's estimate 1.021 of it.
     figures["plan_note"] = "; ".join(notes) or None
     return figures
+
+
+# Why a model of two stacks has no estimate before its train job builds it.
+UNBUILT_NOTES = {
+    "qlora": "a QLoRA model of two stacks is estimated once loaded (bitsandbytes quantises only real weights): the train job does",
+    "other": "a model of two stacks is estimated from the model built on the meta device: `python -m ftbench plan` and the train job do",
+}
+
+
+def needs_built_model(run: RunSpec) -> bool:
+    """Whether the run's estimate needs its model (on the meta device) rather than one stack's facts from the
+    config: a dual encoder's towers, or a config with nested vision and text configs (a vision-language model)."""
+    if model_family(run.model_def).images_beside_text:
+        return True
+    settings = sources.local_model_config(run.model_def["source"]) or {}
+    settings = model_shape.with_defaults(run.model_def["source"].get("architecture"), settings)
+    return bool(settings.get("text_config") or settings.get("vision_config"))
 
 
 def _no_estimate(note: str) -> dict:
@@ -120,28 +144,33 @@ def capacity_mib(gpu: dict) -> float:
     return gpu["memory_gb"] * MIB_PER_GIB - CUDA_CONTEXT_MIB
 
 
-def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None) -> dict:
-    """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch."""
+def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None, build=None) -> dict:
+    """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch.
+    ``build``: makes the run's model on the meta device (train/modeling.py meta_model), once, where needed."""
     data_dir = data_dir_of(run, data_root)
-    figures = run_estimate(run, data_dir)
+    model = build(run) if build is not None and needs_built_model(run) else None
+    figures = run_estimate(run, data_dir, model=model)
     rows = []
     for gpu in gpus:
         if not gpu.get("memory_gb") or figures["memory_estimate_mb"] is None:
             continue
         capacity = capacity_mib(gpu)
         largest = memory_estimate.largest_fitting_batch(
-            lambda batch: run_estimate(run, data_dir, batch)["memory_estimate_mb"], capacity)
+            lambda batch: run_estimate(run, data_dir, batch, model)["memory_estimate_mb"], capacity)
         rows.append({"gpu": gpu["name"], "capacity_mib": capacity,
                      "fits": memory_estimate.fit(figures["memory_estimate_mb"], capacity), "largest_batch": largest})
     return {**figures, "gpus": rows}
 
 
-def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, data_dir: str | Path | None = None) -> str | None:
+def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, data_dir: str | Path | None = None,
+                         build=None) -> str | None:
     """The status_reason of a run predicted not to fit its own GPU ("no": beyond the error band), else None.
-    A run with auto_batch_size searches for what fits instead, and one without an estimate is launched."""
+    A run with auto_batch_size searches for what fits instead, and one without an estimate is launched.
+    ``build``: as for plan_run."""
     if run.auto_batch_size or run.confirm_oom:
         return None
-    figures = run_estimate(run, data_dir)
+    model = build(run) if build is not None and needs_built_model(run) else None
+    figures = run_estimate(run, data_dir, model=model)
     estimate = figures["memory_estimate_mb"]
     capacity = capacity_bytes / 2**20 - CUDA_CONTEXT_MIB
     if estimate is None or memory_estimate.fit(estimate, capacity) != "no":

@@ -196,3 +196,8 @@ class TaskFamily:
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         raise NotImplementedError
 
+    def planning_manifest(self, run: RunSpec) -> dict:
+        """Manifest figures the memory estimate reads, from the config, for a plan made before the data is
+        prepared (the prepared manifest's own replace them)."""
+        return {}
+

@@ -63,10 +63,15 @@ def vision_language_image_tokens(model_config: dict | None, image_size: int | No
     vision_feature_select_strategy is 'default' (LLaVA's get_image_features drops it). Reads a config dict
     only (parse time; preparation passes ``config.to_dict()``, where every default is filled in)."""
     model_config = model_config or {}
-    vision = {**CLIP_VISION_DEFAULTS, **(model_config.get("vision_config") or LLAVA_DEFAULT_VISION)}
-    size = int(image_size or vision["image_size"])
-    tokens = (size // int(vision["patch_size"])) ** 2 + VISION_CLASS_TOKENS.get(vision.get("model_type"), 1)
+    tokens = vision_tower_tokens(model_config, image_size)
     return tokens - 1 if model_config.get("vision_feature_select_strategy", "default") == "default" else tokens
+
+
+def vision_tower_tokens(model_config: dict | None, image_size: int | None) -> int:
+    """Tokens the vision tower processes per image at ``image_size`` (null: its own): its patches and class token."""
+    vision = {**CLIP_VISION_DEFAULTS, **((model_config or {}).get("vision_config") or LLAVA_DEFAULT_VISION)}
+    size = int(image_size or vision["image_size"])
+    return (size // int(vision["patch_size"])) ** 2 + VISION_CLASS_TOKENS.get(vision.get("model_type"), 1)
 
 
 def load_config(model_def: dict, model_name: str, image_size: int | None = None, extra: dict | None = None):
@@ -243,8 +248,7 @@ def prepare(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
     facts = text_facts(model_def, config, model_name, check_overrides=False)
     config_dict = config.to_dict()
     per_image = vision_language_image_tokens(config_dict, size)
-    vision = config_dict["vision_config"]
-    vision_tokens = (size // vision["patch_size"]) ** 2 + VISION_CLASS_TOKENS[vision["model_type"]]
+    vision_tokens = vision_tower_tokens(config_dict, size)
     mean, std, processor_class = images.processor_stats(model_def)
     dropped: dict = {}
     if dataset_def["source"]["kind"] == "synthetic":
@@ -376,8 +380,8 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     activations (two Linears over the image features, small beside either tower's)."""
     if spec.compile:
         return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
-    if isinstance(model, estimate_module.ModelFacts):  # the plan, from a config alone: one stack's facts
-        return estimate_module.no_estimate("a vision-language model is not planned from its config yet (the train job estimates it)")
+    if isinstance(model, estimate_module.ModelFacts):  # one stack's facts: the plan builds the model instead
+        return estimate_module.no_estimate("a vision-language model is estimated from the model (on the meta device), not one stack's facts")
     tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
     if tower is None or language_model is None:
         return estimate_module.no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")
@@ -469,6 +473,12 @@ class VisionLanguage(TaskFamily):
         """The text, then the image's tokens in the decoder."""
         model_config = sources.local_model_config(run.model_def["source"])
         return run.seq_len + vision_language_image_tokens(model_config, run.image_size)
+
+    def planning_manifest(self, run: RunSpec) -> dict:
+        """What preparation records of the images: the features placed in the text, the vision tower's own tokens."""
+        model_config = sources.local_model_config(run.model_def["source"])
+        return {"image_tokens_per_image": vision_language_image_tokens(model_config, run.image_size),
+                "vision_tokens_per_image": vision_tower_tokens(model_config, run.image_size)}
 
     def prepare(self, dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int, out_dir: Path,
                 shard_size_mb: float, model_name: str, image_size: int | None = None) -> dict:

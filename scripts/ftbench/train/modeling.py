@@ -16,7 +16,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ftbench.data.sources import load_failure, pretrained_args
+from ftbench.data.sources import load_failure, local_model_config, pretrained_args
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer
 from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
 from ftbench.runspec import RunSpec
@@ -129,6 +129,30 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         model = model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+
+
+def meta_model(spec: RunSpec) -> torch.nn.Module | None:
+    """The run's model with no memory behind its tensors (torch's meta device): its modules, shapes and trainable
+    parameters as build_model makes them (checkpointing, LoRA), for an estimate before anything loads: ``python
+    -m ftbench plan`` and a train job's check that the run fits (experiment/memory_plan.py). None where it would
+    not be the model the run trains: QLoRA (bitsandbytes quantises only while loading real weights) or a model
+    whose config is not readable here (a hub name, offline)."""
+    source = spec.model_def["source"]
+    if spec.method == "qlora" or local_model_config(source) is None:
+        return None
+    family = model_family(spec.model_def)
+    kwargs = family.model_kwargs(len(spec.dataset_def.get("labels") or ()) or None)
+    if source["kind"] == "config":
+        model = _model_from_config(spec, family, kwargs, {}, torch.device("meta"), None)
+    else:
+        import transformers
+
+        location, extra = pretrained_args(source)
+        config = transformers.AutoConfig.from_pretrained(location, **{k: v for k, v in extra.items() if k == "revision"})
+        with torch.device("meta"):
+            model = family.model_class().from_config(config, **kwargs)
+    model = _prepare_for_training(model, spec)
+    return _add_lora(model, spec, family) if spec.method == "lora" else model
 
 
 def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantised: dict, device: torch.device,

@@ -98,7 +98,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
     manifest = prepared.verify(data_dir)
     if device.type == "cuda":  # not launched to discover an OOM the estimate predicts (unless confirm_oom)
         reason = memory_plan.predicted_not_to_fit(spec, torch.cuda.get_device_properties(device).total_memory,
-                                                  metrics["device_name"], data_dir)
+                                                  metrics["device_name"], data_dir, build=modeling.meta_model)
         if reason:
             raise torch.OutOfMemoryError(reason)
     metrics.update(prepared.data_columns(manifest))  # rows dropped, majority-class rate: part of the result
