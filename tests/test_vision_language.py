@@ -556,3 +556,11 @@ def test_a_llava_plan_without_its_model_or_under_qlora_says_why_it_has_no_estima
     plan = memory_plan.plan_run(qlora, [{"name": "H100 SXM", "memory_gb": 80}], build=modeling.meta_model)
     assert plan["memory_estimate_mb"] is None and "QLoRA" in plan["memory_estimate_note"]
     assert memory_plan.predicted_not_to_fit(first_run(config), 80 * 2**30, "NVIDIA H100", None) is None
+
+    def broken(run):
+        raise RuntimeError("no meta support")
+
+    # A model that cannot be built on the meta device: the plan says why; the train job is launched, not refused.
+    plan = memory_plan.plan_run(first_run(config), [{"name": "H100 SXM", "memory_gb": 80}], build=broken)
+    assert plan["memory_estimate_mb"] is None and "RuntimeError: no meta support" in plan["memory_estimate_note"]
+    assert memory_plan.predicted_not_to_fit(first_run(config), 2**30, "a 1 GiB GPU", None, build=broken) is None

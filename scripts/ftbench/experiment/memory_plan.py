@@ -33,7 +33,7 @@ MIB_PER_GIB = 1024
 
 
 def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: int | None = None,
-                 model: object | None = None) -> dict:
+                 model: object | None = None, unbuilt_note: str | None = None) -> dict:
     """The run's estimate (memory_estimate's figures, plus ``plan_note``), from its model's config alone; packed
     batches from its prepared data in ``data_dir``, where there is one. ``model``: the run's model on the meta
     device, which a model of two stacks needs (``needs_built_model``; else a note says why there is none)."""
@@ -48,11 +48,13 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
                 **family.planning_manifest(run), **manifest}
     if needs_built_model(run):
         if model is None:
-            return _no_estimate(UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])
+            return _no_estimate(unbuilt_note or UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])
         # A padded batch is as long as its longest row, which the train job reads from the data: here the most a row holds.
         note = "rows taken as seq_len plus the image's tokens (an upper bound)" if family.estimate_reads_longest_row else None
         return {**family.memory_estimate(model, run, manifest), "plan_note": note}
     settings = model_shape.with_defaults(source.get("architecture"), settings)
+    if settings.get("text_config") or settings.get("vision_config"):
+        return _no_estimate("a multimodal config is not planned from the config by this task's family")
     vocab = settings.get("vocab_size") or tokenizer_vocab(run.model_def)
     settings = {**settings, "vocab_size": vocab} if vocab else settings
     labels = len(run.dataset_def.get("labels") or ()) or 2
@@ -78,14 +80,20 @@ UNBUILT_NOTES = {
 }
 
 
+def built_model(run: RunSpec, build) -> tuple[object | None, str | None]:
+    """(the run's model from ``build``, where its estimate needs one; why there is none, if building it failed)."""
+    if build is None or not needs_built_model(run):
+        return None, None
+    try:
+        return build(run), None
+    except Exception as exc:  # noqa: BLE001 - an estimate advises: a model it cannot build is trained, not refused
+        return None, f"no estimate: the model could not be built on the meta device ({type(exc).__name__}: {exc})"[:300]
+
+
 def needs_built_model(run: RunSpec) -> bool:
-    """Whether the run's estimate needs its model (on the meta device) rather than one stack's facts from the
-    config: a dual encoder's towers, or a config with nested vision and text configs (a vision-language model)."""
-    if model_family(run.model_def).images_beside_text:
-        return True
-    settings = sources.local_model_config(run.model_def["source"]) or {}
-    settings = model_shape.with_defaults(run.model_def["source"].get("architecture"), settings)
-    return bool(settings.get("text_config") or settings.get("vision_config"))
+    """Whether the run's family estimates from the model (a dual encoder's towers, a vision-language model's
+    tower and decoder) rather than from one stack's facts read off the config."""
+    return model_family(run.model_def).estimate_needs_model
 
 
 def _no_estimate(note: str) -> dict:
@@ -148,8 +156,8 @@ def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None
     """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch.
     ``build``: makes the run's model on the meta device (train/modeling.py meta_model), once, where needed."""
     data_dir = data_dir_of(run, data_root)
-    model = build(run) if build is not None and needs_built_model(run) else None
-    figures = run_estimate(run, data_dir, model=model)
+    model, unbuilt_note = built_model(run, build)
+    figures = run_estimate(run, data_dir, model=model, unbuilt_note=unbuilt_note)
     rows = []
     for gpu in gpus:
         if not gpu.get("memory_gb") or figures["memory_estimate_mb"] is None:
@@ -169,7 +177,7 @@ def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, da
     ``build``: as for plan_run."""
     if run.auto_batch_size or run.confirm_oom:
         return None
-    model = build(run) if build is not None and needs_built_model(run) else None
+    model, _ = built_model(run, build)
     figures = run_estimate(run, data_dir, model=model)
     estimate = figures["memory_estimate_mb"]
     capacity = capacity_bytes / 2**20 - CUDA_CONTEXT_MIB

@@ -196,6 +196,10 @@ class TaskFamily:
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         raise NotImplementedError
 
+    # Whether the memory estimate reads the model itself (two stacks: the plan builds it on the meta device)
+    # rather than one stack's facts, which the plan can read off the config.
+    estimate_needs_model = False
+
     def planning_manifest(self, run: RunSpec) -> dict:
         """Manifest figures the memory estimate reads, from the config, for a plan made before the data is
         prepared (the prepared manifest's own replace them)."""

@@ -440,6 +440,7 @@ def memory_estimate(model, spec, manifest: dict) -> dict:
 
 class ImageTextRetrieval(TaskFamily):
     name = TASK
+    estimate_needs_model = True  # two stacks: the plan builds the model on the meta device
     auto_model = "AutoModel"
     # No new head: the towers' projections are the model's own.
     column_keys = ("image_column", "text_column", "label_column")

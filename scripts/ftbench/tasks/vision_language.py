@@ -451,6 +451,7 @@ def check_run(run: RunSpec, setting_key) -> None:
 
 class VisionLanguage(TaskFamily):
     name = "vision_language"
+    estimate_needs_model = True  # two stacks: the plan builds the model on the meta device
     auto_model = "AutoModelForImageTextToText"
     column_keys = ("image_column", "prompt_column", "answer_column")
     modality = "image"

@@ -348,9 +348,8 @@ def _next_batch(run: Run, loop: _Loop) -> _PreparedBatch:
 def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int, first: _PreparedBatch,
                       measured: bool) -> tuple[dict, torch.Tensor]:
     """One optimizer step's micro-batches, forward and backward: (the step's record so far, its loss on the
-    device: nothing here waits for the GPU). ``first``
-    was prepared during the previous step; the others are collated while the GPU runs the one before (nothing
-    waits for the device between micro-batches)."""
+    device: nothing here waits for the GPU). ``first`` was prepared during the previous step; the others are
+    collated while the GPU runs the micro-batch before."""
     spec, dist, injector = run.spec, run.dist, run.injector
     accum = spec.grad_accum_steps
     record = {"step": step, "measured": measured, "samples": 0, "tokens": 0,
