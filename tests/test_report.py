@@ -230,6 +230,30 @@ def build(tmp_path: Path, kind: str, **settings):
     return runs, written, page.read_text(encoding="utf-8")
 
 
+def test_what_fits_puts_each_configurations_estimate_against_every_gpu_of_the_table():
+    """yes / borderline / no with the estimate's 10% band, on each GPU's usable memory (its GiB less the CUDA
+    context): 20,000 MiB fits an H100 and an L4 (24,064 MiB usable) but not a T4 (15,872); 23,000 MiB is borderline
+    on the L4. One row per configuration (repeats share it); a configuration without an estimate has no row."""
+    runs = pd.DataFrame({"config_id": ["small", "small", "edge", "none"], "memory_estimate_mb": [20000.0, 20000.0, 23000.0, None],
+                         "memory_estimate_ratio": [1.0, 1.0, 0.95, None]})
+    peaks = gpu_table.load_peaks(GPU_TABLE)
+    table = report_page.what_fits(runs, peaks)
+    names = [name for name, _ in table.columns]
+    assert names[:3] == ["configuration", "estimate MiB per GPU", "measured / estimate"]
+    assert names[3:] == [gpu["name"] for gpu in peaks if gpu.get("memory_gb")]
+    rows = {cells[0].text: {name: cell.text for (name, _), cell in zip(table.columns, cells)} for _, cells in table.rows}
+    assert list(rows) == ["small", "edge"]
+    assert (rows["small"]["H100 SXM"], rows["small"]["L4"], rows["small"]["T4"]) == ("yes", "yes", "no")
+    assert rows["edge"]["L4"] == "borderline" and rows["edge"]["H200"] == "yes"
+    assert report_page.what_fits(runs.assign(memory_estimate_mb=None), peaks) is None
+
+
+def test_the_report_has_a_what_fits_section(tmp_path):
+    _, _, page = build(tmp_path, "mixed")
+    section = page[page.index('<h2 id="fits">'):page.index("</table>", page.index('<h2 id="fits">'))]
+    assert "python -m ftbench plan" in section and 'id="fits-table"' in section and "H100 SXM" in section
+
+
 def images(page: str) -> list[str]:
     return re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
 

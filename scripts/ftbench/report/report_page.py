@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ftbench.experiment import memory_plan
+from ftbench.measure import memory_estimate
 from ftbench.report import analysis, figures, pages, quality_target, scaling
 from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
@@ -540,6 +542,23 @@ def _parameters(count) -> str | None:
     return f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
 
 
+def what_fits(runs: pd.DataFrame, gpus: list[dict]) -> pages.Table | None:
+    """The section on what fits: each configuration's memory estimate (made before training, per GPU) against
+    every GPU of the table with a memory size: yes / borderline / no, allowing for the estimate's error band
+    (memory_plan's rule, the one `python -m ftbench plan` and a train job's refusal use). None without estimates."""
+    sized = [gpu for gpu in gpus if gpu.get("memory_gb")]
+    estimated = runs[runs["memory_estimate_mb"].notna()].drop_duplicates("config_id")
+    if estimated.empty or not sized:
+        return None
+    rows = pd.DataFrame({"configuration": estimated["config_id"], "estimate MiB per GPU": estimated["memory_estimate_mb"],
+                         "measured / estimate": 1 / estimated["memory_estimate_ratio"]})
+    for gpu in sized:
+        capacity = memory_plan.capacity_mib(gpu)
+        rows[gpu["name"]] = [memory_estimate.fit(estimate, capacity) for estimate in estimated["memory_estimate_mb"]]
+    titles = {gpu["name"]: f"{memory_plan.capacity_mib(gpu):,.0f} MiB usable of {gpu['memory_gb']} GB" for gpu in sized}
+    return pages.table(rows, list(rows.columns), table_id="fits-table", titles=titles)
+
+
 def environment(runs: pd.DataFrame) -> list[tuple[str, str]]:
     """(column, its values with their run counts where they differ) for each recorded environment column."""
     rows = []
@@ -569,8 +588,8 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     """
     # typed(): a table from an older ftbench gets the columns it lacks, as nulls
     steps = read_steps(step_files)
-    runs = analysis.prepare(typed(pd.read_parquet(metrics_path)),
-                            gpu_table=gpu_tables.load_peaks(gpu_table) if gpu_table else None)
+    peaks = gpu_tables.load_peaks(gpu_table) if gpu_table else None
+    runs = analysis.prepare(typed(pd.read_parquet(metrics_path)), gpu_table=peaks)
     runs = analysis.add_step_figures(runs, steps)
     configs = analysis.configurations(runs, repeat_scoring)
     shared = analysis.common_parts(runs)
@@ -602,6 +621,8 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         configurations=pages.table(config_rows, shown_columns(config_rows, CONFIG_TABLE_COLUMNS, {"configuration", "method", "runs", "ok"}),
                                    table_id="configurations-table", titles=config_titles(repeat_scoring)),
         runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
+        fits=what_fits(runs, peaks or []),
+        error_band=memory_estimate.ERROR_BAND,
         scaling=scaling_section(scaling_points, runs, figure_blocks(in_section, captions or {})[0]) if scaling_points is not None else None,
         figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
         environment=environment(runs),
