@@ -252,6 +252,7 @@ def test_the_report_has_a_what_fits_section(tmp_path):
     _, _, page = build(tmp_path, "mixed")
     section = page[page.index('<h2 id="fits">'):page.index("</table>", page.index('<h2 id="fits">'))]
     assert "python -m ftbench plan" in section and 'id="fits-table"' in section and "H100 SXM" in section
+    assert "lora-r8-b16-s512 @ H100 80GB HBM3" in section  # the configurations' own labels
 
 
 def images(page: str) -> list[str]:

@@ -550,7 +550,8 @@ def what_fits(runs: pd.DataFrame, gpus: list[dict]) -> pages.Table | None:
     estimated = runs[runs["memory_estimate_mb"].notna()].drop_duplicates("config_id")
     if estimated.empty or not sized:
         return None
-    rows = pd.DataFrame({"configuration": estimated["config_id"], "estimate MiB per GPU": estimated["memory_estimate_mb"],
+    names = estimated["config_label"] if "config_label" in estimated else estimated["config_id"]  # as Configurations names them
+    rows = pd.DataFrame({"configuration": names, "estimate MiB per GPU": estimated["memory_estimate_mb"],
                          "measured / estimate": 1 / estimated["memory_estimate_ratio"]})
     for gpu in sized:
         capacity = memory_plan.capacity_mib(gpu)
