@@ -541,6 +541,25 @@ def test_the_plan_of_a_llava_is_the_estimate_its_train_job_makes(tmp_path, metho
     assert "predicted not to fit" in memory_plan.predicted_not_to_fit(spec, tight, "a small GPU", None, build=modeling.meta_model)
 
 
+def test_with_the_data_prepared_the_llava_plan_reads_its_longest_row_as_the_train_job_does(tmp_path, qa_folder):
+    """Questions and answers far shorter than seq_len allows: before the data is prepared the plan takes full rows
+    (an upper bound, said in its note); once prepared, the data's longest row, the very estimate the train job
+    makes, so a run that fits is never refused for rows it does not have."""
+    from ftbench.experiment import memory_plan
+
+    spec = first_run(experiment(qa_dataset(qa_folder), seq_len=96, precision="bf16"))
+    before = memory_plan.run_estimate(spec, tmp_path / "data", model=modeling.meta_model(spec))
+    assert "upper bound" in before["plan_note"]
+    manifest = prepare_run(spec, tmp_path / "data")
+    after = memory_plan.run_estimate(spec, tmp_path / "data", model=modeling.meta_model(spec))
+    longest = int(registry.load_split(tmp_path / "data", "train", manifest).lengths().max())
+    assert longest < spec.seq_len + IMAGE_TOKENS and after["plan_note"] is None
+    model = modeling.build_model(spec, None, torch.device("cpu"), manifest["pad_token_id"], manifest["vocab_size"]).model
+    made = registry.family("vision_language").memory_estimate(model, spec, {**manifest, "longest_row": longest})
+    assert after["memory_estimate_mb"] == pytest.approx(made["memory_estimate_mb"], rel=1e-9)
+    assert after["memory_estimate_mb"] < before["memory_estimate_mb"]
+
+
 @pytest.mark.parametrize("overrides", [{}, {"image_token_index": 5}])
 def test_a_llava_plan_without_its_model_or_under_qlora_says_why_it_has_no_estimate(qa_folder, overrides):
     """No builder given (or QLoRA, whose 4-bit layers exist only once loaded): a note, not a crash, and the train
@@ -560,7 +579,12 @@ def test_a_llava_plan_without_its_model_or_under_qlora_says_why_it_has_no_estima
     def broken(run):
         raise RuntimeError("no meta support")
 
-    # A model that cannot be built on the meta device: the plan says why; the train job is launched, not refused.
+    # A model that cannot be built on the meta device, or estimated: the plan says why; the train job is launched.
     plan = memory_plan.plan_run(first_run(config), [{"name": "H100 SXM", "memory_gb": 80}], build=broken)
     assert plan["memory_estimate_mb"] is None and "RuntimeError: no meta support" in plan["memory_estimate_note"]
     assert memory_plan.predicted_not_to_fit(first_run(config), 2**30, "a 1 GiB GPU", None, build=broken) is None
+    spec = first_run(config)
+    unmodelled = memory_plan.run_estimate(spec, None, model=torch.nn.Linear(2, 2))  # no vision tower / language model
+    assert unmodelled["memory_estimate_mb"] is None and "vision_tower" in unmodelled["memory_estimate_note"]
+    failing = memory_plan.run_estimate(spec, None, model=object())  # the estimate itself raises
+    assert failing["memory_estimate_mb"] is None and failing["memory_estimate_note"].startswith("no estimate: ")

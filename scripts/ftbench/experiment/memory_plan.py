@@ -49,9 +49,7 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     if needs_built_model(run):
         if model is None:
             return _no_estimate(unbuilt_note or UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])
-        # A padded batch is as long as its longest row, which the train job reads from the data: here the most a row holds.
-        note = "rows taken as seq_len plus the image's tokens (an upper bound)" if family.estimate_reads_longest_row else None
-        return {**family.memory_estimate(model, run, manifest), "plan_note": note}
+        return _estimate_of_model(family, model, run, manifest, data_dir)
     settings = model_shape.with_defaults(source.get("architecture"), settings)
     if settings.get("text_config") or settings.get("vision_config"):
         return _no_estimate("a multimodal config is not planned from the config by this task's family")
@@ -71,6 +69,22 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     # single-GPU run's plus 21 MB, and the replica's estimate 1.021 of it.
     figures["plan_note"] = "; ".join(notes) or None
     return figures
+
+
+def _estimate_of_model(family, model, run: RunSpec, manifest: dict, data_dir) -> dict:
+    """The family's estimate from the run's (meta-device) model. A padded batch is as long as its longest row: read
+    from the prepared data as the train job does, else the most a row holds (an upper bound, in the note)."""
+    note = None
+    if family.estimate_reads_longest_row:
+        if manifest.get("splits"):
+            manifest = {**manifest, "longest_row": int(train_lengths(str(data_dir)).max(initial=0))}
+        else:
+            note = "rows taken as seq_len plus the image's tokens (data not prepared yet: an upper bound)"
+    try:
+        figures = family.memory_estimate(model, run, manifest)
+    except Exception as exc:  # noqa: BLE001 - an estimate advises: one it cannot make leaves the run to train
+        return _no_estimate(f"no estimate: {type(exc).__name__}: {exc}"[:300])
+    return {**figures, "plan_note": note}
 
 
 # Why a model of two stacks has no estimate before its train job builds it.

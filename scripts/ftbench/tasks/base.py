@@ -91,8 +91,20 @@ class Batch:
     vision_sum_squared_lengths: int = 0
 
     def to(self, device) -> "Batch":
-        moved = {key: value.to(device, non_blocking=True) for key, value in self.inputs.items()}
+        moved = {key: to_device(value, device) for key, value in self.inputs.items()}
         return dataclasses.replace(self, inputs=moved)
+
+
+def to_device(tensor, device):
+    """``tensor`` on ``device`` with the host not waiting for the GPU's queued work: onto a GPU from pinned
+    memory, non-blocking. The trainer collates a step's first batch while the step before still runs on the GPU,
+    and times it as loader time: a copy from pageable memory (large ones) or torch.tensor(..., device=cuda) waits
+    for that work to finish, which would count the GPU's time as the loader's."""
+    import torch  # deferred: the registry is read at parse time, torch-free
+
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def pad(sequences: list[np.ndarray], value: int) -> tuple[np.ndarray, np.ndarray]:

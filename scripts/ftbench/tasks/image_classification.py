@@ -30,7 +30,7 @@ from ftbench.data.images import pixels_of
 from ftbench.errors import ConfigError
 from ftbench.measure import memory_estimate
 from ftbench.runspec import RunSpec
-from ftbench.tasks.base import Batch, TaskFamily
+from ftbench.tasks.base import Batch, TaskFamily, to_device
 from ftbench.tasks.text import ClassAccumulator
 
 
@@ -119,12 +119,12 @@ class ImageBatch(Batch):
     def to(self, device) -> "ImageBatch":
         import torch  # deferred: the registry is read at parse time, torch-free
 
-        moved = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        moved = {key: to_device(value, device) if isinstance(value, torch.Tensor) else value
                  for key, value in self.inputs.items()}
         pixels = moved["pixel_values"]
         if pixels.dtype == torch.uint8:  # N x H x W x 3 bytes -> normalised N x 3 x H x W floats
-            mean = torch.tensor(self.facts.mean, device=device).view(1, -1, 1, 1)
-            std = torch.tensor(self.facts.std, device=device).view(1, -1, 1, 1)
+            mean = to_device(torch.tensor(self.facts.mean), device).view(1, -1, 1, 1)
+            std = to_device(torch.tensor(self.facts.std), device).view(1, -1, 1, 1)
             pixels = pixels.permute(0, 3, 1, 2).float().div_(255.0)
             moved["pixel_values"] = ((pixels - mean) / std).contiguous()
         return dataclasses.replace(self, inputs=moved)
