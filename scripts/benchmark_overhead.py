@@ -178,10 +178,9 @@ def summarise_trials(trials: list[dict]) -> dict:
         summary[f"median_{key}"] = statistics.median(values)
         summary[f"range_{key}"] = [min(values), max(values)]
         summary[f"verdict_{key}"] = verdict(values, target)
-        window = [trial[f"window_{key}"] for trial in trials if f"window_{key}" in trial]
-        if window:
-            summary[f"median_window_{key}"] = statistics.median(window)
-            summary[f"range_window_{key}"] = [min(window), max(window)]
+        window = [trial[f"window_{key}"] for trial in trials]
+        summary[f"median_window_{key}"] = statistics.median(window)
+        summary[f"range_window_{key}"] = [min(window), max(window)]
     summary["resolved"] = all(summary[f"verdict_{key}"] != "not resolved" for key in TARGETS)
     return summary
 

@@ -97,7 +97,9 @@ def _load_benchmark_module():
 
 
 def _trial(ftbench_over_bare: float, nvml_on_over_off: float) -> dict:
-    return {"ftbench_over_bare": ftbench_over_bare, "nvml_on_over_off": nvml_on_over_off}
+    """A trial whose window ratios equal its typical-step ones (the verdicts read only the latter)."""
+    return {"ftbench_over_bare": ftbench_over_bare, "nvml_on_over_off": nvml_on_over_off,
+            "window_ftbench_over_bare": ftbench_over_bare, "window_nvml_on_over_off": nvml_on_over_off}
 
 
 def test_trials_that_agree_resolve_the_ratio_and_scattered_ones_do_not():

@@ -370,7 +370,7 @@ class OptionalImports:
         """Collect the probes that have answered; once all have (or the deadline passed), import the modules
         that passed and return True. False while a probe is still running."""
         for name, pid in list(self.pending.items()):
-            answer = _probe_answer(pid)
+            answer = _check_result(pid, block=False)
             if answer is not None:
                 del self.pending[name]
                 if answer:
@@ -392,15 +392,6 @@ class OptionalImports:
                 print(f"warm start: {name} not preloaded ({type(exc).__name__}: {exc})", flush=True)
         print(f"warm start: the optional imports took {time.perf_counter() - started:.1f} s", flush=True)
         return True
-
-
-def _probe_answer(pid: int) -> bool | None:
-    """Whether probe child ``pid`` found its check held; None while it runs."""
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return False
-    return None if done == 0 else os.waitstatus_to_exitcode(status) == 0
 
 
 def _fork_jobs(listener: socket.socket, idle_s: float, optional: OptionalImports | None = None) -> None:
@@ -486,10 +477,14 @@ def _fork_check(check) -> int:
     return pid
 
 
-def _check_result(pid: int) -> bool:
-    """Whether the check in child ``pid`` held (False also if it failed)."""
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+def _check_result(pid: int, block: bool = True) -> bool | None:
+    """Whether the check in child ``pid`` held (False also if it failed, or is no child of ours); without
+    ``block``, None while it still runs."""
+    try:
+        done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return None if done == 0 else os.waitstatus_to_exitcode(status) == 0
 
 
 def _in_forked_child(check) -> bool:

@@ -44,8 +44,7 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     if settings is None:
         return _no_estimate("the model's config is not readable here (a hub model): no estimate before it is loaded")
     manifest = prepared_manifest(data_dir) or {}
-    manifest = {"seq_len": run.seq_len, "image_tokens_per_image": family.tokens_per_example(run),
-                **family.planning_manifest(run), **manifest}
+    manifest = {"seq_len": run.seq_len, **family.planning_manifest(run), **manifest}
     if needs_built_model(run):
         if model is None:
             return _no_estimate(unbuilt_note or UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])

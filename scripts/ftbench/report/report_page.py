@@ -553,10 +553,11 @@ def what_fits(runs: pd.DataFrame, gpus: list[dict]) -> pages.Table | None:
     names = estimated["config_label"] if "config_label" in estimated else estimated["config_id"]  # as Configurations names them
     rows = pd.DataFrame({"configuration": names, "estimate MiB per GPU": estimated["memory_estimate_mb"],
                          "measured / estimate": 1 / estimated["memory_estimate_ratio"]})
+    titles = {}
     for gpu in sized:
         capacity = memory_plan.capacity_mib(gpu)
         rows[gpu["name"]] = [memory_estimate.fit(estimate, capacity) for estimate in estimated["memory_estimate_mb"]]
-    titles = {gpu["name"]: f"{memory_plan.capacity_mib(gpu):,.0f} MiB usable of {gpu['memory_gb']} GB" for gpu in sized}
+        titles[gpu["name"]] = f"{capacity:,.0f} MiB usable of {gpu['memory_gb']} GB"
     return pages.table(rows, list(rows.columns), table_id="fits-table", titles=titles)
 
 

@@ -214,6 +214,6 @@ class TaskFamily:
 
     def planning_manifest(self, run: RunSpec) -> dict:
         """Manifest figures the memory estimate reads, from the config, for a plan made before the data is
-        prepared (the prepared manifest's own replace them)."""
-        return {}
+        prepared (the prepared manifest's own replace them): an image family's tokens per image."""
+        return {"image_tokens_per_image": self.tokens_per_example(run)}
 

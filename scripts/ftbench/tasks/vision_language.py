@@ -380,8 +380,6 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     activations (two Linears over the image features, small beside either tower's)."""
     if spec.compile:
         return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
-    if isinstance(model, estimate_module.ModelFacts):  # one stack's facts: the plan builds the model instead
-        return estimate_module.no_estimate("a vision-language model is estimated from the model (on the meta device), not one stack's facts")
     tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
     if tower is None or language_model is None:
         return estimate_module.no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")

@@ -148,7 +148,7 @@ def meta_model(spec: RunSpec) -> torch.nn.Module | None:
         import transformers
 
         location, extra = pretrained_args(source)
-        config = transformers.AutoConfig.from_pretrained(location, **{k: v for k, v in extra.items() if k == "revision"})
+        config = transformers.AutoConfig.from_pretrained(location, revision=extra.get("revision"))
         with torch.device("meta"):
             model = family.model_class().from_config(config, **kwargs)
     model = _prepare_for_training(model, spec)
