@@ -220,7 +220,7 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
     attention through ``attention_flop_formulas``, bitsandbytes' 4-bit matmuls through
     ``four_bit_flop_formulas``), tallied by ``FlopTally``, with activation checkpointing off
     (``recomputation_off``): the count checks the model FLOPs of this module's convention. Gradients are cleared."""
-    tally = FlopTally({**attention_flop_formulas(), **four_bit_flop_formulas()})
+    tally = new_tally()
     # The random number streams are left as they were (dropout draws from them): a run's numbers must not
     # depend on whether, or on how large a micro-batch, the cross-check counted.
     device = next(model.parameters()).device
@@ -230,6 +230,11 @@ def counted_flops(model: torch.nn.Module, inputs: dict, autocast: dict) -> int:
         output.loss.mean().backward()
     model.zero_grad(set_to_none=True)
     return tally.total
+
+
+def new_tally() -> "FlopTally":
+    """A FlopTally with every formula ftbench adds: fused attention and bitsandbytes' 4-bit matmuls."""
+    return FlopTally({**attention_flop_formulas(), **four_bit_flop_formulas()})
 
 
 def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

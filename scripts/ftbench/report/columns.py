@@ -83,7 +83,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "flops_analytic_microbatch": ("Float64", "analytic FLOPs of the same micro-batch (padded shapes, as the counter sees)"),
     "flops_counted_error": ("string", "why the FLOP counter gave no count (e.g. an attention kernel it cannot count)"),
     "flops_counted_ratio": ("Float64", "counted / analytic model FLOPs of one micro-batch (one sample with gradient checkpointing, which is off for the count: recomputation is not model FLOPs; bitsandbytes 4-bit matmuls counted as the matmuls they replace)"),
-    "flops_count_time_s": ("Float64", "seconds of the FLOP cross-check's counted forward and backward pass (before the first step: part of overhead_s; it also pays lazy CUDA initialisation the first step would otherwise pay)"),
+    "flops_count_time_s": ("Float64", "seconds of the FLOP cross-check's own forward and backward pass (before the first step: part of overhead_s; it also pays lazy CUDA initialisation the first step would otherwise pay); null where the first training step's first micro-batch was counted as it trained, with no pass of its own (one device, eager, padded batches, no checkpointing)"),
     "loader_wait_fraction": ("Float64", "share of measured step time the host spent collating batches; a step's first batch is collated during the step before, while the GPU runs its update (the GPU waits only for what exceeds that)"),
     # GPU sampling through NVML over the measured window, paused like its time for evaluations between steps;
     # null without NVML (never 0)

@@ -129,7 +129,8 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
         manifest = {**manifest, "longest_row": int(batching.lengths_of(run.train_split).max(initial=0))}
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
     shape = flops.ModelShape.of(run.model)
-    if run.dist.rank == 0 and run.spec.parallel != "fsdp":  # fsdp: every rank counts once sharded (_set_up_loop)
+    # fsdp: every rank counts once sharded (_set_up_loop); a plain single-device run counts its first step.
+    if run.dist.rank == 0 and run.spec.parallel != "fsdp" and not _counts_flops_in_first_step(run):
         metrics.update(_count_flops(run, shape, run.model))
     engine = hf_engine.train_steps if run.spec.engine == "hf_trainer" else train_steps
     # eval_every: evaluations between steps, the clock paused; the ranks stop at the target together.
@@ -203,7 +204,8 @@ class _Loop:
     share: int  # this process's share of each global micro-batch: DataParallel takes all, a DDP rank a slice
     total_steps: int
     local_gpus: list[int]  # the GPUs this process drives (peaks, sampling)
-    flop_check: dict  # fsdp: the FLOP cross-check, counted on the sharded model by every rank
+    flop_check: dict  # the FLOP cross-check where the loop takes it (fsdp; the first step: _counts_flops_in_first_step)
+    count_first_microbatch: bool  # count the FLOPs of the first step's first micro-batch as it trains
     skip_on_device: bool  # the optimizer skips a non-finite loss's update itself (optimizers.skips_non_finite_on_device)
 
 
@@ -255,6 +257,9 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     # one micro-batch on it, before the peaks are reset. The gathered parameters are whole at compute time,
     # so the counter sees the same matmuls as on one device.
     flop_check = _count_flops(run, shape, model) if spec.parallel == "fsdp" else {}
+    count_first_microbatch = _counts_flops_in_first_step(run)
+    if count_first_microbatch:  # replaced by the count once the first step has run
+        flop_check = {"flops_counted_microbatch": None, "flops_counted_error": "the run took no training step"}
     optimizer = make_optimizer(spec, model, device)
     scaler = make_grad_scaler(spec, device)
     gpus = local_gpus(spec, device)
@@ -263,7 +268,7 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), scaler,
                  autocast_args(device, spec.precision), training_order(run, total_steps),
                  spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check,
-                 skips_non_finite_on_device(optimizer, scaler, spec.parallel))
+                 count_first_microbatch, skips_non_finite_on_device(optimizer, scaler, spec.parallel))
 
 
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,
@@ -367,7 +372,8 @@ def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int,
         # DDP all-reduces gradients only on the last micro-batch of a step. FSDP reduce-scatters every
         # micro-batch's: skipping it would keep whole unsharded gradients, the memory fsdp saves.
         ddp_accumulating = spec.parallel == "ddp" and dist.active and micro < accum - 1
-        with loop.model.no_sync() if ddp_accumulating else contextlib.nullcontext():
+        tally = flops.new_tally() if loop.count_first_microbatch and step == 0 and micro == 0 else None
+        with loop.model.no_sync() if ddp_accumulating else contextlib.nullcontext(), tally or contextlib.nullcontext():
             with torch.autocast(**loop.autocast):
                 # Only the loss is kept: holding the whole output would keep the logits (batch x S x
                 # vocab) alive through backward, memory a usual training loop frees at this point.
@@ -375,6 +381,8 @@ def _forward_backward(run: Run, loop: _Loop, shape: flops.ModelShape, step: int,
             if injector:
                 loss = injector.loss(step, loss)
             loop.scaler.scale(loss).backward()
+        if tally:
+            loop.flop_check = _flop_check(run, shape, batch, tally.total, count_time_s=None)
         loss_sum += loss.detach()
         _count_batch(record, batch)
     return record, loss_sum
@@ -390,21 +398,26 @@ def _count_batch(record: dict, batch: Batch) -> None:
     record["capacity_tokens"] += batch.capacity_tokens
 
 
+def _counts_flops_in_first_step(run: Run) -> bool:
+    """Whether the FLOP cross-check counts the first step's first micro-batch as it trains, instead of a forward
+    and backward pass of its own before training (0.8-1.4 s of a short job's overhead on an H100): where what
+    trains is what the counter should see, on one device (a DataParallel replica runs in a thread the counter
+    does not see; DDP and FSDP synchronise ranks), eager (a compiled graph runs kernels the counter cannot see),
+    with nothing recomputed (checkpointing: model FLOPs, not hardware FLOPs), padded batches (the analytic count's
+    attention is over padded rows, not a packed batch's segments), and where the first step is not timed (the
+    counter slows the step it counts)."""
+    spec = run.spec
+    return (spec.parallel == "single" and not run.dist.active and spec.engine != "hf_trainer" and not spec.compile
+            and not spec.packed and spec.warmup_steps >= 1 and not flops.checkpointed_modules(run.model))
+
+
 def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> dict:
-    """torch.utils.flop_counter on one micro-batch through ``model``, beside the analytic count for the same
-    (padded) batch: the counter sees padded shapes. Checkpointing is switched off for the count (model FLOPs,
-    not the recomputed forward), so a checkpointed run counts one sample: its batch may fit only with
-    checkpointing on."""
+    """torch.utils.flop_counter on one micro-batch through ``model``, a pass of its own, beside the analytic count
+    for the same (padded) batch. Checkpointing is switched off for the count (model FLOPs, not the recomputed
+    forward), so a checkpointed run counts one sample: its batch may fit only with checkpointing on."""
     spec, split = run.spec, run.train_split
     indices = np.arange(min(1 if flops.checkpointed_modules(model) else spec.batch_size, len(split)))
     batch = registry.family(run.task).collate(split, indices, run.pad_id).to(run.device)
-    # The counter sees padded shapes: count the analytic FLOPs at padded lengths too.
-    inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
-    family = registry.family(run.task)
-    targets_len = batch.inputs["labels"].shape[1] if family.separate_targets else 0
-    n = batch.samples
-    # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
-    pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
     started = time.perf_counter()
     try:
         counted = flops.counted_flops(model, batch.inputs, autocast_args(run.device, spec.precision))
@@ -412,14 +425,26 @@ def _count_flops(run: Run, shape: flops.ModelShape, model: torch.nn.Module) -> d
         # Seen before flops.attention_flop_formulas: torch 2.11's SDPA formula rejected grouped-query attention.
         model.zero_grad(set_to_none=True)
         return {"flops_counted_microbatch": None, "flops_counted_error": f"{type(exc).__name__}: {exc}"[:200]}
-    analytic = flops.step_flops(shape, spec.method == "full", n * (inputs_len + targets_len) + pictures,
+    return _flop_check(run, shape, batch, counted, count_time_s=time.perf_counter() - started)
+
+
+def _flop_check(run: Run, shape: flops.ModelShape, batch: Batch, counted: int, count_time_s: float | None) -> dict:
+    """The counted FLOPs of ``batch`` beside the analytic count for the same batch at its padded lengths (the
+    counter sees padded shapes)."""
+    inputs_len = batch.inputs["input_ids"].shape[1] if "input_ids" in batch.inputs else batch.padded_tokens // batch.samples
+    family = registry.family(run.task)
+    targets_len = batch.inputs["labels"].shape[1] if family.separate_targets else 0
+    n = batch.samples
+    # Images beside text (a dual encoder's pairs): their tokens too, all of one length.
+    pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
+    analytic = flops.step_flops(shape, run.spec.method == "full", n * (inputs_len + targets_len) + pictures,
                                 n * inputs_len**2 + pictures * (pictures // n), n * targets_len, n * targets_len**2,
                                 batch.image_tokens, batch.vision_tokens, batch.vision_sum_squared_lengths, batch.images)
     return {
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,
         "flops_counted_ratio": counted / analytic if analytic else None,
-        "flops_count_time_s": time.perf_counter() - started,
+        "flops_count_time_s": count_time_s,
     }
 
 
