@@ -425,7 +425,7 @@ def test_counted_flops_agree_with_analytic_for_a_tiny_llama(llama_data):
 @pytest.mark.slow
 def test_the_first_step_counts_what_a_pass_of_its_own_counts(llama_data, monkeypatch):
     """A plain one-device run counts its first step's first micro-batch as it trains (no pass of its own, which
-    was 0.8-1.4 s of a short job's overhead on an H100): the same count as the pass before training, taken at
+    was 0.8-1.5 s of a short job's overhead on an H100): the same count as the pass before training, taken at
     no cost of its own, and the run's losses untouched by it."""
     spec = llama_spec(attn_implementation="eager")
     in_step, in_step_steps = trainer.train_run(spec, llama_data)

@@ -400,7 +400,7 @@ def _count_batch(record: dict, batch: Batch) -> None:
 
 def _counts_flops_in_first_step(run: Run) -> bool:
     """Whether the FLOP cross-check counts the first step's first micro-batch as it trains, instead of a forward
-    and backward pass of its own before training (0.8-1.4 s of a short job's overhead on an H100): where what
+    and backward pass of its own before training (0.8-1.5 s of a short job's overhead on an H100): where what
     trains is what the counter should see, on one device (a DataParallel replica runs in a thread the counter
     does not see; DDP and FSDP synchronise ranks), eager (a compiled graph runs kernels the counter cannot see),
     with nothing recomputed (checkpointing: model FLOPs, not hardware FLOPs), padded batches (the analytic count's
