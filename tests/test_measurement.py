@@ -33,7 +33,7 @@ from ftbench.runspec import RunSpec
 from ftbench import cli
 from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
 from ftbench.report import collect
-from ftbench.experiment import matrix
+from ftbench.experiment import feasibility, matrix
 from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftconfig
 from ftbench.report.columns import COLUMNS
@@ -586,6 +586,37 @@ def test_peak_tflops_resolves_known_gpus(device_name, dtype, peak, entry):
 def test_mfu_divides_by_the_peak_of_every_device():
     result = gpu_table.mfu(0.5 * 989.4e12 * 2, "NVIDIA H100 80GB HBM3", "bf16", devices=2, peaks=SHIPPED_PEAKS)
     assert result == {"mfu": pytest.approx(0.5), "mfu_peak_tflops": 989.4, "mfu_peak_source": "H100 SXM bf16"}
+
+
+def test_a_bf16_true_run_is_measured_against_the_bf16_peak():
+    row = {"device": "cuda", "tflops_per_s": 494.7, "device_name": "NVIDIA H100 80GB HBM3", "world_size": 1}
+    assert metrics.mfu({**row, "precision": "bf16_true"}, SHIPPED_PEAKS) == metrics.mfu({**row, "precision": "bf16"}, SHIPPED_PEAKS)
+    assert metrics.mfu({**row, "precision": "bf16_true"}, SHIPPED_PEAKS)["mfu"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_bf16_true_trains_bf16_weights_without_autocast(llama_data):
+    """precision bf16_true: every weight (LoRA's adapters too) is bf16 and no autocast runs; the run trains and its
+    estimate counts half the bytes per parameter of the mixed-precision run's."""
+    from ftbench.train.devices import autocast_args
+
+    cpu = torch.device("cpu")
+    for method in ("full", "lora"):
+        built = modeling.build_model(llama_spec(precision="bf16_true", method=method), None, cpu, pad_token_id=0)
+        assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
+    assert not autocast_args(cpu, "bf16_true")["enabled"] and autocast_args(cpu, "bf16")["enabled"]
+    true, steps = trainer.train_run(llama_spec(precision="bf16_true"), llama_data)
+    assert true["status"] == "ok" and all(math.isfinite(s["loss"]) for s in steps)
+    mixed, _ = trainer.train_run(llama_spec(precision="bf16"), llama_data)
+    assert true["memory_estimate_parts_mb"]["weights"] == pytest.approx(mixed["memory_estimate_parts_mb"]["weights"] / 2)
+    assert true["memory_estimate_parts_mb"]["weight_copies"] == 0 < mixed["memory_estimate_parts_mb"]["weight_copies"]
+
+
+@pytest.mark.parametrize("settings, words", [({"method": "qlora"}, "QLoRA"), ({"parallel": "fsdp", "num_gpus": 2}, "fsdp")])
+def test_bf16_true_beyond_full_and_lora_on_one_process_kind_is_unsupported(settings, words):
+    assert words in feasibility.unsupported_reason(RunSpec(precision="bf16_true", **settings))
+    assert feasibility.unsupported_reason(RunSpec(precision="bf16", **settings)) is None
+    assert feasibility.unsupported_reason(RunSpec(precision="bf16_true", method="lora", parallel="ddp", num_gpus=2)) is None
 
 
 @pytest.mark.parametrize("device_name, dtype", [("Mystery Accelerator 9000", "bf16"), ("Tesla T4", "bf16")])

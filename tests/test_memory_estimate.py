@@ -383,3 +383,32 @@ def test_quick_gelu_keeps_its_sigmoid_in_fp32_under_qlora():
     plain = me.ModelFacts(**{**facts.__dict__, "quick_gelu": False})
     assert part(me.estimate(plain, spec(method="qlora"), None), "activations") - \
         part(me.estimate(plain, spec(method="lora"), None), "activations") == 8 * 64 * 2 * 2 * 128
+
+
+# --- precision bf16_true ----------------------------------------------------------------------------------------
+
+def test_bf16_true_halves_weights_gradients_and_adamw_state_and_has_no_weight_copies():
+    """The weights themselves in bf16: 2 bytes per weight and gradient, AdamW's moments in bf16, nothing cast by
+    autocast; the activations are those of 16-bit parameters (the residual stream and RMSNorm outputs in bf16)."""
+    mixed, true = estimate(), estimate(precision="bf16_true")
+    assert part(true, "weights") == 2 * PARAMS == part(mixed, "weights") / 2
+    assert part(true, "gradients") == 2 * PARAMS == part(mixed, "gradients") / 2
+    assert part(true, "optimizer") == 4 * PARAMS == part(mixed, "optimizer") / 2
+    assert part(mixed, "weight_copies") > 0 and part(true, "weight_copies") == 0
+    positions = 8 * 64
+    assert part(mixed, "activations") - part(true, "activations") == pytest.approx(10 * 64 * 2 * positions)
+    assert part(true, "logits") == part(mixed, "logits")
+    # an 8-bit optimizer keeps 8-bit state whatever the weights' dtype; SGD's momentum follows the weights
+    assert part(estimate(precision="bf16_true", optimizer="adamw_8bit"), "optimizer") == 2 * PARAMS
+    assert part(estimate(precision="bf16_true", optimizer="sgd"), "optimizer") == 2 * PARAMS
+    # checkpointing keeps each layer's bf16 input; DDP's buckets are bf16 too
+    assert part(estimate(precision="bf16_true", gradient_checkpointing=True), "activations") == positions * 2 * 2 * 64
+    assert part(estimate(precision="bf16_true", parallel="ddp", num_gpus=2), "ddp_buckets") == 2 * PARAMS
+
+
+def test_bf16_true_is_not_modelled_for_layernorm_models():
+    """Only RMSNorm stacks were traced with bf16 weights: an encoder gets a note, never a guess."""
+    encoder = me.ModelFacts(**{**FACTS.__dict__, "norm": "layer", "mlp": "plain"})
+    result = estimate(encoder, precision="bf16_true")
+    assert result["memory_estimate_mb"] is None and "bf16_true" in result["memory_estimate_note"]
+    assert estimate(encoder)["memory_estimate_mb"] > 0  # mixed precision is modelled

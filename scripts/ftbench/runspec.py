@@ -109,8 +109,12 @@ class RunSpec:
     qlora_double_quant: bool = setting(True, "QLoRA double quantisation of the quantisation constants", {"type": "boolean"},
                                        "boolean", name_part=lambda s: "nodq" if s.method == "qlora" and not s.qlora_double_quant else None,
                                        applies=_is_qlora)
-    precision: str = setting("fp32", "fp32 | fp16 | bf16 (autocast dtype; QLoRA compute dtype)",
-                             {"enum": ["fp32", "fp16", "bf16"]}, "string", name_part=lambda s: s.precision)
+    precision: str = setting(
+        "fp32", "fp32 | fp16 | bf16 (mixed precision: fp32 weights and optimizer state, the forward pass under autocast "
+        "in that dtype; QLoRA's compute dtype) | bf16_true (weights, gradients and optimizer state themselves in bf16, "
+        "no autocast: half the memory per parameter and no per-step casts, but updates smaller than bf16's resolution "
+        "are lost; full and lora, not fsdp)",
+        {"enum": ["fp32", "fp16", "bf16", "bf16_true"]}, "string", name_part=lambda s: s.precision)
     batch_size: int = setting(32, "samples per optimizer step on each device (with auto_batch_size: the batch found and measured)",
                               {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64", name_part=lambda s: f"b{s.batch_size}")
     seq_len: int = setting(128, "maximum tokens per sample (longer texts are truncated)",
@@ -339,6 +343,11 @@ class RunSpec:
         if self.max_steps is not None:
             return self.max_steps
         return max(1, math.ceil(self.epochs * steps_per_epoch))
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype a precision computes in ("fp32", "fp16", "bf16"): its autocast dtype, or its weights' (bf16_true)."""
+    return "bf16" if precision == "bf16_true" else precision
 
 
 def settings_fields() -> list[dataclasses.Field]:

@@ -48,7 +48,7 @@ TRAIN_RUNTIME_MARGIN = 2.0
 # Achieved (not peak) FLOP/s per device used to turn tokens into seconds. Deliberately low: about 10-20%
 # of a current data-centre GPU's peak, and a few cores of a CPU. fp32 runs on a GPU get the fp32 rate
 # (TF32 off), half precision the tensor-core rate.
-ACHIEVED_FLOPS = {"cpu": 5e10, "fp32": 5e12, "bf16": 3e13, "fp16": 3e13}
+ACHIEVED_FLOPS = {"cpu": 5e10, "fp32": 5e12, "bf16": 3e13, "fp16": 3e13, "bf16_true": 3e13}
 # Parameters assumed when the model's config.json cannot be read while the DAG is built (a hub model
 # that is not in the local Hugging Face cache): a 1B model, so small models get generous walltimes.
 DEFAULT_MODEL_PARAMS = 1e9

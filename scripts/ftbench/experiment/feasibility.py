@@ -53,8 +53,22 @@ def _compile_with_liger(spec: RunSpec) -> str | None:
     return None
 
 
+def _bf16_true_beyond_full_and_lora(spec: RunSpec) -> str | None:
+    if spec.precision != "bf16_true":
+        return None
+    if spec.method == "qlora":
+        # The 4-bit base computes in qlora_compute_dtype already; the adapters are what bf16_true would change.
+        return ("precision bf16_true with QLoRA: its 4-bit base computes in qlora_compute_dtype and only its adapters "
+                "train; use precision bf16 (or method lora with bf16_true)")
+    if spec.parallel == "fsdp":
+        # FSDP2's mixed precision keeps fp32 sharded masters and casts what it gathers: a different recipe, not
+        # measured here with bf16 masters.
+        return "precision bf16_true under fsdp: FSDP2 keeps fp32 sharded weights and gathers them in bf16; use precision bf16"
+    return None
+
+
 RULES: tuple[Callable[[RunSpec], str | None], ...] = (
-    _fsdp_8bit_optimizer, _qlora_fsdp_offload, _hf_trainer_parallel, _compile_with_liger,
+    _fsdp_8bit_optimizer, _qlora_fsdp_offload, _hf_trainer_parallel, _compile_with_liger, _bf16_true_beyond_full_and_lora,
 )
 
 

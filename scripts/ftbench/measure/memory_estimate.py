@@ -27,6 +27,11 @@ The model (bytes), so the ratio estimate / measured says where it is off:
 - logits of a language model: 12 bytes per batch x S x vocab element at the start of the backward
   pass: the loss's fp32 log-softmax output (kept for backward), its gradient and the gradient of its
   input. Large for decoders with big vocabularies.
+- precision bf16_true (the weights themselves in bf16, no autocast): 2 bytes per weight and per gradient,
+  AdamW's moments in bf16 (4 bytes; SGD's momentum 2; the 8-bit optimizers as before), no 16-bit weight copies,
+  DDP's buckets in bf16; activations as for 16-bit parameters under FSDP2 (the residual stream and RMSNorm
+  outputs in bf16; checkpointing keeps each layer's bf16 input). Modelled for RMSNorm stacks (Llama-like
+  decoders) only: LayerNorm models (encoders, ViT, CLIP, LLaVA's tower) were not traced in bf16 and get a note.
 - the peak (peak_bytes): weights + optimizer state + the larger of the start of the backward pass
   (weight copies, activations, logits; no gradient yet) and its end (gradients; with checkpointing also
   the layer inputs and one recomputed layer). Seen on an H100 by reading the allocated memory after each
@@ -279,6 +284,8 @@ def estimate(model, spec: RunSpec, logits_vocab: int | None, packed_batch: tuple
     if spec.compile:
         return no_estimate(NOT_MODELLED_COMPILED)
     facts = model if isinstance(model, ModelFacts) else facts_of(model)
+    if spec.precision == "bf16_true" and facts.norm != "rms":
+        return no_estimate(NOT_MODELLED_BF16_TRUE)
     parts = estimate_parts(facts, spec, logits_vocab, packed_batch)
     host = None
     if spec.parallel == "fsdp":
@@ -301,8 +308,20 @@ def no_estimate(note: str) -> dict:
 
 
 def computes_in_16_bit(spec: RunSpec) -> bool:
-    """Whether the run computes in 16 bits (autocast over fp32 master weights)."""
-    return spec.precision in ("bf16", "fp16")
+    """Whether the run computes in 16 bits (autocast over fp32 master weights, or bf16 weights: bf16_true)."""
+    return spec.precision in ("bf16", "fp16", "bf16_true")
+
+
+def weight_bytes(spec: RunSpec) -> int:
+    """Bytes of one unquantised weight, and of one gradient: fp32 masters, or bf16 themselves (bf16_true)."""
+    return 2 if spec.precision == "bf16_true" else 4
+
+
+def optimizer_bytes(spec: RunSpec) -> float:
+    """Optimizer state per trainable parameter: AdamW's moments and SGD's momentum take the parameter's dtype
+    (half under bf16_true); the 8-bit optimizers keep theirs in 8 bits either way."""
+    full = OPTIMIZER_BYTES[spec.optimizer]
+    return full / 2 if spec.precision == "bf16_true" and spec.optimizer in ("adamw", "sgd") else full
 
 
 def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
@@ -312,17 +331,17 @@ def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
     positions, row = batch_positions(spec, packed_batch)
     parts = {
-        "weights": facts.quantised * (0.5 + constants) + facts.other * 4,
+        "weights": facts.quantised * (0.5 + constants) + facts.other * weight_bytes(spec),
         "weight_copies": weight_copies_bytes(facts, spec, sixteen),
-        "gradients": facts.trainable * 4,
-        "optimizer": facts.trainable * OPTIMIZER_BYTES[spec.optimizer],
+        "gradients": facts.trainable * weight_bytes(spec),
+        "optimizer": facts.trainable * optimizer_bytes(spec),
         **activation_parts(facts, spec, sixteen, positions, row),
         "logits": logits_bytes(facts, spec, logits_vocab, positions),
     }
     parts["accumulated"] = parts["gradients"] if spec.grad_accum_steps > 1 else 0
     parts["workspace"] = WORKSPACE_BYTES
     if spec.parallel == "ddp":
-        parts["ddp_buckets"] = DDP_BUCKET_BYTES * facts.trainable
+        parts["ddp_buckets"] = DDP_BUCKET_BYTES * facts.trainable * weight_bytes(spec) / 4  # in the gradients' dtype
         parts["ddp_rebuild"] = parts["ddp_buckets"] if spec.grad_accum_steps == 1 else 0
     return parts
 
@@ -334,8 +353,8 @@ def weight_copies_bytes(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> 
     16-bit weight for the gradient of its input: 2 bytes per head parameter, trainable or not (seen in a CUDA
     memory snapshot of the 1B Llama shape's LoRA and QLoRA runs with checkpointing on an H100: the 501 MB those
     rows missed). Liger's fused cross-entropy computes the head's gradients in the forward pass and keeps no
-    copy: its cast goes with autocast's cache, with or without checkpointing."""
-    if not sixteen_bit:
+    copy: its cast goes with autocast's cache, with or without checkpointing. bf16_true: no autocast, no copies."""
+    if not sixteen_bit or spec.precision == "bf16_true":
         return 0
     head_copy = 0 if spec.kernels == "liger" else 2 * facts.head
     if spec.gradient_checkpointing:
@@ -365,7 +384,8 @@ def logits_bytes(facts: ModelFacts, spec: RunSpec, vocab: int | None, positions:
         return 12 * positions * vocab
     width = facts.shape.width or 1
     chunk = min(positions, 2 ** math.ceil(math.log2(max(1, math.ceil(positions / math.ceil(vocab / width))))))
-    return 4 * positions * width + 4 * facts.head_trainable + 4 * chunk * vocab
+    gradient = weight_bytes(spec)  # the hidden states' and the head's gradients, in the weights' dtype
+    return gradient * positions * width + gradient * facts.head_trainable + 4 * chunk * vocab
 
 
 def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positions: int, row: int) -> dict:
@@ -390,8 +410,9 @@ def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positi
     if sixteen_bit_parameters(facts, spec, sixteen_bit):
         per_layer_token += SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES["full" if spec.method == "full" else "adapters"] * width
     if spec.gradient_checkpointing:
-        # each layer's fp32 input; one layer's activations, while the backward pass recomputes it
-        return {"activations": positions * layers * 4 * width, "recompute": positions * per_layer_token}
+        # each layer's input (fp32 under autocast, bf16 under bf16_true); one layer's activations, while the
+        # backward pass recomputes it
+        return {"activations": positions * layers * weight_bytes(spec) * width, "recompute": positions * per_layer_token}
     return {"activations": positions * layers * per_layer_token, "recompute": 0}
 
 
@@ -416,9 +437,9 @@ def fp32_qlora_mlp(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> bool:
 
 
 def sixteen_bit_parameters(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> bool:
-    """Whether the layers compute with 16-bit parameters (FSDP2's mixed precision casts them) where the traced
+    """Whether the layers compute with 16-bit parameters (FSDP2's mixed precision casts them; bf16_true) where the traced
     coefficients assume fp32 masters under autocast; RMSNorm models only (see SIXTEEN_BIT_PARAMS_RMS_WIDTH_BYTES)."""
-    return spec.parallel == "fsdp" and sixteen_bit and facts.norm == "rms"
+    return (spec.parallel == "fsdp" or spec.precision == "bf16_true") and sixteen_bit and facts.norm == "rms"
 
 
 def liger_saved_per_layer_token(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> float:
@@ -432,6 +453,8 @@ def liger_saved_per_layer_token(facts: ModelFacts, spec: RunSpec, sixteen_bit: b
 
 
 # Why a run gets no estimate (memory_estimate_mb null, this in memory_estimate_note), rather than a wrong one.
+NOT_MODELLED_BF16_TRUE = ("not modelled: precision bf16_true is modelled for RMSNorm stacks (Llama-like decoders); "
+                          "this model's LayerNorm layers were not traced with bf16 weights")
 NOT_MODELLED_COMPILED = ("not modelled for compiled runs: torch.compile fuses elementwise work and keeps fewer "
                          "activations than eager autograd (seen: estimate 1.59x the measured peak)")
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ftbench.errors import FtbenchError
 from ftbench.measure import gpu_table
+from ftbench.runspec import compute_dtype
 
 # How a run ended and what that means, worst first: when DDP ranks disagree, the run is only as good
 # as its worst rank.
@@ -167,7 +168,8 @@ def mfu(row: dict, peaks: list[dict]) -> dict:
         return dict.fromkeys(MFU_FIELDS)
 
     achieved = row["tflops_per_s"] * 1e12 if row.get("tflops_per_s") else None
-    return gpu_table.mfu(achieved, row.get("device_name") or "", row["precision"], row["world_size"], peaks=peaks)
+    return gpu_table.mfu(achieved, row.get("device_name") or "", compute_dtype(row["precision"]), row["world_size"],
+                         peaks=peaks)
 
 
 def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict]]:

@@ -380,6 +380,8 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
     activations (two Linears over the image features, small beside either tower's)."""
     if spec.compile:
         return estimate_module.estimate(model, spec, None)  # not modelled, with the reason
+    if spec.precision == "bf16_true":  # its vision tower's LayerNorm layers were not traced with bf16 weights
+        return estimate_module.no_estimate(estimate_module.NOT_MODELLED_BF16_TRUE)
     tower, language_model = submodule(model, "vision_tower"), submodule(model, "language_model")
     if tower is None or language_model is None:
         return estimate_module.no_estimate("not modelled: the model has no module named vision_tower and language_model (LLaVA's)")

@@ -55,9 +55,9 @@ def local_gpus(spec: RunSpec, device: torch.device) -> list[int]:
 
 
 def autocast_args(device: torch.device, precision: str) -> dict:
-    """``torch.autocast(**autocast_args(...))`` for a run's precision: off for fp32 (weights stay fp32
-    masters either way)."""
-    return {"device_type": device.type, "dtype": modeling.DTYPES[precision], "enabled": precision != "fp32"}
+    """``torch.autocast(**autocast_args(...))`` for a run's precision: on for the mixed precisions (bf16, fp16: the
+    weights stay fp32 masters), off for fp32 and for bf16_true (the weights are bf16 themselves)."""
+    return {"device_type": device.type, "dtype": modeling.DTYPES[precision], "enabled": precision in ("bf16", "fp16")}
 
 
 def synchronize(device: torch.device) -> None:

@@ -23,7 +23,7 @@ from ftbench.runspec import RunSpec
 from ftbench.tasks.base import TaskFamily
 from ftbench.tasks.registry import model_family
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "bf16_true": torch.bfloat16}
 
 # Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
 # (its forward pass fails), and quantising the LM head hurts quality for little memory. Naming any
@@ -71,7 +71,7 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
         raise UnsupportedConfiguration(f"{spec.method}/{spec.optimizer} needs the bitsandbytes package, which is not installed")
     if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
-    if spec.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if spec.precision in ("bf16", "bf16_true") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
     if spec.fsdp_cpu_offload and spec.parallel == "fsdp" and device.type != "cuda":
         raise UnsupportedConfiguration("fsdp_cpu_offload moves shards between a GPU and host memory: needs a CUDA GPU")
@@ -126,7 +126,9 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
     if spec.method in ("lora", "qlora"):
         model = _add_lora(model, spec, family)
     if spec.method != "qlora":
-        model = model.to(device)
+        # bf16_true: every weight (adapters included) becomes bf16 here, so gradients and the optimizer's state,
+        # made in each parameter's dtype, are bf16 too.
+        model = model.to(device, dtype=torch.bfloat16) if spec.precision == "bf16_true" else model.to(device)
     trainable, total = count_parameters(model)
     return BuiltModel(model=model, trainable_params=trainable, total_params=total)
 
