@@ -49,8 +49,8 @@ from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix
 from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftbench_config
-from ftbench.train.devices import Distributed, choose_device, synchronize
-from ftbench.train.optimizers import make_optimizer
+from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
+from ftbench.train.optimizers import make_grad_scaler, make_optimizer
 from ftbench.runspec import RunSpec
 
 
@@ -103,8 +103,8 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
     if spec.compile:
         model = torch.compile(model)
     optimizer = make_optimizer(spec, model, device)
-    autocast = dict(device_type=device.type, dtype=modeling.DTYPES[spec.precision], enabled=spec.precision != "fp32")
-    scaler = torch.amp.GradScaler(device.type, enabled=spec.precision == "fp16")
+    autocast = autocast_args(device, spec.precision)  # off for fp32 and bf16_true, as in ftbench's loop
+    scaler = make_grad_scaler(spec, device)
     order = batch_order.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
     model.train()
     step_tokens: list[int] = []
