@@ -25,7 +25,7 @@ from ftbench.measure.memory_estimate import OPTIMIZER_BYTES
 from ftbench.tasks.registry import model_family
 from ftbench.errors import FtbenchError
 from ftbench.cluster.gpu_slots import visible_gpu_count
-from ftbench.runspec import RunSpec
+from ftbench.runspec import RunSpec, compute_dtype
 from ftbench.cluster.slurm import NodeShape
 
 # CPU cores per GPU of a training job (sbatch --cpus-per-gpu): the data is pre-tokenised, so a few
@@ -48,7 +48,7 @@ TRAIN_RUNTIME_MARGIN = 2.0
 # Achieved (not peak) FLOP/s per device used to turn tokens into seconds. Deliberately low: about 10-20%
 # of a current data-centre GPU's peak, and a few cores of a CPU. fp32 runs on a GPU get the fp32 rate
 # (TF32 off), half precision the tensor-core rate.
-ACHIEVED_FLOPS = {"cpu": 5e10, "fp32": 5e12, "bf16": 3e13, "fp16": 3e13, "bf16_true": 3e13}
+ACHIEVED_FLOPS = {"cpu": 5e10, "fp32": 5e12, "bf16": 3e13, "fp16": 3e13}  # by the dtype a precision computes in
 # Parameters assumed when the model's config.json cannot be read while the DAG is built (a hub model
 # that is not in the local Hugging Face cache): a 1B model, so small models get generous walltimes.
 DEFAULT_MODEL_PARAMS = 1e9
@@ -200,7 +200,7 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
     passes = 2 if run.eval_before_training else 1  # the final evaluation, and the same examples before training
     flops += 2 * params * eval_examples * per_example * passes
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
-    rate = ACHIEVED_FLOPS[run.precision] if on_gpu else ACHIEVED_FLOPS["cpu"]
+    rate = ACHIEVED_FLOPS[compute_dtype(run.precision)] if on_gpu else ACHIEVED_FLOPS["cpu"]
     return flops / rate
 
 

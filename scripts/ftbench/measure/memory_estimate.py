@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftbench.measure import model_shape
-from ftbench.runspec import RunSpec
+from ftbench.runspec import RunSpec, compute_dtype
 
 if TYPE_CHECKING:  # torch is not imported here: cluster/resources.py reads OPTIMIZER_BYTES at parse time
     import torch
@@ -309,7 +309,7 @@ def no_estimate(note: str) -> dict:
 
 def computes_in_16_bit(spec: RunSpec) -> bool:
     """Whether the run computes in 16 bits (autocast over fp32 master weights, or bf16 weights: bf16_true)."""
-    return spec.precision in ("bf16", "fp16", "bf16_true")
+    return compute_dtype(spec.precision) != "fp32"
 
 
 def weight_bytes(spec: RunSpec) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from ftbench.train import modeling
 from ftbench.errors import UnsupportedConfiguration
-from ftbench.runspec import RunSpec
+from ftbench.runspec import RunSpec, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ def local_gpus(spec: RunSpec, device: torch.device) -> list[int]:
 def autocast_args(device: torch.device, precision: str) -> dict:
     """``torch.autocast(**autocast_args(...))`` for a run's precision: on for the mixed precisions (bf16, fp16: the
     weights stay fp32 masters), off for fp32 and for bf16_true (the weights are bf16 themselves)."""
-    return {"device_type": device.type, "dtype": modeling.DTYPES[precision], "enabled": precision in ("bf16", "fp16")}
+    return {"device_type": device.type, "dtype": modeling.DTYPES[compute_dtype(precision)],
+            "enabled": precision in ("bf16", "fp16")}
 
 
 def synchronize(device: torch.device) -> None:

@@ -19,11 +19,11 @@ import torch
 from ftbench.data.sources import load_failure, local_model_config, pretrained_args
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer
 from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
-from ftbench.runspec import RunSpec
+from ftbench.runspec import RunSpec, compute_dtype
 from ftbench.tasks.base import TaskFamily
 from ftbench.tasks.registry import model_family
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "bf16_true": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Output heads stay out of 4-bit quantisation: a new classification head has no quantisation state
 # (its forward pass fails), and quantising the LM head hurts quality for little memory. Naming any
@@ -71,7 +71,7 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
         raise UnsupportedConfiguration(f"{spec.method}/{spec.optimizer} needs the bitsandbytes package, which is not installed")
     if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
-    if spec.precision in ("bf16", "bf16_true") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if compute_dtype(spec.precision) == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
     if spec.fsdp_cpu_offload and spec.parallel == "fsdp" and device.type != "cuda":
         raise UnsupportedConfiguration("fsdp_cpu_offload moves shards between a GPU and host memory: needs a CUDA GPU")
