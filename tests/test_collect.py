@@ -116,6 +116,34 @@ def test_the_summary_lists_at_most_a_screen_of_runs():
     assert lines[-2].startswith("  -> failed (run00, run01, run02 and 37 more): fix")
 
 
+def test_a_failed_row_names_the_root_cause_of_a_wrapped_error():
+    """transformers' lazy import wraps what is missing ("Could not import module 'Trainer'"): the row must say what
+    to install. Only explicit causes (raise ... from) count; a long wrapper is cut before the cause is."""
+    from ftbench.measure.metrics import failed_metrics
+
+    def wrapped(message: str, cause: BaseException | None) -> Exception:
+        try:
+            raise ModuleNotFoundError(message) from cause
+        except ModuleNotFoundError as exc:
+            return exc
+
+    missing = ModuleNotFoundError("No module named 'multiprocess'")
+    reason = failed_metrics("r", wrapped("Could not import module 'Trainer'.", missing))["status_reason"]
+    assert reason == ("ModuleNotFoundError: Could not import module 'Trainer'. (caused by ModuleNotFoundError: "
+                      "No module named 'multiprocess') (traceback in the job log)")
+    long_reason = failed_metrics("r", wrapped("x" * 1000, missing))["status_reason"]
+    assert "(caused by ModuleNotFoundError: No module named 'multiprocess') (traceback" in long_reason
+    assert len(long_reason) < 400
+    assert "caused by" not in failed_metrics("r", wrapped("plain", None))["status_reason"]
+    try:
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            raise RuntimeError("while cleaning up")  # noqa: B904 - an implicit context, not a cause
+    except RuntimeError as exc:
+        assert failed_metrics("r", exc)["status_reason"] == "RuntimeError: while cleaning up (traceback in the job log)"
+
+
 def test_the_summary_advises_a_fix_for_what_would_fail_again_and_a_retry_only_where_it_can_help():
     """Issue 28 item 4: the advice depends on the failure. A named error (config, source, manifest), an
     oom, a divergence or an unsupported configuration would end the same way again: what to fix; only a

@@ -40,6 +40,7 @@ from ftbench.train import ddp, modeling, trainer
 from ftbench.experiment import matrix
 from ftbench.runspec import RunSpec
 from ftbench.experiment import config as ftconfig
+from ftbench import errors
 from ftbench.errors import ConfigError
 from ftbench.measure.metrics import STEP_FIELDS
 
@@ -171,7 +172,7 @@ def captured(monkeypatch):
 
 
 def linear4bit_layers(model) -> dict:
-    if not modeling.bitsandbytes_available():
+    if not modeling.package_available("bitsandbytes"):
         return {}
     import bitsandbytes as bnb
 
@@ -601,11 +602,38 @@ def test_fp16_on_cpu_writes_an_unsupported_row(bert_spec, prepared_data, tmp_pat
 
 
 def test_qlora_without_bitsandbytes_is_unsupported(llama_data, monkeypatch):
-    monkeypatch.setattr(modeling, "bitsandbytes_available", lambda: False)
+    monkeypatch.setattr(modeling, "package_available", lambda name: name != "bitsandbytes")
     metrics, steps = trainer.train_run(llama_spec(method="qlora"), llama_data)
     assert_unsupported(metrics, steps, "bitsandbytes")
     metrics, steps = trainer.train_run(llama_spec(optimizer="adamw_8bit"), llama_data)
     assert_unsupported(metrics, steps, "bitsandbytes")
+
+
+def test_an_installed_package_that_cannot_be_imported_is_an_unsupported_row_before_the_model_is_built(llama_data, monkeypatch):
+    """Seen on a GPU host: datasets installed without its dependency multiprocess, so transformers.Trainer could not
+    be imported; the hf_trainer rows failed after their models were built, with transformers' "Could not import
+    module 'Trainer'". The row must say so up front, with the cause."""
+    monkeypatch.setitem(sys.modules, "transformers.trainer", None)  # importing it now fails, as a broken install does
+    built = []
+    monkeypatch.setattr(modeling, "build_model", lambda *args, **kwargs: built.append(args))
+    metrics, steps = trainer.train_run(llama_spec(engine="hf_trainer"), llama_data)
+    assert_unsupported(metrics, steps, "engine hf_trainer needs transformers.trainer, which is installed but cannot be "
+                       "imported here: ModuleNotFoundError: import of transformers.trainer halted")
+    assert not built
+
+
+def test_a_broken_kernel_package_names_its_missing_dependency(tmp_path, monkeypatch):
+    package = tmp_path / "liger_kernel" / "transformers"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("import a_dependency_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    with pytest.raises(errors.UnsupportedConfiguration, match="kernels: liger needs liger_kernel.transformers, which is "
+                       "installed but cannot be imported here: ModuleNotFoundError: No module named 'a_dependency_that_is_not_installed'"):
+        modeling.check_supported(llama_spec(kernels="liger"), torch.device("cuda", 0))
 
 
 @pytest.mark.skipif(GPUS >= 2, reason="needs a machine with fewer than 2 GPUs")

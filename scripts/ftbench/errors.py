@@ -24,3 +24,28 @@ class UnsupportedConfiguration(FtbenchError):
 class TerminatedError(FtbenchError):
     """The job was terminated from outside (SIGTERM: scancel, preemption, the scheduler's own limit). It
     leaves no result, so the next invocation trains the run again; what it measured is in its log."""
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line, 'Type: message', with its root cause where it wraps another: a wrapper's own
+    words can hide what to fix (transformers' lazy import says only "Could not import module 'Trainer'"; its
+    cause says "No module named 'multiprocess'")."""
+    line = _one_line(exc)
+    root = exc
+    seen = {id(exc)}
+    while True:  # explicit causes only (raise ... from): an error raised while handling another need not be its effect
+        nested = root.__cause__
+        if nested is None or id(nested) in seen:
+            break
+        seen.add(id(nested))
+        root = nested
+    if root is not exc and _one_line(root) not in line:
+        cause = _one_line(root)
+        # The cause is what to act on: the wrapper's words are cut first when the line is too long.
+        return f"{line[:max(60, limit - len(cause) - 13)]} (caused by {cause})"[:limit]
+    return line[:limit]
+
+
+def _one_line(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

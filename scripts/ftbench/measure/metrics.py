@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ftbench.errors import FtbenchError
+from ftbench.errors import FtbenchError, describe
 from ftbench.measure import gpu_table
 from ftbench.runspec import compute_dtype
 
@@ -50,11 +50,10 @@ def worst_status(statuses) -> str:
 def failed_metrics(run_id: str, exc: BaseException) -> dict:
     """The figures of a run that ended in an error: its status and the error in one line (an unknown
     error's traceback is in the job log)."""
-    message = " ".join(str(exc).split())
     if isinstance(exc, FtbenchError):
-        reason = message[:400]
+        reason = " ".join(str(exc).split())[:400]
     else:
-        reason = (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:300] + " (traceback in the job log)"
+        reason = describe(exc) + " (traceback in the job log)"
     return {"run_id": run_id, "status": "failed", "status_reason": reason}
 
 

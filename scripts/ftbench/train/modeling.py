@@ -18,7 +18,7 @@ import torch
 
 from ftbench.data.sources import load_failure, local_model_config, pretrained_args
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer
-from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration
+from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration, describe
 from ftbench.runspec import RunSpec, compute_dtype
 from ftbench.tasks.base import TaskFamily
 from ftbench.tasks.registry import model_family
@@ -33,12 +33,30 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_HEADS = ["classifier", "pooler", "pooler.dense", "score", "lm_head"]
 
 
-def bitsandbytes_available() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
 def package_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
+
+
+def import_problem(module: str) -> str | None:
+    """Why ``module`` cannot be imported here (one line, its root cause), or None when it imports. Finding the
+    package is not enough: an installed package whose own dependency is missing is found, then fails when the
+    run first uses it, after the model was built (seen on a GPU host: transformers.Trainer, with datasets
+    installed but not its dependency multiprocess)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the answer
+        return describe(exc)
+    return None
+
+
+def _require(module: str, package: str, needed_for: str, where_listed: str = "") -> None:
+    """UnsupportedConfiguration unless ``module`` (of pip package ``package``) imports: not installed, or
+    installed and broken, each said as such."""
+    if not package_available(module.split(".")[0]):
+        raise UnsupportedConfiguration(f"{needed_for} needs the {package} package, which is not installed{where_listed}")
+    problem = import_problem(module)
+    if problem:
+        raise UnsupportedConfiguration(f"{needed_for} needs {module}, which is installed but cannot be imported here: {problem}")
 
 
 @dataclass
@@ -67,8 +85,10 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
     if spec.precision == "fp16" and device.type == "cpu":
         raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
     needs_bnb = spec.method == "qlora" or spec.optimizer in BNB_OPTIMIZERS
-    if needs_bnb and not bitsandbytes_available():
-        raise UnsupportedConfiguration(f"{spec.method}/{spec.optimizer} needs the bitsandbytes package, which is not installed")
+    if needs_bnb:
+        _require("bitsandbytes", "bitsandbytes", f"{spec.method}/{spec.optimizer}")
+    if spec.engine == "hf_trainer":
+        _require("transformers.trainer", "transformers", "engine hf_trainer")
     if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
     if compute_dtype(spec.precision) == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -81,12 +101,12 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
         raise UnsupportedConfiguration("torch.compile is not combined with DataParallel (it recompiles per replica); use ddp")
     if spec.kernels == "liger" and device.type != "cuda":
         raise UnsupportedConfiguration("kernels: liger runs Triton kernels, which need a CUDA GPU")
-    if spec.kernels == "liger" and not package_available("liger_kernel"):
-        raise UnsupportedConfiguration("kernels: liger needs the liger-kernel package (requirements-gpu.txt), which is not installed")
+    if spec.kernels == "liger":
+        _require("liger_kernel.transformers", "liger-kernel", "kernels: liger", " (requirements-gpu.txt)")
     if spec.attn_implementation == "flash_attention_2" and device.type != "cuda":
         raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs a CUDA GPU")
-    if spec.attn_implementation == "flash_attention_2" and not package_available("flash_attn"):
-        raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed")
+    if spec.attn_implementation == "flash_attention_2":
+        _require("flash_attn", "flash-attn", "attn_implementation: flash_attention_2")
     if spec.attn_implementation == "flex_attention" and device.type != "cuda":
         # flex attention compiles its kernel with Inductor; on a CPU that compile costs more than the run measures.
         raise UnsupportedConfiguration("attn_implementation: flex_attention is measured on CUDA GPUs only")
