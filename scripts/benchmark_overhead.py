@@ -6,9 +6,11 @@ machine:
 - ftbench: trainer.train_run as a pipeline job runs it (a sync and loss read every step, per-step
   records, NVML sampling on a GPU).
 - ftbench without NVML: the same, with the sampler given no GPU, isolating the sampler's cost.
-Each trial runs the three sides once, in an order that rotates from trial to trial, so drift (clocks,
-thermals, other load) and "who ran first" fall on every side alike; the ratios are taken within a
-trial and summarised by their median over trials.
+Each trial runs every side twice, in an order and then its reverse (bare, ftbench, no-NVML, no-NVML, ftbench,
+bare), the order's start rotating from trial to trial. Each side's two passes are centred on the same moment of
+the trial, so a host whose speed drifts steadily through a trial (clocks, thermals, other tenants: on launch-bound
+H100 runs the bare loop alone moved between 54k and 82k tokens/s from trial to trial) slows every side alike,
+and "who ran first" rotates. The ratios are taken within a trial and summarised by their median over trials.
 
 Two speeds per side and trial:
 - window: tokens over the whole measured window (synchronised at both ends): what a run delivers.
@@ -61,6 +63,14 @@ class Speed:
     window: float
     typical_step: float
     stall_share: float  # the window's time beyond steps x the typical step time, as a share of the latter
+
+    @classmethod
+    def combined(cls, passes: list["Speed"]) -> "Speed":
+        """One side's passes of a trial as one speed: the harmonic mean of each figure (the passes take the same
+        batches, so that is the speed at their mean time per token: linear drift in time cancels exactly)."""
+        return cls(window=len(passes) / sum(1 / p.window for p in passes),
+                   typical_step=len(passes) / sum(1 / p.typical_step for p in passes),
+                   stall_share=statistics.fmean(p.stall_share for p in passes))
 
     @classmethod
     def of(cls, step_tokens: list[int], step_seconds: list[float], window_s: float) -> "Speed":
@@ -197,6 +207,19 @@ def trial_row(order: list[str], speed: dict[str, Speed], nvml_samples: int) -> d
     return row
 
 
+def mirrored_trial(sides: dict, trial: int) -> tuple[list[str], dict[str, Speed]]:
+    """Run each side (a callable returning its Speed) twice: in an order starting at side ``trial`` (mod the count),
+    then in the reverse order; (that order, each side's two passes combined). Every side's passes are centred on
+    the trial's middle, so drift that is linear in time falls on all sides alike."""
+    names = list(sides)
+    start = trial % len(names)
+    order = names[start:] + names[:start]
+    passes: dict[str, list[Speed]] = {name: [] for name in names}
+    for name in order + order[::-1]:
+        passes[name].append(sides[name]())
+    return order, {name: Speed.combined(passes[name]) for name in names}
+
+
 # Which sides each ratio compares.
 RATIO_SIDES = {"ftbench_over_bare": ("ftbench", "bare"), "nvml_on_over_off": ("ftbench", "ftbench_no_nvml")}
 
@@ -205,7 +228,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="config/config.yaml")
     parser.add_argument("--run", type=int, default=0, help="index of the run in the expanded matrix")
-    parser.add_argument("--steps", type=int, default=200, help="measured steps per side and trial")
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per side and pass (two passes a trial)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sample-interval", type=float, help="override the run's gpu_sample_interval_s (seconds)")
@@ -229,18 +252,16 @@ def main() -> None:
             "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
             "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False, samples_taken=[]),
         }
-        names = list(sides)
         nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
         results = {"run_id": spec.run_id, "batch_size": spec.batch_size,
                    "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": []}
         for trial in range(args.trials):
-            order = names[trial % len(names):] + names[: trial % len(names)]
-            speed = {name: sides[name]() for name in order}
-            row = trial_row(order, {name: speed[name] for name in names}, nvml_samples[-1])
+            order, speed = mirrored_trial(sides, trial)
+            row = trial_row(order, speed, nvml_samples[-1])
             results["trials"].append(row)
-            print(f"trial {trial} ({' > '.join(order)}), typical step / window tokens/s: "
+            print(f"trial {trial} ({' > '.join(order)}, then back), typical step / window tokens/s: "
                   + ", ".join(f"{name} {speed[name].typical_step:,.0f} / {speed[name].window:,.0f} "
-                              f"(stalls {speed[name].stall_share:+.1%})" for name in names)
+                              f"(stalls {speed[name].stall_share:+.1%})" for name in sides)
                   + f"; ftbench/bare {row['ftbench_over_bare']:.3f}x (window {row['window_ftbench_over_bare']:.3f}x), "
                   f"sampling on/off {row['nvml_on_over_off']:.3f}x (window {row['window_nvml_on_over_off']:.3f}x)", flush=True)
     results.update(summarise_trials(results["trials"]))

@@ -31,8 +31,9 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
                                      "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6")
     trials = results["trials"]
     assert len(trials) == 3 and results["steps"] == 4 and results["batch_size"] == 6 and results["device"] == "cpu"
-    # Every side goes first once in three trials: drift cannot favour one side.
+    # Every side goes first once in three trials (then the order runs back): drift cannot favour one side.
     assert sorted(trial["order"][0] for trial in trials) == ["bare", "ftbench", "ftbench_no_nvml"]
+    assert "then back" in process.stdout
     for trial in trials:
         # The verdicts' ratios are of the typical (median) step; the window's are kept beside them.
         assert trial["ftbench_over_bare"] == pytest.approx(
@@ -63,6 +64,34 @@ def test_a_side_speed_is_its_window_and_its_median_step():
     # Steps of different sizes: the median of each step's own tokens/s, not tokens over a median time.
     mixed = benchmark.Speed.of([1000, 2000, 3000], [0.1, 0.1, 0.5], window_s=0.7)
     assert mixed.typical_step == pytest.approx(10000)
+
+
+def test_a_trial_runs_each_side_twice_mirrored_so_a_steady_drift_cancels():
+    """A host that slows by 5% of a step's time with every pass (the launch-bound H100 trials moved by 10-50%):
+    ftbench truly at 0.98 of bare. Each side once, in order, would read 0.98 / 1.05 = 0.933 (it ran one pass
+    later); mirrored (bare, ftbench, no-NVML, no-NVML, ftbench, bare) both sides' passes centre on the same
+    moment and the ratio is 0.98 exactly."""
+    benchmark = _load_benchmark_module()
+    true_speed = {"bare": 1000.0, "ftbench": 980.0, "ftbench_no_nvml": 985.0}
+    calls: list[str] = []
+
+    def side(name: str):
+        def run():
+            slowdown = 1 + 0.05 * len(calls)  # each pass takes 5% longer than the first did
+            calls.append(name)
+            speed = true_speed[name] / slowdown
+            return benchmark.Speed(window=speed * 0.9, typical_step=speed, stall_share=0.1 * len(calls))
+        return run
+
+    order, speed = benchmark.mirrored_trial({name: side(name) for name in true_speed}, trial=1)
+    assert order == ["ftbench", "ftbench_no_nvml", "bare"]
+    assert calls == order + order[::-1]
+    row = benchmark.trial_row(order, speed, nvml_samples=0)
+    assert row["ftbench_over_bare"] == pytest.approx(0.98) and row["window_ftbench_over_bare"] == pytest.approx(0.98)
+    assert row["nvml_on_over_off"] == pytest.approx(980 / 985)
+    assert speed["ftbench"].stall_share == pytest.approx((0.1 + 0.6) / 2)  # its first and last pass
+    single_pass_ratio = (true_speed["ftbench"] / 1.0) / (true_speed["bare"] / 1.05)  # bare one pass after ftbench
+    assert abs(single_pass_ratio - 0.98) > 0.04  # what one pass each would have reported
 
 
 def test_a_trial_row_divides_typical_steps_and_windows_alike():
