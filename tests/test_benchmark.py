@@ -198,3 +198,53 @@ def test_shape_churn_benchmark_times_each_length_pattern_against_the_fixed_one(t
     assert list(result["ms_per_step"]) == ["fixed 32", "varying 24-32", "varying 2-32"]
     assert all(ms > 0 for ms in result["ms_per_step"].values())
     assert "1.00x the fixed length" in process.stdout.splitlines()[0]
+
+
+def _load_script(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_flop_check_cuts_every_run_to_three_steps_whatever_sets_its_length():
+    """scripts/check_flop_ratios.py: a run's length set in the defaults, the matrix, an include or an override is
+    replaced by 3 steps (2 warmup), one repeat, 8 evaluation examples; nothing else of the experiment changes."""
+    check = _load_script("check_flop_ratios")
+    experiment = {"models": {"m": {}}, "repeats": 3,
+                  "defaults": {"max_steps": 60, "warmup_steps": 10, "batch_size": 8, "eval_every": 20},
+                  "matrix": {"model": ["m"], "max_steps": [30, 60], "method": ["full", "lora"]},
+                  "include": [{"model": "m", "max_steps": 600, "epochs": 2, "warmup_until_stable": True, "seq_len": 64}],
+                  "overrides": [{"when": {"method": "lora"}, "set": {"max_eval_samples": 500, "learning_rate": 0.1}}]}
+    short = check.shortened(experiment)
+    assert short["defaults"] == {"max_steps": 3, "warmup_steps": 2, "batch_size": 8, "max_eval_samples": 8}
+    assert short["matrix"] == {"model": ["m"], "method": ["full", "lora"]} and short["repeats"] == 1
+    assert short["include"] == [{"model": "m", "seq_len": 64}]
+    assert short["overrides"] == [{"when": {"method": "lora"}, "set": {"learning_rate": 0.1}}]
+    assert experiment["include"][0]["max_steps"] == 600  # the experiment itself is left as it was
+    # A run that trained needs a ratio within 5% of 1; one that did not train has no MFU to check.
+    assert not check.needs_attention({"status": "ok", "ratio": 0.96})
+    assert check.needs_attention({"status": "ok", "ratio": 1.06}) and check.needs_attention({"status": "ok", "ratio": None})
+    assert not check.needs_attention({"status": "oom", "ratio": None})
+    assert check.needs_attention({"status": "missing", "ratio": None})  # the job crashed before writing its row
+
+
+@pytest.mark.slow
+def test_the_flop_check_trains_each_experiment_short_and_lists_every_run(tmp_path, tiny_config_factory):
+    config = write_config(tmp_path, tiny_config_factory(
+        defaults={"method": "lora", "lora_rank": 4, "lora_targets": ["query", "value"], "batch_size": 8, "seq_len": 32,
+                  "max_steps": 40, "warmup_steps": 5, "device": "cpu", "num_gpus": 0},
+        include=[{"model": "tiny", "dataset": "tiny", "method": "full", "max_steps": 500}]))
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_flop_ratios.py"), str(config), "--workdir", str(tmp_path / "work"),
+         "--", "--cores", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    lines = process.stdout.splitlines()
+    assert lines[0].startswith("config.yaml: 2 runs, snakemake exit 0"), process.stdout + process.stderr[-3000:]
+    rows = [line for line in lines if line.startswith("config ")]
+    assert len(rows) == 2 and all(" ok " in row for row in rows), process.stdout
+    for run_folder in (tmp_path / "work" / "config" / "results" / "runs").iterdir():
+        metrics = json.loads((run_folder / "metrics.json").read_text())
+        assert metrics["spec"]["max_steps"] == 3 and metrics["metrics"]["measured_steps"] == 1
+    assert lines[-1].startswith("2 runs: 2 trained, ratios ")
+    assert process.returncode == (1 if "<-- check" in process.stdout else 0)
