@@ -81,8 +81,8 @@ def run_row(folder: Path, run_id: str) -> dict:
     if not path.exists():
         return {"run_id": run_id, "status": "missing", "ratio": None, "why": "no metrics.json (see the job log)"}
     metrics = json.loads(path.read_text())["metrics"]
-    return {"run_id": run_id, "status": metrics["status"], "ratio": metrics.get("flops_counted_ratio"),
-            "why": metrics.get("flops_counted_error") or metrics.get("status_reason") or ""}
+    why = metrics.get("flops_counted_error") if metrics["status"] == "ok" else metrics.get("status_reason")
+    return {"run_id": run_id, "status": metrics["status"], "ratio": metrics.get("flops_counted_ratio"), "why": why or ""}
 
 
 def needs_attention(row: dict) -> bool:

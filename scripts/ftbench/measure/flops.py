@@ -6,6 +6,13 @@
   an embedding lookup is not a matmul). LoRA adapters are Linear layers too.
 - Per real token: full fine-tuning 6N (forward 2N, backward 4N). With adapters the frozen base weights
   get no weight gradient: 4N + 2N_trainable (forward 2N, input gradients 2N, weight gradients 2N_trainable).
+- An encoder classifier's pooler and classifier (BERT, RoBERTa, DistilBERT, ViT) see one pooled token per
+  sequence or image: counted once per sequence, not per token (per token they had made MiniLM's FLOPs 1.4% too
+  many). peft's untouched original of a head it trains as a copy (modules_to_save) never runs: not counted.
+- Not modelled: autograd computes no input gradient for a frozen layer that nothing trainable precedes (under
+  LoRA, the first layer's unadapted projections), so adapter runs count slightly fewer FLOPs than this
+  (flops_counted_ratio on a CPU: MiniLM, 6 layers, LoRA on query and value, 0.980; Llama 134M, 30 layers, LoRA
+  on all linear layers, 0.9985 on an H100).
 - Attention scores and values add 12 * layers * width * S per token of a sequence of S tokens
   (forward 4 * layers * width * S, backward twice that), summed over each sequence's real length; the
   causal mask is not halved (as in the PaLM paper's MFU).
@@ -58,8 +65,10 @@ class ModelShape:
     vision_layers: int = 0
     vision_width: int = 0
     # Dual encoders only: the vision tower's shape (it sees the image tokens; the fields above are then the
-    # text tower's), and the heads applied once per image or caption.
+    # text tower's).
     vision: "ModelShape | None" = None
+    # Heads applied to one pooled token per sequence, not to every token: a dual encoder's projections (once per
+    # image and per caption), an encoder classifier's pooler and classifier (part of linear_params).
     pooled_linear_params: int = 0
     pooled_trainable_linear_params: int = 0
 
@@ -69,12 +78,14 @@ class ModelShape:
         if getattr(model, "vision_model", None) is not None and getattr(model, "text_model", None) is not None:
             return _dual_encoder_shape(model, config)
         split_encoder = bool(getattr(config, "is_encoder_decoder", False))
-        counts = {part: 0 for part in ("linear", "encoder", "vision", "projector")}
+        pooled_heads = _sequence_classifier(model)
+        counts = {part: 0 for part in ("linear", "encoder", "vision", "projector", "pooled")}
         trainable = dict(counts)
         for name, count, is_trainable in _linear_layers(model):
             dotted = f".{name}."
             parts = ["linear"] + (["encoder"] if split_encoder and ".encoder." in dotted else []) + \
-                (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else [])
+                (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else []) + \
+                (["pooled"] if pooled_heads and any(f".{head}." in dotted for head in SEQUENCE_CLASSIFIER_HEADS) else [])
             for part in parts:
                 counts[part] += count
                 trainable[part] += count if is_trainable else 0
@@ -83,15 +94,30 @@ class ModelShape:
         return cls(counts["linear"], trainable["linear"], shape.attention_layers - shape.encoder_layers, shape.width,
                    counts["encoder"], trainable["encoder"], shape.encoder_layers, counts["vision"], trainable["vision"],
                    counts["projector"], trainable["projector"], vision.layers if counts["vision"] else 0,
-                   vision.width if counts["vision"] else 0)
+                   vision.width if counts["vision"] else 0, pooled_linear_params=counts["pooled"],
+                   pooled_trainable_linear_params=trainable["pooled"])
+
+
+# An encoder classifier's layers that see one pooled token per sequence (BERT's pooler and classifier on its first
+# token, RoBERTa's classification head, DistilBERT's pre_classifier, ViT's classifier on the class token). A
+# decoder classifier (Llama's `score`) projects every token and picks one afterwards: it is not one of these.
+SEQUENCE_CLASSIFIER_HEADS = ("pooler", "classifier", "pre_classifier")
+
+
+def _sequence_classifier(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model a peft wrapper holds) classifies whole sequences or images."""
+    return type(model).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
 
 
 def _linear_layers(model: torch.nn.Module):
-    """(name, weights, trainable) of every Linear layer (and GPT-2's Conv1D); 4-bit weights counted as the
-    values they stand for."""
+    """(name, weights, trainable) of every Linear layer (and GPT-2's Conv1D) that the forward pass runs; 4-bit
+    weights counted as the values they stand for. peft keeps the original of a layer it trains in full
+    (modules_to_save: a classifier head under LoRA) beside the trained copy, and runs only the copy."""
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        if ".original_module" in f".{name}":
             continue
         quant_state = getattr(weight, "quant_state", None)
         yield name, int(torch.Size(quant_state.shape).numel()) if quant_state is not None else weight.numel(), weight.requires_grad
@@ -124,18 +150,18 @@ def batch_flops(shape: ModelShape, full_finetune: bool, batch) -> int:
     """step_flops of a tasks.base.Batch's real tokens."""
     return step_flops(shape, full_finetune, batch.real_tokens, batch.sum_squared_lengths, batch.target_tokens,
                       batch.target_sum_squared_lengths, batch.image_tokens, batch.vision_tokens,
-                      batch.vision_sum_squared_lengths, batch.images)
+                      batch.vision_sum_squared_lengths, batch.images, batch.samples)
 
 
 def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_lengths: int,
                target_tokens: int = 0, target_sum_squared_lengths: int = 0, image_tokens: int = 0,
-               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0, images: int = 0) -> int:
-    """Analytic model FLOPs of sequences with ``tokens`` real tokens in all (targets and image tokens
-    included) and the given sums of squared lengths (attention grows with the square of each sequence's
+               vision_tokens: int = 0, vision_sum_squared_lengths: int = 0, images: int = 0, sequences: int = 0) -> int:
+    """Analytic model FLOPs of ``sequences`` sequences with ``tokens`` real tokens in all (targets and image
+    tokens included) and the given sums of squared lengths (attention grows with the square of each sequence's
     length). ``image_tokens`` is the part of ``tokens`` that are image tokens. A dual encoder routes them
     (``images`` images, all of the same tokens) through its vision tower; a vision-language model adds its
     vision tower over ``vision_tokens`` and its projector over the ``image_tokens``; other models count
-    every token alike.
+    every token alike, but for an encoder classifier's pooled heads, once per sequence.
 
     Cross-attention of encoder-decoders is not counted (small next to the linear layers at the lengths
     benchmarked; flops_counted_ratio shows the gap)."""
@@ -155,9 +181,12 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
         projector = _linear_flops_per_token(shape.projector_linear_params, shape.projector_trainable_linear_params, full_finetune)
         vision = (per_token * vision_tokens + projector * image_tokens
                   + attention_factor * shape.vision_layers * shape.vision_width * vision_sum_squared_lengths)
-    decoder_params = shape.linear_params - shape.encoder_linear_params - shape.vision_linear_params - shape.projector_linear_params
+    decoder_params = (shape.linear_params - shape.encoder_linear_params - shape.vision_linear_params
+                      - shape.projector_linear_params - shape.pooled_linear_params)
     decoder_trainable = (shape.trainable_linear_params - shape.encoder_trainable_linear_params
-                         - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params)
+                         - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params
+                         - shape.pooled_trainable_linear_params)
+    pooled = _linear_flops_per_token(shape.pooled_linear_params, shape.pooled_trainable_linear_params, full_finetune) * sequences
     if shape.encoder_linear_params:
         input_tokens = tokens - target_tokens
         linear = (_linear_flops_per_token(shape.encoder_linear_params, shape.encoder_trainable_linear_params, full_finetune) * input_tokens
@@ -165,7 +194,7 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
         attention = 12 * shape.width * (shape.encoder_layers * sum_squared_lengths + shape.layers * target_sum_squared_lengths)
         return linear + attention
     attention = 12 * shape.layers * shape.width * sum_squared_lengths
-    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention + vision
+    return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention + vision + pooled
 
 
 def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:

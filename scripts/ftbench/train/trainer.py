@@ -439,7 +439,7 @@ def _flop_check(run: Run, shape: flops.ModelShape, batch: Batch, counted: int, c
     pictures = batch.image_tokens if family.images_beside_text else 0  # a LLaVA has them in input_ids
     analytic = flops.step_flops(shape, run.spec.method == "full", n * (inputs_len + targets_len) + pictures,
                                 n * inputs_len**2 + pictures * (pictures // n), n * targets_len, n * targets_len**2,
-                                batch.image_tokens, batch.vision_tokens, batch.vision_sum_squared_lengths, batch.images)
+                                batch.image_tokens, batch.vision_tokens, batch.vision_sum_squared_lengths, batch.images, n)
     return {
         "flops_counted_microbatch": counted,
         "flops_analytic_microbatch": analytic,
