@@ -39,9 +39,19 @@ LENGTH_SETTINGS = ("max_steps", "warmup_steps", "epochs", "warmup_until_stable",
 SHORT_RUN = {"max_steps": 3, "warmup_steps": 2, "max_eval_samples": 8}
 
 
-def shortened(experiment: dict) -> dict:
-    """The experiment with every run cut to SHORT_RUN and one repeat; its matrix otherwise unchanged."""
-    short = copy.deepcopy(experiment)
+def shortened(experiment: dict, base: Path) -> dict:
+    """The experiment with every run cut to SHORT_RUN and one repeat, its relative ``kind: path`` sources made
+    absolute from ``base`` (the shortened experiment runs in a folder of its own); its matrix otherwise unchanged.
+    Runs that differed only in their length become one. An experiment that selects runs by their length
+    (``exclude`` entries, ``overrides[].when``) cannot be cut without changing which runs it has: SystemExit."""
+    for where, entries in (("exclude", experiment.get("exclude") or []),
+                           ("overrides", [entry.get("when") or {} for entry in experiment.get("overrides") or []])):
+        for index, entry in enumerate(entries):
+            selecting = sorted(set(entry) & set(LENGTH_SETTINGS))
+            if selecting:
+                raise SystemExit(f"check_flop_ratios: {where}[{index}] selects runs by {', '.join(selecting)}; cutting every "
+                                 "run to 3 steps would change which runs the experiment has (select by other settings)")
+    short = _absolute_paths(copy.deepcopy(experiment), base)
     for entry in short.get("include") or []:
         for key in LENGTH_SETTINGS:
             entry.pop(key, None)
@@ -56,11 +66,25 @@ def shortened(experiment: dict) -> dict:
     return short
 
 
+def _absolute_paths(node, base: Path):
+    """Every ``{kind: path, path: relative}`` source under ``node`` with its path made absolute from ``base``."""
+    if isinstance(node, dict):
+        if node.get("kind") == "path" and isinstance(node.get("path"), str) and not Path(node["path"]).is_absolute():
+            node["path"] = str((base / node["path"]).resolve())
+        for value in node.values():
+            _absolute_paths(value, base)
+    elif isinstance(node, list):
+        for value in node:
+            _absolute_paths(value, base)
+    return node
+
+
 def train_short(config_path: Path, folder: Path, snakemake_args: list[str], skip: str | None) -> list[str]:
     """Write the shortened experiment into ``folder`` and train its runs there; the run ids."""
     folder.mkdir(parents=True, exist_ok=True)
     short_path = folder / "config.yaml"
-    short_path.write_text(yaml.safe_dump(shortened(ftbench_config.load_yaml(config_path)), sort_keys=False))
+    # Relative paths in an experiment are read from where snakemake runs: here, where this script was started.
+    short_path.write_text(yaml.safe_dump(shortened(ftbench_config.load_yaml(config_path), Path.cwd()), sort_keys=False))
     run_ids = [run.run_id for run in matrix.expand_runs(ftbench_config.load_config(short_path))
                if not (skip and re.search(skip, run.run_id))]
     targets = [f"results/runs/{run_id}/metrics.json" for run_id in run_ids]
@@ -102,9 +126,13 @@ def main() -> int:
     parser.add_argument("--skip", help="regular expression: runs whose id matches it are not trained")
     own, extra = (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]) if "--" in sys.argv else (sys.argv[1:], [])
     args = parser.parse_args(own)  # what follows "--" goes to each snakemake
+    if not any(arg == "--cores" or arg.startswith(("--cores=", "-c")) for arg in extra):
+        extra = ["--cores", "all", *extra]  # snakemake refuses to start without it
     rows = []
-    for config_path in args.configs:
-        folder = args.workdir / config_path.stem
+    for position, config_path in enumerate(args.configs):
+        # A folder per experiment; two files of one name (a/x.yaml, b/x.yaml) get two.
+        stems = [path.stem for path in args.configs[:position]]
+        folder = args.workdir / (config_path.stem if config_path.stem not in stems else f"{config_path.stem}-{position}")
         rows += [{"experiment": config_path.stem, **run_row(folder, run_id)}
                  for run_id in train_short(config_path, folder, extra, args.skip)]
     for row in rows:

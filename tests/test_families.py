@@ -305,6 +305,15 @@ def test_a_checkpoint_stored_in_bf16_trains_fp32_masters_like_one_stored_in_fp32
     assert torch.equal(embedding[key], reference.get_input_embeddings().weight)
 
 
+def test_a_classifier_runs_flop_cross_check_agrees_once_its_heads_count_per_sequence(bert_spec, prepared_data):
+    """The run's own cross-check (counted in its first step) on the tiny BERT: 0.9475 while the pooler and
+    classifier counted per token; the analytic count of the counted batch now takes its sequences."""
+    metrics, steps = trainer.train_run(bert_spec(method="full"), prepared_data[0])
+    assert_ok(metrics, steps, 6, 2)
+    assert metrics["flops_counted_ratio"] == pytest.approx(1.0, abs=0.002)
+    assert steps[0]["flops"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, class_name", [("adamw", "AdamW"), ("sgd", "SGD"), ("adamw_8bit", "AdamW8bit")])
 def test_each_optimizer_trains(name, class_name, bert_spec, prepared_data, captured):
@@ -634,6 +643,29 @@ def test_a_broken_kernel_package_names_its_missing_dependency(tmp_path, monkeypa
     with pytest.raises(errors.UnsupportedConfiguration, match="kernels: liger needs liger_kernel.transformers, which is "
                        "installed but cannot be imported here: ModuleNotFoundError: No module named 'a_dependency_that_is_not_installed'"):
         modeling.check_supported(llama_spec(kernels="liger"), torch.device("cuda", 0))
+
+
+def test_a_ddp_launcher_checks_packages_are_installed_without_importing_them(llama_data, tmp_path, monkeypatch):
+    """Importing bitsandbytes initialises CUDA: the launcher, which trains nothing, must not hold a CUDA context
+    beside its ranks. It only looks the packages up; each rank imports them before building its model."""
+    def no_import(module):
+        raise AssertionError(f"the launcher imported {module}")
+
+    class Launched(Exception):
+        pass
+
+    def torchrun(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(modeling, "import_problem", no_import)
+    monkeypatch.setattr(ddp, "run_ddp", torchrun)
+    with pytest.raises(Launched):  # it got as far as starting the ranks
+        ddp.launch(llama_spec(method="qlora", parallel="ddp", num_gpus=2, device="cpu"), llama_data, tmp_path / "ranks",
+                   None, None, trainer.StopSignal())
+    monkeypatch.setattr(modeling, "package_available", lambda name: name != "bitsandbytes")
+    metrics, _ = ddp.launch(llama_spec(method="qlora", parallel="ddp", num_gpus=2, device="cpu"), llama_data,
+                            tmp_path / "ranks", None, None, trainer.StopSignal())
+    assert metrics["status"] == "unsupported" and "bitsandbytes package, which is not installed" in metrics["status_reason"]
 
 
 @pytest.mark.skipif(GPUS >= 2, reason="needs a machine with fewer than 2 GPUs")

@@ -1271,3 +1271,27 @@ def test_an_encoder_classifiers_pooled_heads_are_counted_once_per_sequence():
     lora_analytic = flops.step_flops(lora_shape, False, sequences * length, sequences * length**2, sequences=sequences)
     # Lower than 1 by what autograd skips before the first adapted layer (flops.py: not modelled).
     assert 0.90 < lora_counted / lora_analytic < 1.0  # 0.921: half of this model's layers are the first
+
+
+def test_a_vit_under_lora_counts_its_classifier_once_per_image():
+    """Image classification has no peft task type: LoRA wraps a ViT in a plain PeftModel, whose name says nothing
+    of classification. Its classifier (trained as a copy) still sees only the class token: once per image."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=128, num_labels=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    vit = ViTForImageClassification(config)
+    lora = get_peft_model(vit, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["classifier"]))
+    shape = flops.ModelShape.of(lora)
+    assert shape.pooled_linear_params == shape.pooled_trainable_linear_params == vit.classifier.weight.numel()
+    images, tokens = 2, (32 // 8) ** 2 + 1  # patches and the class token
+    inputs = {"pixel_values": torch.randn(images, 3, 32, 32), "labels": torch.tensor([1, 2])}
+    counted = flops.counted_flops(lora, inputs, {"device_type": "cpu", "enabled": False})
+    analytic = flops.step_flops(shape, False, images * tokens, images * tokens**2, sequences=images)
+    # Per token the 1000-class head made the analytic count twice the counted (0.47); once per image they agree
+    # but for what autograd skips before the first adapted layer and the patch convolution (not counted).
+    assert 0.9 < counted / analytic < 1.05
+    with pytest.raises(ValueError, match="pass sequences"):  # a caller that forgets them would count 0 FLOPs for the heads
+        flops.step_flops(shape, False, images * tokens, images * tokens**2)

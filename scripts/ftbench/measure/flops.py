@@ -105,8 +105,10 @@ SEQUENCE_CLASSIFIER_HEADS = ("pooler", "classifier", "pre_classifier")
 
 
 def _sequence_classifier(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or the model a peft wrapper holds) classifies whole sequences or images."""
-    return type(model).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
+    """Whether ``model`` (or the model a peft wrapper holds: image classification gets a plain PeftModel, with no
+    task type in its name) classifies whole sequences or images."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(base).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
 
 
 def _linear_layers(model: torch.nn.Module):
@@ -186,13 +188,15 @@ def step_flops(shape: ModelShape, full_finetune: bool, tokens: int, sum_squared_
     decoder_trainable = (shape.trainable_linear_params - shape.encoder_trainable_linear_params
                          - shape.vision_trainable_linear_params - shape.projector_trainable_linear_params
                          - shape.pooled_trainable_linear_params)
+    if shape.pooled_linear_params and not sequences:
+        raise ValueError("step_flops: this model has heads applied once per sequence; pass sequences")
     pooled = _linear_flops_per_token(shape.pooled_linear_params, shape.pooled_trainable_linear_params, full_finetune) * sequences
     if shape.encoder_linear_params:
         input_tokens = tokens - target_tokens
         linear = (_linear_flops_per_token(shape.encoder_linear_params, shape.encoder_trainable_linear_params, full_finetune) * input_tokens
                   + _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * target_tokens)
         attention = 12 * shape.width * (shape.encoder_layers * sum_squared_lengths + shape.layers * target_sum_squared_lengths)
-        return linear + attention
+        return linear + attention + pooled
     attention = 12 * shape.layers * shape.width * sum_squared_lengths
     return _linear_flops_per_token(decoder_params, decoder_trainable, full_finetune) * tokens + attention + vision + pooled
 

@@ -46,7 +46,7 @@ def launch(spec: RunSpec, data_dir: str, rank_dir: Path, threads: int | None, ti
     """
     try:
         device, _ = choose_device(spec, Distributed())
-        modeling.check_supported(spec, device)
+        modeling.check_supported(spec, device, importing=False)
     except UnsupportedConfiguration as exc:
         return {"run_id": spec.run_id, "status": "unsupported", "status_reason": str(exc)}, []
     shutil.rmtree(rank_dir, ignore_errors=True)

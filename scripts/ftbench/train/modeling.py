@@ -49,12 +49,12 @@ def import_problem(module: str) -> str | None:
     return None
 
 
-def _require(module: str, package: str, needed_for: str, where_listed: str = "") -> None:
-    """UnsupportedConfiguration unless ``module`` (of pip package ``package``) imports: not installed, or
-    installed and broken, each said as such."""
+def _require(module: str, package: str, needed_for: str, importing: bool, where_listed: str = "") -> None:
+    """UnsupportedConfiguration unless ``module`` (of pip package ``package``) is installed and, when ``importing``,
+    imports: not installed, or installed and broken, each said as such."""
     if not package_available(module.split(".")[0]):
         raise UnsupportedConfiguration(f"{needed_for} needs the {package} package, which is not installed{where_listed}")
-    problem = import_problem(module)
+    problem = import_problem(module) if importing else None
     if problem:
         raise UnsupportedConfiguration(f"{needed_for} needs {module}, which is installed but cannot be imported here: {problem}")
 
@@ -78,17 +78,19 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def check_supported(spec: RunSpec, device: torch.device) -> None:
+def check_supported(spec: RunSpec, device: torch.device, importing: bool = True) -> None:
     """Raise UnsupportedConfiguration, with the reason, for what this machine cannot run. These are the
     checks that need the job's device and installed packages, so they run in the job, not at parse time
-    (experiment.config.check_run has every rule that a config alone decides)."""
+    (experiment.config.check_run has every rule that a config alone decides). ``importing``: also import the
+    packages the run needs; off in a DDP launcher, where importing bitsandbytes would initialise CUDA in a process
+    that trains nothing (its ranks check again, importing, before they build the model)."""
     if spec.precision == "fp16" and device.type == "cpu":
         raise UnsupportedConfiguration("fp16 training needs a CUDA GPU (CPU autocast has no fp16 GradScaler path)")
     needs_bnb = spec.method == "qlora" or spec.optimizer in BNB_OPTIMIZERS
     if needs_bnb:
-        _require("bitsandbytes", "bitsandbytes", f"{spec.method}/{spec.optimizer}")
+        _require("bitsandbytes", "bitsandbytes", f"{spec.method}/{spec.optimizer}", importing)
     if spec.engine == "hf_trainer":
-        _require("transformers.trainer", "transformers", "engine hf_trainer")
+        _require("transformers.trainer", "transformers", "engine hf_trainer", importing)
     if spec.optimizer == "paged_adamw_8bit" and device.type != "cuda":
         raise UnsupportedConfiguration("paged 8-bit AdamW pages optimizer state between GPU and host memory: needs a CUDA GPU")
     if compute_dtype(spec.precision) == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -102,11 +104,11 @@ def check_supported(spec: RunSpec, device: torch.device) -> None:
     if spec.kernels == "liger" and device.type != "cuda":
         raise UnsupportedConfiguration("kernels: liger runs Triton kernels, which need a CUDA GPU")
     if spec.kernels == "liger":
-        _require("liger_kernel.transformers", "liger-kernel", "kernels: liger", " (requirements-gpu.txt)")
+        _require("liger_kernel.transformers", "liger-kernel", "kernels: liger", importing, " (requirements-gpu.txt)")
     if spec.attn_implementation == "flash_attention_2" and device.type != "cuda":
         raise UnsupportedConfiguration("attn_implementation: flash_attention_2 needs a CUDA GPU")
     if spec.attn_implementation == "flash_attention_2":
-        _require("flash_attn", "flash-attn", "attn_implementation: flash_attention_2")
+        _require("flash_attn", "flash-attn", "attn_implementation: flash_attention_2", importing)
     if spec.attn_implementation == "flex_attention" and device.type != "cuda":
         # flex attention compiles its kernel with Inductor; on a CPU that compile costs more than the run measures.
         raise UnsupportedConfiguration("attn_implementation: flex_attention is measured on CUDA GPUs only")
