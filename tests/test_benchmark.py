@@ -115,13 +115,18 @@ def test_flop_count_benchmark_times_both_counters_on_the_runs_own_pass(tmp_path,
     assert "FlopTally / FlopCounterMode" in process.stdout
 
 
-def _load_benchmark_module():
+def _load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("benchmark_overhead", ROOT / "scripts" / "benchmark_overhead.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # where its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _load_benchmark_module():
+    return _load_script("benchmark_overhead")
 
 
 def _trial(ftbench_over_bare: float, nvml_on_over_off: float) -> dict:
@@ -197,14 +202,6 @@ def test_shape_churn_benchmark_times_each_length_pattern_against_the_fixed_one(t
     assert list(result["ms_per_step"]) == ["fixed 32", "varying 24-32", "varying 2-32"]
     assert all(ms > 0 for ms in result["ms_per_step"].values())
     assert "1.00x the fixed length" in process.stdout.splitlines()[0]
-
-
-def _load_script(name: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_flop_check_cuts_every_run_to_three_steps_whatever_sets_its_length():
