@@ -1247,7 +1247,7 @@ def test_an_encoder_classifiers_pooled_heads_are_counted_once_per_sequence():
                         intermediate_size=128, max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     model = BertForSequenceClassification(config)
-    shape = flops.ModelShape.of(model)
+    shape = flops.ModelShape.of(model, registry.family("classification").pooled_heads)
     heads = model.bert.pooler.dense.weight.numel() + model.classifier.weight.numel()
     assert shape.pooled_linear_params == shape.pooled_trainable_linear_params == heads
     sequences, length = 4, 32
@@ -1262,7 +1262,7 @@ def test_an_encoder_classifiers_pooled_heads_are_counted_once_per_sequence():
 
     lora = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"]))
     assert any(".original_module" in name for name, _ in lora.named_modules())  # the copy peft keeps
-    lora_shape = flops.ModelShape.of(lora)
+    lora_shape = flops.ModelShape.of(lora, registry.family("classification").pooled_heads)
     adapters = sum(p.numel() for name, p in lora.named_parameters() if "lora_" in name)
     assert lora_shape.linear_params == shape.linear_params + adapters  # the classifier once, not twice
     assert lora_shape.pooled_linear_params == heads
@@ -1275,7 +1275,8 @@ def test_an_encoder_classifiers_pooled_heads_are_counted_once_per_sequence():
 
 def test_a_vit_under_lora_counts_its_classifier_once_per_image():
     """Image classification has no peft task type: LoRA wraps a ViT in a plain PeftModel, whose name says nothing
-    of classification. Its classifier (trained as a copy) still sees only the class token: once per image."""
+    of classification (a first version read the class name and missed it). Its classifier, trained as a copy,
+    still sees only the class token: once per image."""
     from peft import LoraConfig, get_peft_model
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -1284,7 +1285,7 @@ def test_a_vit_under_lora_counts_its_classifier_once_per_image():
                        intermediate_size=128, num_labels=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     vit = ViTForImageClassification(config)
     lora = get_peft_model(vit, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["classifier"]))
-    shape = flops.ModelShape.of(lora)
+    shape = flops.ModelShape.of(lora, registry.family("image_classification").pooled_heads)
     assert shape.pooled_linear_params == shape.pooled_trainable_linear_params == vit.classifier.weight.numel()
     images, tokens = 2, (32 // 8) ** 2 + 1  # patches and the class token
     inputs = {"pixel_values": torch.randn(images, 3, 32, 32), "labels": torch.tensor([1, 2])}

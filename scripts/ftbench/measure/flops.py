@@ -8,7 +8,7 @@
   get no weight gradient: 4N + 2N_trainable (forward 2N, input gradients 2N, weight gradients 2N_trainable).
 - An encoder classifier's pooler and classifier (BERT, RoBERTa, DistilBERT, ViT) see one pooled token per
   sequence or image: counted once per sequence, not per token (per token they had made MiniLM's FLOPs 1.4% too
-  many). peft's untouched original of a head it trains as a copy (modules_to_save) never runs: not counted.
+  many). Which modules those are, the task family says (``pooled_heads``). peft's untouched original of a head it trains as a copy (modules_to_save) never runs: not counted.
 - Not modelled: autograd computes no input gradient for a frozen layer that nothing trainable precedes (under
   LoRA, the first layer's unadapted projections), so adapter runs count slightly fewer FLOPs than this
   (flops_counted_ratio on a CPU: MiniLM, 6 layers, LoRA on query and value, 0.980; Llama 134M, 30 layers, LoRA
@@ -73,19 +73,19 @@ class ModelShape:
     pooled_trainable_linear_params: int = 0
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelShape":
+    def of(cls, model: torch.nn.Module, pooled_heads: tuple[str, ...] = ()) -> "ModelShape":
+        """``pooled_heads``: names of the modules applied once per sequence (the task family's)."""
         config = getattr(model, "config", None)
         if getattr(model, "vision_model", None) is not None and getattr(model, "text_model", None) is not None:
             return _dual_encoder_shape(model, config)
         split_encoder = bool(getattr(config, "is_encoder_decoder", False))
-        pooled_heads = _sequence_classifier(model)
         counts = {part: 0 for part in ("linear", "encoder", "vision", "projector", "pooled")}
         trainable = dict(counts)
         for name, count, is_trainable in _linear_layers(model):
             dotted = f".{name}."
             parts = ["linear"] + (["encoder"] if split_encoder and ".encoder." in dotted else []) + \
                 (["vision"] if ".vision_tower." in dotted else []) + (["projector"] if ".multi_modal_projector." in dotted else []) + \
-                (["pooled"] if pooled_heads and any(f".{head}." in dotted for head in SEQUENCE_CLASSIFIER_HEADS) else [])
+                (["pooled"] if any(f".{head}." in dotted for head in pooled_heads) else [])
             for part in parts:
                 counts[part] += count
                 trainable[part] += count if is_trainable else 0
@@ -96,19 +96,6 @@ class ModelShape:
                    counts["projector"], trainable["projector"], vision.layers if counts["vision"] else 0,
                    vision.width if counts["vision"] else 0, pooled_linear_params=counts["pooled"],
                    pooled_trainable_linear_params=trainable["pooled"])
-
-
-# An encoder classifier's layers that see one pooled token per sequence (BERT's pooler and classifier on its first
-# token, RoBERTa's classification head, DistilBERT's pre_classifier, ViT's classifier on the class token). A
-# decoder classifier (Llama's `score`) projects every token and picks one afterwards: it is not one of these.
-SEQUENCE_CLASSIFIER_HEADS = ("pooler", "classifier", "pre_classifier")
-
-
-def _sequence_classifier(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or the model a peft wrapper holds: image classification gets a plain PeftModel, with no
-    task type in its name) classifies whole sequences or images."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return type(base).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
 
 
 def _linear_layers(model: torch.nn.Module):

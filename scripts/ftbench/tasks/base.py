@@ -126,6 +126,9 @@ class TaskFamily:
     auto_model: str = ""  # transformers Auto class
     peft_task_type: str = ""  # peft TaskType member; "" where peft has none (head_modules are named instead)
     head_modules: tuple[str, ...] = ()  # new output layers LoRA must train in full (when peft has no task type)
+    # Modules applied to one pooled token per sequence or image, not to every token: the FLOP count counts them
+    # once per sequence (measure/flops.py).
+    pooled_heads: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()  # dataset keys the family requires beside its text or image column
     column_keys: tuple[str, ...] = ("text_column",)  # dataset keys naming file columns (checked at parse time)
     modality: str = "text"  # "image": the data holds images

@@ -140,6 +140,7 @@ class ImageClassification(TaskFamily):
     auto_model = "AutoModelForImageClassification"
     # peft has no image task type: the new head is named instead (ViT's and most image models' "classifier").
     head_modules = ("classifier",)
+    pooled_heads = ("classifier",)  # ViT's sees the class token only
     column_keys = ("image_column", "label_column")
     modality = "image"
     takes_num_labels = True

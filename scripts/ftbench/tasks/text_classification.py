@@ -16,6 +16,9 @@ class TextClassification(TextFamily):
     name = "classification"
     auto_model = "AutoModelForSequenceClassification"
     peft_task_type = "SEQ_CLS"
+    # An encoder's pooler and classifier see its first token only (BERT's pooler and classifier, RoBERTa's
+    # classifier head, DistilBERT's pre_classifier); a decoder's `score` projects every token and is not one.
+    pooled_heads = ("pooler", "classifier", "pre_classifier")
     needs = ("label_column",)
     column_keys = ("text_column", "label_column")
     takes_num_labels = True

@@ -128,7 +128,7 @@ def _measure(run: Run, manifest: dict, metrics: dict, loop_times: dict) -> list[
     elif registry.family(run.task).estimate_reads_longest_row:  # a padded batch is as long as its longest row
         manifest = {**manifest, "longest_row": int(batching.lengths_of(run.train_split).max(initial=0))}
     metrics.update(registry.family(run.task).memory_estimate(run.model, run.spec, manifest))
-    shape = flops.ModelShape.of(run.model)
+    shape = flops.ModelShape.of(run.model, registry.family(run.task).pooled_heads)
     # fsdp: every rank counts once sharded (_set_up_loop); a plain single-device run counts its first step.
     if run.dist.rank == 0 and run.spec.parallel != "fsdp" and not _counts_flops_in_first_step(run):
         metrics.update(_count_flops(run, shape, run.model))
