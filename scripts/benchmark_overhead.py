@@ -30,7 +30,9 @@ Prints one line per trial, the median ratios and a verdict on each (typical step
 either within 3% of each other or at least 5 of them. When the host's kernel launches are the bottleneck (a small model or batch),
 trials of the same loop differ by more than the overhead being measured: run more trials, or raise
 --batch-size until the GPU is busy; the script says "not resolved" rather than report a ratio it has not
-settled.
+settled. ``--out`` is rewritten after every trial (each pass's step speeds included), so a run that is stopped keeps
+the trials it finished; ``--time-limit-s`` starts no trial that would not finish by then at the pace of the
+slowest so far, and summarises the trials it ran.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Speed:
     window: float
     typical_step: float
     stall_share: float  # the window's time beyond steps x the typical step time, as a share of the latter
+    step_speeds: tuple[float, ...] = ()  # one pass's tokens/s step by step (--out keeps them: is the noise within passes or between?)
 
     @classmethod
     def combined(cls, passes: list["Speed"]) -> "Speed":
@@ -77,7 +80,8 @@ class Speed:
         typical_step_s = statistics.median(step_seconds)
         return cls(window=sum(step_tokens) / window_s,
                    typical_step=statistics.median(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds)),
-                   stall_share=window_s / (typical_step_s * len(step_seconds)) - 1)
+                   stall_share=window_s / (typical_step_s * len(step_seconds)) - 1,
+                   step_speeds=tuple(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds)))
 
 
 class StepClock:
@@ -207,17 +211,15 @@ def trial_row(order: list[str], speed: dict[str, Speed], nvml_samples: int) -> d
     return row
 
 
-def mirrored_trial(sides: dict, trial: int) -> tuple[list[str], dict[str, Speed]]:
+def mirrored_trial(sides: dict, trial: int) -> tuple[list[str], dict[str, Speed], list[tuple[str, Speed]]]:
     """Run each side (a callable returning its Speed) twice: in an order starting at side ``trial`` (mod the count),
-    then in the reverse order; (that order, each side's two passes combined). Every side's passes are centred on
-    the trial's middle, so drift that is linear in time falls on all sides alike."""
+    then in the reverse order; (that order, each side's two passes combined, every pass in the order run). Every
+    side's passes are centred on the trial's middle, so drift that is linear in time falls on all sides alike."""
     names = list(sides)
     start = trial % len(names)
     order = names[start:] + names[:start]
-    passes: dict[str, list[Speed]] = {name: [] for name in names}
-    for name in order + order[::-1]:
-        passes[name].append(sides[name]())
-    return order, {name: Speed.combined(passes[name]) for name in names}
+    run = [(name, sides[name]()) for name in order + order[::-1]]
+    return order, {name: Speed.combined([speed for side, speed in run if side == name]) for name in names}, run
 
 
 # Which sides each ratio compares.
@@ -233,8 +235,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sample-interval", type=float, help="override the run's gpu_sample_interval_s (seconds)")
     parser.add_argument("--batch-size", type=int, help="override the run's batch size (a larger one makes a small model GPU-bound)")
-    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--out", help="write the figures as JSON here (after every trial)")
+    parser.add_argument("--time-limit-s", type=float, help="start no trial that would end past this many seconds of "
+                        "trials (at the slowest trial's pace so far); the summary covers the trials run")
     args = parser.parse_args()
+    if args.trials < 1:
+        parser.error("--trials: at least 1")
 
     config = ftbench_config.load_config(args.config)
     spec = matrix.expand_runs(config)[args.run]
@@ -254,19 +260,42 @@ def main() -> None:
         }
         nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
         results = {"run_id": spec.run_id, "batch_size": spec.batch_size,
-                   "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": []}
-        for trial in range(args.trials):
-            order, speed = mirrored_trial(sides, trial)
-            row = trial_row(order, speed, nvml_samples[-1])
-            results["trials"].append(row)
-            print(f"trial {trial} ({' > '.join(order)}, then back), typical step / window tokens/s: "
-                  + ", ".join(f"{name} {speed[name].typical_step:,.0f} / {speed[name].window:,.0f} "
-                              f"(stalls {speed[name].stall_share:+.1%})" for name in sides)
-                  + f"; ftbench/bare {row['ftbench_over_bare']:.3f}x (window {row['window_ftbench_over_bare']:.3f}x), "
-                  f"sampling on/off {row['nvml_on_over_off']:.3f}x (window {row['window_nvml_on_over_off']:.3f}x)", flush=True)
-    results.update(summarise_trials(results["trials"]))
-    results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}: " + "; ".join(
+                   "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": [],
+                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+        run_trials(sides, nvml_samples, results, args)
+    print_summary(spec, results)
+
+
+def run_trials(sides: dict, nvml_samples: list[int], results: dict, args: argparse.Namespace) -> None:
+    """Up to ``args.trials`` mirrored trials (fewer when ``args.time_limit_s`` would be passed), each printed as it
+    ends and added to ``results`` with the summary so far; ``args.out`` rewritten after each."""
+    started = time.monotonic()
+    slowest_trial_s = 0.0
+    for trial in range(args.trials):
+        elapsed = time.monotonic() - started
+        if args.time_limit_s and trial and elapsed + slowest_trial_s > args.time_limit_s:
+            print(f"time limit: {trial} of {args.trials} trials run in {elapsed:.0f} s; the next would end past "
+                  f"{args.time_limit_s:.0f} s", flush=True)
+            return
+        order, speed, passes = mirrored_trial(sides, trial)
+        slowest_trial_s = max(slowest_trial_s, time.monotonic() - started - elapsed)
+        row = trial_row(order, speed, nvml_samples[-1])
+        row["passes"] = [{"side": name, "typical_step_tokens_per_s": pass_speed.typical_step,
+                          "step_tokens_per_s": list(pass_speed.step_speeds)} for name, pass_speed in passes]
+        results["trials"].append(row)
+        print(f"trial {trial} ({' > '.join(order)}, then back), typical step / window tokens/s: "
+              + ", ".join(f"{name} {speed[name].typical_step:,.0f} / {speed[name].window:,.0f} "
+                          f"(stalls {speed[name].stall_share:+.1%})" for name in sides)
+              + f"; ftbench/bare {row['ftbench_over_bare']:.3f}x (window {row['window_ftbench_over_bare']:.3f}x), "
+              f"sampling on/off {row['nvml_on_over_off']:.3f}x (window {row['window_nvml_on_over_off']:.3f}x)", flush=True)
+        results.update(summarise_trials(results["trials"]))
+        if args.out:  # after every trial: a run stopped from outside keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def print_summary(spec: RunSpec, results: dict) -> None:
+    """The median ratios, their trial ranges and verdicts, in one line; what to do when a ratio is not settled."""
+    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials: " + "; ".join(
         f"{name} median {results[f'median_{key}']:.3f} (typical step; target >= {TARGETS[key]}, trials "
         f"{results[f'range_{key}'][0]:.3f}-{results[f'range_{key}'][1]:.3f}): {results[f'verdict_{key}']}; window "
         f"{results[f'median_window_{key}']:.3f} ({results[f'range_window_{key}'][0]:.3f}-{results[f'range_window_{key}'][1]:.3f})"
@@ -275,8 +304,6 @@ def main() -> None:
         print(f"not resolved: the trials of a ratio fall on both sides of its target, or span more than "
               f"{UNRESOLVED_SPREAD:.0%} and are fewer than {SIDE_TRIALS}; where the host is launch-bound: run more "
               "trials, or raise --batch-size until the GPU is busy")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ precision, kernels, compile, batching, parallelism).
 
 Everything after ``--`` goes to each snakemake. Target: every run that trained has a ratio within
 FLOP_RATIO_TOLERANCE of 1; the exit status is 1 when one does not, or when a job wrote no result (a run that
-failed, ran out of memory or is unsupported is listed, not counted: it has no MFU to check).
+failed, ran out of memory or is unsupported is listed, not counted: it has no MFU to check). Every experiment is
+checked before the first one trains: one that the workflow would refuse (a missing package or file, a bad key) ends
+the script with status 2 and a line naming its file and key, with nothing trained.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import yaml
 
 from ftbench.experiment import config as ftbench_config
 from ftbench.experiment import matrix
+from ftbench.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOP_RATIO_TOLERANCE = 0.05  # issue 30: within 5%, or no ratio with the reason
@@ -79,14 +82,21 @@ def _absolute_paths(node, base: Path):
     return node
 
 
-def train_short(config_path: Path, folder: Path, snakemake_args: list[str], skip: str | None) -> list[str]:
-    """Write the shortened experiment into ``folder`` and train its runs there; the run ids."""
+def plan_short(config_path: Path, folder: Path, skip: str | None) -> tuple[Path, list[str]]:
+    """Write the shortened experiment into ``folder`` and check it as the workflow will: (its path, the run ids to
+    train). A config that is wrong (a missing file or package, a bad key) raises here, before anything trains."""
     folder.mkdir(parents=True, exist_ok=True)
     short_path = folder / "config.yaml"
     # Relative paths in an experiment are read from where snakemake runs: here, where this script was started.
     short_path.write_text(yaml.safe_dump(shortened(ftbench_config.load_yaml(config_path), Path.cwd()), sort_keys=False))
     run_ids = [run.run_id for run in matrix.expand_runs(ftbench_config.load_config(short_path))
                if not (skip and re.search(skip, run.run_id))]
+    return short_path, run_ids
+
+
+def train_short(name: str, short_path: Path, run_ids: list[str], snakemake_args: list[str]) -> None:
+    """Train the shortened experiment's runs in its folder (where ``short_path`` is); the log beside it."""
+    folder = short_path.parent
     targets = [f"results/runs/{run_id}/metrics.json" for run_id in run_ids]
     # Targets before --configfile, which takes every word up to the next option.
     command = [sys.executable, "-m", "snakemake", *targets, "--snakefile", str(ROOT / "Snakefile"), "--directory", str(folder),
@@ -95,8 +105,7 @@ def train_short(config_path: Path, folder: Path, snakemake_args: list[str], skip
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     with open(folder / "snakemake.log", "w") as log:
         status = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
-    print(f"{config_path.name}: {len(run_ids)} runs, snakemake exit {status} (log: {folder / 'snakemake.log'})", flush=True)
-    return run_ids
+    print(f"{name}: {len(run_ids)} runs, snakemake exit {status} (log: {folder / 'snakemake.log'})", flush=True)
 
 
 def run_row(folder: Path, run_id: str) -> dict:
@@ -128,13 +137,20 @@ def main() -> int:
     args = parser.parse_args(own)  # what follows "--" goes to each snakemake
     if not any(arg == "--cores" or arg.startswith(("--cores=", "-c")) for arg in extra):
         extra = ["--cores", "all", *extra]  # snakemake refuses to start without it
-    rows = []
+    plans = []
     for position, config_path in enumerate(args.configs):
         # A folder per experiment; two files of one name (a/x.yaml, b/x.yaml) get two.
         stems = [path.stem for path in args.configs[:position]]
         folder = args.workdir / (config_path.stem if config_path.stem not in stems else f"{config_path.stem}-{position}")
-        rows += [{"experiment": config_path.stem, **run_row(folder, run_id)}
-                 for run_id in train_short(config_path, folder, extra, args.skip)]
+        try:  # every experiment is checked before the first one trains: a bad last file costs no GPU time
+            plans.append((config_path, *plan_short(config_path, folder, args.skip)))
+        except (ConfigError, OSError, yaml.YAMLError) as exc:
+            print(f"check_flop_ratios: {config_path}: {exc}", file=sys.stderr)
+            return 2
+    rows = []
+    for config_path, short_path, run_ids in plans:
+        train_short(config_path.name, short_path, run_ids, extra)
+        rows += [{"experiment": config_path.stem, **run_row(short_path.parent, run_id)} for run_id in run_ids]
     for row in rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.4f}"
         flag = "  <-- check" if needs_attention(row) else ""

@@ -47,6 +47,9 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
             # A window is never shorter than its steps at the median step's pace by much (ties in 4 steps).
             assert trial[f"{side}_stall_share"] > -0.5
         assert trial["nvml_samples"] == 0  # a CPU has nothing to sample
+        # Every pass in the order run, with its steps' speeds (is a host's noise within passes or between them?).
+        assert [entry["side"] for entry in trial["passes"]] == trial["order"] + trial["order"][::-1]
+        assert all(len(entry["step_tokens_per_s"]) == 4 for entry in trial["passes"])
     ratios = sorted(trial["ftbench_over_bare"] for trial in trials)
     assert results["median_ftbench_over_bare"] == pytest.approx(ratios[1])
     assert results["range_ftbench_over_bare"] == pytest.approx([ratios[0], ratios[2]])
@@ -84,13 +87,44 @@ def test_a_trial_runs_each_side_twice_mirrored_so_a_steady_drift_cancels():
             return benchmark.Speed(window=speed * 0.9, typical_step=speed, stall_share=0.1 * len(calls))
         return run
 
-    order, speed = benchmark.mirrored_trial({name: side(name) for name in true_speed}, trial=1)
+    order, speed, passes = benchmark.mirrored_trial({name: side(name) for name in true_speed}, trial=1)
     assert order == ["ftbench", "ftbench_no_nvml", "bare"]
-    assert calls == order + order[::-1]
+    assert calls == order + order[::-1] == [name for name, _ in passes]
+    assert passes[0][1].typical_step == pytest.approx(980.0) and passes[-1][1].typical_step == pytest.approx(980.0 / 1.25)
     row = benchmark.trial_row(order, speed, nvml_samples=0)
     assert row["ftbench_over_bare"] == pytest.approx(0.98) and row["window_ftbench_over_bare"] == pytest.approx(0.98)
     assert row["nvml_on_over_off"] == pytest.approx(980 / 985)
     assert speed["ftbench"].stall_share == pytest.approx((0.1 + 0.6) / 2)  # its first and last pass
+
+
+def test_trials_stop_before_the_time_limit_and_each_is_written_as_it_ends(tmp_path, monkeypatch):
+    """A GPU call has a hard limit: no trial starts that would end past --time-limit-s at the slowest trial's pace,
+    and --out holds every finished trial (with the summary so far) as soon as it ends, so a stopped run keeps them."""
+    import argparse
+
+    benchmark = _load_benchmark_module()
+    clock = [0.0]
+    monkeypatch.setattr(benchmark.time, "monotonic", lambda: clock[0])
+    out = tmp_path / "figures.json"
+    written: list[int] = []
+
+    def side(speed: float):
+        def run():
+            clock[0] += 10.0  # every pass takes 10 s: a trial (6 passes) 60 s
+            if out.exists():
+                written.append(len(json.loads(out.read_text())["trials"]))
+            return benchmark.Speed.of([1000] * 4, [1000 / speed] * 4, window_s=4000 / speed)
+        return run
+
+    results: dict = {"trials": []}
+    args = argparse.Namespace(trials=5, time_limit_s=150.0, out=str(out))
+    benchmark.run_trials({"bare": side(100.0), "ftbench": side(99.0), "ftbench_no_nvml": side(99.5)}, [0], results, args)
+    # Trial 0 ends at 60 s, trial 1 at 120 s; trial 2 would end at 180 s > 150 s: not started.
+    assert len(results["trials"]) == 2 and clock[0] == 120.0
+    assert written == [1] * 6  # no file during trial 0; during trial 1, trial 0 is on disk
+    saved = json.loads(out.read_text())
+    assert len(saved["trials"]) == 2 and saved["median_ftbench_over_bare"] == pytest.approx(0.99)
+    assert saved["trials"][0]["passes"][0]["step_tokens_per_s"] == pytest.approx([100.0] * 4)
 
 
 def test_a_trial_row_divides_typical_steps_and_windows_alike():
@@ -236,6 +270,23 @@ def test_the_flop_check_cuts_every_run_to_three_steps_whatever_sets_its_length()
     assert check.needs_attention({"status": "ok", "ratio": 1.06}) and check.needs_attention({"status": "ok", "ratio": None})
     assert not check.needs_attention({"status": "oom", "ratio": None})
     assert check.needs_attention({"status": "missing", "ratio": None})  # the job crashed before writing its row
+
+
+def test_the_flop_check_refuses_a_bad_experiment_before_training_any(tmp_path, tiny_config_factory):
+    """A wrong last file (here a model from a package that is not installed) must not cost the GPU time of
+    the files before it: every experiment is checked first, and the script names the file and key in one line."""
+    good = write_config(tmp_path / "good", tiny_config_factory(defaults={"device": "cpu", "num_gpus": 0}))
+    broken = tiny_config_factory(defaults={"device": "cpu", "num_gpus": 0})
+    broken["models"]["tiny"]["source"] = {"kind": "package", "package": "no-such-model-pkg", "path": "model"}
+    bad = write_config(tmp_path / "bad", broken)
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_flop_ratios.py"), str(good), str(bad), "--workdir", str(tmp_path / "work"),
+         "--", "--cores", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert process.returncode == 2, process.stdout + process.stderr[-3000:]
+    error_lines = process.stderr.strip().splitlines()
+    assert len(error_lines) == 1 and str(bad) in error_lines[0], process.stderr
+    assert "models.tiny.source.package" in error_lines[0] and "no-such-model-pkg" in error_lines[0]
+    assert not list((tmp_path / "work").glob("*/snakemake.log")) and "snakemake exit" not in process.stdout
 
 
 @pytest.mark.slow
