@@ -3,8 +3,8 @@
 All sides use the same model, batches, optimizer and precision, in the same process on the same
 machine:
 - bare: forward, backward, optimizer step; the device is synchronised only at the ends of the window.
-- ftbench: trainer.train_run as a pipeline job runs it (a sync and loss read every step, per-step
-  records, NVML sampling on a GPU).
+- ftbench: trainer.train_run as a pipeline job runs it (per-step records, each step's loss copied to the host and
+  checked a step later, NVML sampling on a GPU).
 - ftbench without NVML: the same, with the sampler given no GPU, isolating the sampler's cost.
 Each trial runs every side twice, in an order and then its reverse (bare, ftbench, no-NVML, no-NVML, ftbench,
 bare), the order's start rotating from trial to trial. Each side's two passes are centred on the same moment of
@@ -14,8 +14,8 @@ and "who ran first" rotates. The ratios are taken within a trial and summarised 
 
 Two speeds per side and trial:
 - window: tokens over the whole measured window (synchronised at both ends): what a run delivers.
-- typical step: the median over the window's steps of each step's tokens / seconds (the bare loop times
-  its steps with CUDA events, which add no synchronisation; ftbench with its own per-step clock). What the
+- typical step: the median over the window's steps of each step's tokens / seconds (both sides time their steps
+  with measure/step_clock.py: CUDA events, which add no synchronisation). What the
   harness costs is paid on every step, so it moves the typical step; the stalls of a shared host (on the
   H100 VMs a 0.134 s step now and then takes 0.15-0.20 s) fall on either side at random and move a
   40-step window by 5-20%. The verdicts use the typical step; the window ratio is printed beside it, with
@@ -50,6 +50,7 @@ import torch
 from ftbench.tasks import registry
 from ftbench.data import batch_order, prepared
 from ftbench.measure import gpu_monitor
+from ftbench.measure.step_clock import StepClock
 from ftbench.experiment import matrix
 from ftbench.train import modeling, trainer
 from ftbench.experiment import config as ftbench_config
@@ -84,30 +85,6 @@ class Speed:
                    step_speeds=tuple(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds)))
 
 
-class StepClock:
-    """The start of every measured step and the window's end, read once the loop is done: CUDA events on a
-    GPU (recording one does not wait for the device), the host clock on a CPU (which runs each op as it is
-    called)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals_s(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [start.elapsed_time(end) / 1000 for start, end in zip(self.marks, self.marks[1:])]
-        return [end - start for start, end in zip(self.marks, self.marks[1:])]
-
-
 def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
     manifest = prepared.verify(data_dir)
     split = registry.load_split(data_dir, "train", manifest)
@@ -122,14 +99,13 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
     order = batch_order.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
     model.train()
     step_tokens: list[int] = []
-    clock = StepClock(device)
+    clock = StepClock(device)  # the one ftbench's window uses: markers on the device's timeline, read at the end
     start = None
     for step, indices in enumerate(order):
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
-        if step >= warmup:
-            clock.mark()
+            clock.start(start)
         batch = registry.family(manifest["task"]).collate(split, indices, manifest["pad_token_id"]).to(device)
         with torch.autocast(**autocast):
             loss = model(**batch.inputs).loss
@@ -138,23 +114,32 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
+            clock.boundary(step)
             step_tokens.append(batch.real_tokens)
-    clock.mark()
     synchronize(device)
     window_s = time.perf_counter() - start
-    return Speed.of(step_tokens, clock.intervals_s(), window_s)
+    return Speed.of(step_tokens, list(clock.step_seconds().values()), window_s)
 
 
-def ftbench_loop(spec: RunSpec, data_dir: str, sampling: bool, samples_taken: list[int]) -> Speed:
+def ftbench_loop(spec: RunSpec, data_dir: str, sampling: bool, samples_taken: list[int],
+                 sync_every_step: bool = False) -> Speed:
     original = gpu_monitor.GpuSampler.__init__
+    boundary = StepClock.boundary
     if not sampling:
         def no_gpus(self, cuda_indices, interval_s):
             original(self, [], interval_s)
         gpu_monitor.GpuSampler.__init__ = no_gpus
+    if sync_every_step:  # the window as it was before its steps stopped waiting for the device
+        def synchronised_boundary(self, step):
+            boundary(self, step)
+            if self.cuda:
+                torch.cuda.synchronize()
+        StepClock.boundary = synchronised_boundary
     try:
         metrics, steps = trainer.train_run(spec, data_dir)
     finally:
         gpu_monitor.GpuSampler.__init__ = original
+        StepClock.boundary = boundary
     if metrics["status"] != "ok":
         raise SystemExit(f"ftbench run ended with status {metrics['status']}: {metrics.get('status_reason')}")
     samples_taken.append(metrics["nvml_samples"])
@@ -196,6 +181,10 @@ def summarise_trials(trials: list[dict]) -> dict:
         summary[f"median_window_{key}"] = statistics.median(window)
         summary[f"range_window_{key}"] = [min(window), max(window)]
     summary["resolved"] = all(summary[f"verdict_{key}"] != "not resolved" for key in TARGETS)
+    for key in set(RATIO_SIDES) - set(TARGETS):
+        values = [trial[key] for trial in trials if key in trial]
+        if values:  # an attribution, without a verdict
+            summary[f"median_{key}"], summary[f"range_{key}"] = statistics.median(values), [min(values), max(values)]
     return summary
 
 
@@ -206,6 +195,8 @@ def trial_row(order: list[str], speed: dict[str, Speed], nvml_samples: int) -> d
         row.update({f"{name}_tokens_per_s": side.window, f"{name}_typical_step_tokens_per_s": side.typical_step,
                     f"{name}_stall_share": side.stall_share})
     for key, (numerator, denominator) in RATIO_SIDES.items():
+        if numerator not in speed or denominator not in speed:
+            continue  # a side this benchmark was not asked to run (--sync-side)
         row[key] = speed[numerator].typical_step / speed[denominator].typical_step
         row[f"window_{key}"] = speed[numerator].window / speed[denominator].window
     return row
@@ -223,7 +214,9 @@ def mirrored_trial(sides: dict, trial: int) -> tuple[list[str], dict[str, Speed]
 
 
 # Which sides each ratio compares.
-RATIO_SIDES = {"ftbench_over_bare": ("ftbench", "bare"), "nvml_on_over_off": ("ftbench", "ftbench_no_nvml")}
+RATIO_SIDES = {"ftbench_over_bare": ("ftbench", "bare"), "nvml_on_over_off": ("ftbench", "ftbench_no_nvml"),
+               # --sync-side: what not waiting for the device in the window gains (no target: an attribution)
+               "no_sync_over_sync": ("ftbench", "ftbench_sync_every_step")}
 
 
 def main() -> None:
@@ -236,6 +229,8 @@ def main() -> None:
     parser.add_argument("--sample-interval", type=float, help="override the run's gpu_sample_interval_s (seconds)")
     parser.add_argument("--batch-size", type=int, help="override the run's batch size (a larger one makes a small model GPU-bound)")
     parser.add_argument("--out", help="write the figures as JSON here (after every trial)")
+    parser.add_argument("--sync-side", action="store_true", help="a fourth side: ftbench with the device synchronised "
+                        "after every measured step, as its loop was before (no_sync_over_sync: what not waiting gains)")
     parser.add_argument("--time-limit-s", type=float, help="start no trial that would end past this many seconds of "
                         "trials (at the slowest trial's pace so far); the summary covers the trials run")
     args = parser.parse_args()
@@ -258,6 +253,9 @@ def main() -> None:
             "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
             "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False, samples_taken=[]),
         }
+        if args.sync_side:
+            sides["ftbench_sync_every_step"] = lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=[],
+                                                                   sync_every_step=True)
         nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
         results = {"run_id": spec.run_id, "batch_size": spec.batch_size,
                    "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": [],
@@ -287,7 +285,9 @@ def run_trials(sides: dict, nvml_samples: list[int], results: dict, args: argpar
               + ", ".join(f"{name} {speed[name].typical_step:,.0f} / {speed[name].window:,.0f} "
                           f"(stalls {speed[name].stall_share:+.1%})" for name in sides)
               + f"; ftbench/bare {row['ftbench_over_bare']:.3f}x (window {row['window_ftbench_over_bare']:.3f}x), "
-              f"sampling on/off {row['nvml_on_over_off']:.3f}x (window {row['window_nvml_on_over_off']:.3f}x)", flush=True)
+              f"sampling on/off {row['nvml_on_over_off']:.3f}x (window {row['window_nvml_on_over_off']:.3f}x)"
+              + (f", no sync / sync every step {row['no_sync_over_sync']:.3f}x" if "no_sync_over_sync" in row else ""),
+              flush=True)
         results.update(summarise_trials(results["trials"]))
         if args.out:  # after every trial: a run stopped from outside keeps what it measured
             Path(args.out).write_text(json.dumps(results, indent=2))
@@ -300,6 +300,10 @@ def print_summary(spec: RunSpec, results: dict) -> None:
         f"{results[f'range_{key}'][0]:.3f}-{results[f'range_{key}'][1]:.3f}): {results[f'verdict_{key}']}; window "
         f"{results[f'median_window_{key}']:.3f} ({results[f'range_window_{key}'][0]:.3f}-{results[f'range_window_{key}'][1]:.3f})"
         for key, name in (("ftbench_over_bare", "ftbench/bare"), ("nvml_on_over_off", "NVML sampling on/off"))))
+    if "median_no_sync_over_sync" in results:
+        low, high = results["range_no_sync_over_sync"]
+        print(f"ftbench / ftbench synchronising every step: median {results['median_no_sync_over_sync']:.3f} "
+              f"(typical step; trials {low:.3f}-{high:.3f})")
     if not results["resolved"]:
         print(f"not resolved: the trials of a ratio fall on both sides of its target, or span more than "
               f"{UNRESOLVED_SPREAD:.0%} and are fewer than {SIDE_TRIALS}; where the host is launch-bound: run more "

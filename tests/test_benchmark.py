@@ -29,11 +29,16 @@ def run_benchmark(script: str, tmp_path, tiny_config_factory, batch_size: int, *
 @pytest.mark.slow
 def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tmp_path, tiny_config_factory):
     process, results = run_benchmark("benchmark_overhead.py", tmp_path, tiny_config_factory, 8,
-                                     "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6")
+                                     "--steps", "4", "--warmup", "1", "--trials", "3", "--batch-size", "6", "--sync-side")
     trials = results["trials"]
     assert len(trials) == 3 and results["steps"] == 4 and results["batch_size"] == 6 and results["device"] == "cpu"
-    # Every side goes first once in three trials (then the order runs back): drift cannot favour one side.
+    # Each of the first three sides goes first once in three trials (then the order runs back).
     assert sorted(trial["order"][0] for trial in trials) == ["bare", "ftbench", "ftbench_no_nvml"]
+    # --sync-side: a fourth, ftbench with a sync after every measured step, for the attribution it reports.
+    assert all(trial["no_sync_over_sync"] == pytest.approx(trial["ftbench_typical_step_tokens_per_s"]
+                                                           / trial["ftbench_sync_every_step_typical_step_tokens_per_s"])
+               for trial in trials)
+    assert "ftbench / ftbench synchronising every step: median" in process.stdout
     assert "then back" in process.stdout
     for trial in trials:
         # The verdicts' ratios are of the typical (median) step; the window's are kept beside them.
@@ -42,13 +47,14 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
         assert trial["nvml_on_over_off"] == pytest.approx(
             trial["ftbench_typical_step_tokens_per_s"] / trial["ftbench_no_nvml_typical_step_tokens_per_s"])
         assert trial["window_ftbench_over_bare"] == pytest.approx(trial["ftbench_tokens_per_s"] / trial["bare_tokens_per_s"])
-        for side in ("bare", "ftbench", "ftbench_no_nvml"):
+        for side in ("bare", "ftbench", "ftbench_no_nvml", "ftbench_sync_every_step"):
             assert trial[f"{side}_tokens_per_s"] > 0 and trial[f"{side}_typical_step_tokens_per_s"] > 0
             # A window is never shorter than its steps at the median step's pace by much (ties in 4 steps).
             assert trial[f"{side}_stall_share"] > -0.5
         assert trial["nvml_samples"] == 0  # a CPU has nothing to sample
         # Every pass in the order run, with its steps' speeds (is a host's noise within passes or between them?).
         assert [entry["side"] for entry in trial["passes"]] == trial["order"] + trial["order"][::-1]
+        assert len(trial["order"]) == 4
         assert all(len(entry["step_tokens_per_s"]) == 4 for entry in trial["passes"])
     ratios = sorted(trial["ftbench_over_bare"] for trial in trials)
     assert results["median_ftbench_over_bare"] == pytest.approx(ratios[1])

@@ -31,7 +31,7 @@ from ftbench.tasks import registry
 from ftbench.tasks.base import IGNORE_INDEX, TokenisedSplit
 from ftbench.runspec import RunSpec
 from ftbench import cli
-from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape
+from ftbench.measure import gpu_table, flops, gpu_monitor, memory_estimate, metrics, model_shape, step_clock
 from ftbench.report import collect
 from ftbench.experiment import feasibility, matrix
 from ftbench.train import modeling, trainer
@@ -182,6 +182,15 @@ def clocked_run(llama_data):
         return next_batch(run, loop)
 
     patch.setattr(trainer, "_next_batch", logged_next_batch)
+    # The window's step clock reads the same recording clock (on a CPU its markers are host times).
+    patch.setattr(step_clock, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    boundary = step_clock.StepClock.boundary
+
+    def logged_boundary(self, step):
+        clock.events.append("boundary")
+        boundary(self, step)
+
+    patch.setattr(step_clock.StepClock, "boundary", logged_boundary)
     try:
         metrics, steps = trainer.train_run(spec, llama_data)
     finally:
@@ -195,12 +204,14 @@ def is_synced_duration(seconds: float) -> bool:
 
 
 @pytest.mark.slow
-def test_step_times_are_read_after_a_device_sync(clocked_run):
+def test_warmup_steps_are_timed_after_a_sync_and_the_window_at_its_ends_only(clocked_run):
+    """A warmup step's time is read after a device sync (those times decide when the window begins); the measured
+    steps are timed by the step clock with none (a sync per step idles the GPU while the host launches the next
+    step): the loop synchronises before its first step, after each warmup step and once at the window's end."""
     _, metrics, steps, clock = clocked_run
-    assert clock.syncs >= len(steps) + 1  # at least once before the loop and once per step
+    assert clock.syncs == 1 + WARMUP + 1
     for record in steps:
-        assert is_synced_duration(record["step_time_s"]), record
-    assert is_synced_duration(metrics["window_s"])
+        assert is_synced_duration(record["step_time_s"]) is not record["measured"], record
     assert metrics["measured_time_s"] == metrics["window_s"]
 
 
@@ -244,12 +255,12 @@ def test_loader_time_is_part_of_step_time(clocked_run):
 
 @pytest.mark.slow
 def test_each_step_collates_the_next_steps_first_batch_before_its_closing_sync(clocked_run):
-    """The host's data work overlaps the GPU's: a step's first micro-batch is collated before the sync that
-    ends the step before it (a bare loop never waits for it either); the second micro-batch during the
-    step's own first one. Every micro-batch is collated exactly once."""
+    """The host's data work overlaps the GPU's: a step's first micro-batch is collated before the sync (warmup) or
+    the step clock's marker (window) that ends the step before it (a bare loop never waits for it either); the
+    second micro-batch during the step's own first one. Every micro-batch is collated exactly once."""
     spec, _, steps, clock = clocked_run
     events = clock.events[clock.events.index("next batch"):]
-    closing = [index for index, event in enumerate(events) if event == "sync"][: len(steps)]
+    closing = [index for index, event in enumerate(events) if event in ("sync", "boundary")][: len(steps)]
     segments = [events[start:end] for start, end in zip([0] + [i + 1 for i in closing], closing)]
     per_step = [segment.count("next batch") for segment in segments]
     accum = spec.grad_accum_steps

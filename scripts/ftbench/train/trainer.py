@@ -3,7 +3,9 @@
 How the numbers are taken (so they can be trusted):
 - the first ``warmup_steps`` optimizer steps (allocator growth, autotuning, torch.compile) are run but
   not measured;
-- the device is synchronised before every clock read, so a step's time includes its GPU work;
+- a warmup step ends with a device synchronisation; the measured window's steps wait for nothing (a sync per step
+  would leave the GPU idle while the host launches the next step): each is timed on the device's own timeline
+  (CUDA events), the window's two ends are synchronised, and its losses are read a step late (measure/step_clock.py);
 - tokens are the real (unpadded) tokens of every micro-batch of a step (gradient accumulation counted);
 - throughput is measured-window tokens / measured-window seconds; global (all devices of the run) and
   per-device throughput are stored apart.
@@ -32,6 +34,7 @@ from ftbench.tasks.base import Batch, TokenisedSplit
 from ftbench.data import batch_order, prepared
 from ftbench.experiment import memory_plan
 from ftbench.measure import environment, flops, gpu_monitor
+from ftbench.measure.step_clock import LaggedLosses, StepClock
 from ftbench.train.devices import Distributed, autocast_args, choose_device, local_gpus, synchronize
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.experiment import feasibility
@@ -274,35 +277,39 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,
                 evals: evaluation.DuringTraining):
     """The optimizer steps until done or stopped: (figures, step records, (window start, window end)).
-    Evaluations due before a step (``evals``) pause the clock: the step's time starts after them."""
+    Evaluations due before a step (``evals``) pause the clock: the step's time starts after them. A warmup step
+    ends with a synchronisation (its time decides when the window begins); the window's steps wait for nothing:
+    their times and losses are read when it is over (measure/step_clock.py)."""
     figures: dict = {"grad_scaler_skipped_steps": 0 if loop.scaler.is_enabled() else None}
     steps: list[dict] = []
-    window_start = window_end = None
+    window_start = None
+    clock, losses = StepClock(run.device), LaggedLosses(run.device, loop.total_steps)
     step_start = loop_times["first"] = time.perf_counter()
     upcoming = _next_batch(run, loop)
     for step in range(loop.total_steps):
+        measured = window_start is not None
         if evals.due(step, loop.total_steps):
-            if evals.pause(step, may_stop=window_start is not None, since=step_start):
+            # In the window the last step may still be running: the pause begins when the device finished it.
+            if evals.pause(step, may_stop=measured, since=clock.host_time_of() if measured else step_start):
                 figures["stopped_at_target"] = True
                 break
             step_start = evals.resumed
+            if measured:
+                clock.start(step_start)  # the evaluation's time belongs to no step
         # Step times are gathered only while the window has not begun: nothing more on the measured steps.
-        if window_start is None and warmup.window_begins(step, [s["step_time_s"] for s in steps],
-                                                         agree=lambda flag: _any_rank(run, flag)):
-            window_start = step_start
+        if not measured and warmup.window_begins(step, [s["step_time_s"] for s in steps],
+                                                 agree=lambda flag: _any_rank(run, flag)):
+            window_start, measured = step_start, True
             sampler.start()
+            clock.start(step_start)
         stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
         if stop_reason:
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
         run.last_step = step
-        record, loss = _forward_backward(run, loop, shape, step, upcoming, measured=window_start is not None)
-        # A NaN must not reach the weights. Where the optimizer can skip its update on the device, the loss is read
-        # at the step's closing sync; otherwise before the update, which leaves the GPU idle while the host then
-        # launches it.
-        if loop.skip_on_device:
-            skip_update_if(loop.optimizer, loss)
-        elif _diverged(figures, loss.item(), step):
+        record, loss = _forward_backward(run, loop, shape, step, upcoming, measured=measured)
+        losses.put(step, loss)
+        if _diverged_before_update(run, loop, figures, losses, loss, steps, measured):
             loop.optimizer.zero_grad(set_to_none=True)
             break
         # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
@@ -312,20 +319,62 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
         record["lr"] = loop.scheduler.get_last_lr()[0]
         loop.scheduler.step()
         loop.optimizer.zero_grad(set_to_none=True)
-        if step + 1 < loop.total_steps:
-            # The next step's first batch while the GPU still runs this step's update, as a DataLoader's workers
-            # would have it ready, rather than after the clock's sync with the GPU idle.
+        if step + 1 < loop.total_steps:  # collated while the GPU runs this update, as a DataLoader's workers would
             upcoming = _next_batch(run, loop)
-        synchronize(run.device)
-        step_end = time.perf_counter()
-        loss_value = loss.item()  # after the sync: no wait
-        if loop.skip_on_device and _diverged(figures, loss_value, step):
-            break
-        record.update(step_time_s=step_end - step_start, loss=loss_value)
+        if measured:
+            clock.boundary(step)
+            step_end = time.perf_counter()  # the host's, ahead of the device: only the deadline's estimate reads it
+        else:
+            synchronize(run.device)
+            step_end = loop_times["last"] = time.perf_counter()
+            if loop.skip_on_device and _diverged(figures, losses.get(step), step):
+                break
+        record.update(step_time_s=step_end - step_start, loss=None if measured else losses.get(step))
         steps.append(record)
-        window_end = loop_times["last"] = step_end
         step_start = step_end
-    return figures, steps, (window_start, window_end)
+    return figures, steps, _close_window(run, loop, figures, (clock, losses), steps, window_start, loop_times)
+
+
+def _diverged_before_update(run: Run, loop: _Loop, figures: dict, losses: LaggedLosses, loss: torch.Tensor,
+                            steps: list[dict], measured: bool) -> bool:
+    """Whether to stop before this step's update. Where the optimizer can skip a non-finite loss's update on the
+    device, it is told to, and in the window the previous step's loss is read (a step late: reading this step's
+    would wait for it): if that one was not finite, its update was skipped, its record is dropped and the run
+    stops there. Elsewhere this step's loss is read now, before its update reaches the weights (a sync)."""
+    if not loop.skip_on_device:
+        return _diverged(figures, loss.item(), run.last_step)
+    skip_update_if(loop.optimizer, loss)
+    previous = steps[-1] if steps else None
+    if measured and previous is not None and previous["measured"] and _diverged(figures, losses.get(previous["step"]),
+                                                                                    previous["step"]):
+        steps.pop()
+        run.last_step = previous["step"]
+        return True
+    return False
+
+
+def _close_window(run: Run, loop: _Loop, figures: dict, timing: tuple[StepClock, LaggedLosses], steps: list[dict],
+                  window_start: float | None, loop_times: dict) -> tuple[float | None, float | None]:
+    """The measured window once the loop is over: the device synchronised, the last step's loss checked, each
+    measured step's time and loss read; (window start, window end) on the host's clock, the end being when the
+    device finished the last step kept (not what the loop queued after it: a diverged step, a stop)."""
+    if window_start is None:
+        return None, loop_times.get("last")
+    clock, losses = timing
+    synchronize(run.device)
+    last = steps[-1] if steps and steps[-1]["measured"] else None
+    if (last is not None and loop.skip_on_device and figures.get("status") != "diverged"
+            and _diverged(figures, losses.get(last["step"]), last["step"])):
+        steps.pop()
+        run.last_step = last["step"]
+        last = steps[-1] if steps and steps[-1]["measured"] else None
+    seconds = clock.step_seconds()
+    for record in steps:
+        if record["measured"]:
+            record.update(step_time_s=seconds[record["step"]], loss=losses.get(record["step"]))
+    window_end = window_start if last is None else clock.host_time_of(last["step"])
+    loop_times["last"] = window_end
+    return window_start, window_end
 
 
 def _diverged(figures: dict, loss_value: float, step: int) -> bool:
