@@ -68,3 +68,21 @@ def test_the_window_waits_for_the_device_only_at_its_ends(make_cpu_spec, prepare
     measured = [record for record in steps if record["measured"]]
     assert metrics["window_s"] == pytest.approx(sum(record["step_time_s"] for record in measured), rel=1e-9)
     assert all(record["step_time_s"] > 0 and math.isfinite(record["loss"]) for record in measured)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_event_timed_steps_add_up_to_the_window_and_a_nan_stops_before_the_next_update(make_cpu_spec,
+                                                                                                prepared_data, monkeypatch):
+    """The CUDA half of the clock (events, pinned loss copies), where CI cannot reach it: the steps' event times add up
+    to the host-timed window, and a NaN in the window (fused AdamW: read a step late) still ends the run at its step."""
+    metrics, steps = trainer.train_run(make_cpu_spec(device="auto", num_gpus=1, max_steps=12, warmup_steps=2),
+                                       prepared_data[0])
+    measured = [record for record in steps if record["measured"]]
+    assert metrics["status"] == "ok" and metrics["device"] == "cuda" and len(measured) == 10
+    assert sum(record["step_time_s"] for record in measured) == pytest.approx(metrics["window_s"], rel=0.02)
+    assert all(math.isfinite(record["loss"]) for record in measured)
+    monkeypatch.setenv("FTBENCH_INJECT_FAULT", "nan@6")
+    metrics, steps = trainer.train_run(make_cpu_spec(device="auto", num_gpus=1, max_steps=12, warmup_steps=2),
+                                       prepared_data[0])
+    assert metrics["status"] == "diverged" and metrics["diverged_step"] == 6 and metrics["last_step"] == 6
+    assert [record["step"] for record in steps] == [0, 1, 2, 3, 4, 5]
