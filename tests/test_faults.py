@@ -245,6 +245,54 @@ def test_a_fused_optimizer_skips_a_nan_steps_update_on_the_device(cpu_spec, prep
     assert {state["step"].item() for state in optimizer.state.values()} == {4.0}
 
 
+def plain_fused_adamw(spec, model, device):
+    """What CUDA runs get by default, on the CPU: an optimizer that skips a non-finite loss's update on the device,
+    which is what lets the measured window read each loss a step late."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate, fused=True)
+
+
+@pytest.mark.slow
+def test_a_nan_read_a_step_late_ends_the_run_before_an_evaluation_is_due(cpu_spec, prepared_data, monkeypatch):
+    """The window reads step 3's loss at step 4; an evaluation due before step 4 must not score (nor stop at
+    target) a run that has already diverged."""
+    monkeypatch.setattr(trainer, "make_optimizer", plain_fused_adamw)
+    monkeypatch.setenv(ENV, "nan@3")
+    metrics, steps = trainer.train_run(cpu_spec(eval_every=2, max_steps=8), prepared_data[0])
+    assert metrics["status"] == "diverged" and metrics["diverged_step"] == 3 and metrics["last_step"] == 3
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    # The base evaluation (step 0) and the one due before step 2; none at step 4, after the NaN.
+    assert {row["step"] for row in metrics["evals"]} == {0, 2} and metrics["evaluations_during_training"] == 2
+
+
+@pytest.mark.slow
+def test_a_nan_on_the_last_step_is_read_when_the_window_closes(cpu_spec, prepared_data, monkeypatch):
+    monkeypatch.setattr(trainer, "make_optimizer", plain_fused_adamw)
+    monkeypatch.setenv(ENV, "nan@5")
+    metrics, steps = trainer.train_run(cpu_spec(), prepared_data[0])
+    assert metrics["status"] == "diverged" and metrics["diverged_step"] == 5 and metrics["last_step"] == 5
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4] and metrics["measured_steps"] == 3
+
+
+@pytest.mark.slow
+def test_an_oom_inside_the_window_leaves_its_measured_steps_out_of_overhead(cpu_spec, prepared_data, monkeypatch):
+    """The window's steps are timed on the device's clock when it closes; an OOM ends the loop before that, and
+    overhead_s (the job outside its steps) must still end at the last step, not at the last warmup step."""
+    monkeypatch.setenv(ENV, "sleep@3=1,sleep@4=1,oom@5")
+    metrics, _ = trainer.train_run(cpu_spec(), prepared_data[0])
+    assert metrics["status"] == "oom" and metrics["last_step"] == 5
+    assert metrics["overhead_s"] < metrics["wall_time_s"] - 2.0  # the two slept seconds are steps, not overhead
+
+
+def test_the_deadline_estimate_never_takes_a_launch_time_for_a_step_time():
+    """In the window a step's time is the host's until the window closes: right after the window begins, a GPU-bound
+    step's host time is its launch time alone; the deadline reads the last warmup step's (synced) time then."""
+    warmup = [{"measured": False, "step_time_s": 0.5}, {"measured": False, "step_time_s": 0.4}]
+    assert trainer._recent_step_s([]) == 0.0
+    assert trainer._recent_step_s(warmup) == 0.4
+    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.03}]) == 0.4
+    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.6}]) == 0.6
+
+
 @pytest.mark.slow
 def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec, prepared_data, tmp_path,
                                                                           monkeypatch, keep_sigterm, capfd):

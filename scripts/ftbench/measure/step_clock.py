@@ -16,6 +16,10 @@ as the step's backward pass is queued and read a step later, when the copy has l
 where the optimizer skips a non-finite loss's update on the device, the host checks it for NaN one step late,
 before that next step's update (trainer.py).
 
+Where the loop must wait anyway, it still does, and gains nothing here: an optimizer that cannot skip a NaN's update
+on the device (not fused AdamW, or fp16's GradScaler) has the loss read before each update; DDP and FSDP ranks agree
+every step on whether to stop (an all-reduce read on the host).
+
 The window's span (tokens per second) is on the host's clock: from its synchronised start to when the device
 finished its last step (``host_time_of``); ``StepClock.step_seconds`` sums to it, less what lies between chains.
 """
@@ -81,7 +85,7 @@ class LaggedLosses:
         self.cuda = device.type == "cuda"
         # One pinned slot per step: allocating pinned memory per step would cost more than the sync it saves.
         self.host = torch.empty(steps, dtype=torch.float32, pin_memory=self.cuda)
-        self.copied: dict[int, object] = {}  # step -> the event after its copy (CUDA) or None (CPU)
+        self.copied: dict[int, object] = {}  # step -> the event after its copy, until it is read (CUDA)
 
     def put(self, step: int, loss: torch.Tensor) -> None:
         if self.cuda:
@@ -91,10 +95,9 @@ class LaggedLosses:
             self.copied[step] = event
         else:
             self.host[step] = loss.detach().float()
-            self.copied[step] = None
 
     def get(self, step: int) -> float:
-        event = self.copied[step]
+        event = self.copied.pop(step, None)  # once read, the slot holds the value: the event is not kept
         if event is not None:
             event.synchronize()  # that copy only: the work queued after it goes on
         return float(self.host[step])

@@ -289,6 +289,8 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
     for step in range(loop.total_steps):
         measured = window_start is not None
         if evals.due(step, loop.total_steps):
+            if measured and _previous_step_diverged(run, loop, figures, losses, steps):
+                break  # not an evaluation (nor a stop at target) of a run that has diverged
             # In the window the last step may still be running: the pause begins when the device finished it.
             if evals.pause(step, may_stop=measured, since=clock.host_time_of() if measured else step_start):
                 figures["stopped_at_target"] = True
@@ -296,13 +298,12 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
             step_start = evals.resumed
             if measured:
                 clock.start(step_start)  # the evaluation's time belongs to no step
-        # Step times are gathered only while the window has not begun: nothing more on the measured steps.
         if not measured and warmup.window_begins(step, [s["step_time_s"] for s in steps],
                                                  agree=lambda flag: _any_rank(run, flag)):
             window_start, measured = step_start, True
             sampler.start()
             clock.start(step_start)
-        stop_reason = _stop_reason(run, steps[-1]["step_time_s"] if steps else 0.0)
+        stop_reason = _stop_reason(run, _recent_step_s(steps))
         if stop_reason:
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
@@ -312,8 +313,7 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
         if _diverged_before_update(run, loop, figures, losses, loss, steps, measured):
             loop.optimizer.zero_grad(set_to_none=True)
             break
-        # fp16 only (no scaler otherwise): steps the GradScaler skipped for inf/NaN gradients. They count as
-        # steps (timed, tokens counted) but did not update the weights.
+        # fp16's GradScaler skipped the update (inf/NaN gradients): still a step (timed, tokens counted).
         if scaler_step(loop.scaler, loop.optimizer):
             figures["grad_scaler_skipped_steps"] += 1
         record["lr"] = loop.scheduler.get_last_lr()[0]
@@ -323,7 +323,8 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
             upcoming = _next_batch(run, loop)
         if measured:
             clock.boundary(step)
-            step_end = time.perf_counter()  # the host's, ahead of the device: only the deadline's estimate reads it
+            # The host's time, ahead of the device's: for the deadline, and overhead_s should an OOM end the loop.
+            step_end = loop_times["last"] = time.perf_counter()
         else:
             synchronize(run.device)
             step_end = loop_times["last"] = time.perf_counter()
@@ -339,18 +340,34 @@ def _diverged_before_update(run: Run, loop: _Loop, figures: dict, losses: Lagged
                             steps: list[dict], measured: bool) -> bool:
     """Whether to stop before this step's update. Where the optimizer can skip a non-finite loss's update on the
     device, it is told to, and in the window the previous step's loss is read (a step late: reading this step's
-    would wait for it): if that one was not finite, its update was skipped, its record is dropped and the run
-    stops there. Elsewhere this step's loss is read now, before its update reaches the weights (a sync)."""
+    would wait for it). Elsewhere this step's loss is read now, before its update reaches the weights (a sync)."""
     if not loop.skip_on_device:
         return _diverged(figures, loss.item(), run.last_step)
     skip_update_if(loop.optimizer, loss)
+    return measured and _previous_step_diverged(run, loop, figures, losses, steps)
+
+
+def _previous_step_diverged(run: Run, loop: _Loop, figures: dict, losses: LaggedLosses, steps: list[dict]) -> bool:
+    """In the window, where the optimizer skips a non-finite loss's update on the device: whether the last step
+    recorded had one. If so its update was skipped, its record is dropped, and the run stops there."""
     previous = steps[-1] if steps else None
-    if measured and previous is not None and previous["measured"] and _diverged(figures, losses.get(previous["step"]),
-                                                                                    previous["step"]):
-        steps.pop()
-        run.last_step = previous["step"]
-        return True
-    return False
+    if not (loop.skip_on_device and previous is not None and previous["measured"]):
+        return False
+    if not _diverged(figures, losses.get(previous["step"]), previous["step"]):
+        return False
+    steps.pop()
+    run.last_step = previous["step"]
+    return True
+
+
+def _recent_step_s(steps: list[dict]) -> float:
+    """The time a step takes, for the deadline's estimate: the last step's, or the last warmup step's where that is
+    longer. In the window a step's time is the host's until the window ends, which in a GPU-bound run is its launch
+    time alone for the first step after the window begins or an evaluation (nothing had made the host wait yet)."""
+    if not steps:
+        return 0.0
+    warmup = [record["step_time_s"] for record in steps if not record["measured"]]
+    return max(steps[-1]["step_time_s"], warmup[-1] if warmup else 0.0)
 
 
 def _close_window(run: Run, loop: _Loop, figures: dict, timing: tuple[StepClock, LaggedLosses], steps: list[dict],
@@ -362,12 +379,9 @@ def _close_window(run: Run, loop: _Loop, figures: dict, timing: tuple[StepClock,
         return None, loop_times.get("last")
     clock, losses = timing
     synchronize(run.device)
+    if figures.get("status") != "diverged":
+        _previous_step_diverged(run, loop, figures, losses, steps)  # the last step's loss, not read yet
     last = steps[-1] if steps and steps[-1]["measured"] else None
-    if (last is not None and loop.skip_on_device and figures.get("status") != "diverged"
-            and _diverged(figures, losses.get(last["step"]), last["step"])):
-        steps.pop()
-        run.last_step = last["step"]
-        last = steps[-1] if steps and steps[-1]["measured"] else None
     seconds = clock.step_seconds()
     for record in steps:
         if record["measured"]:
