@@ -287,10 +287,11 @@ def test_the_deadline_estimate_never_takes_a_launch_time_for_a_step_time():
     """In the window a step's time is the host's until the window closes: right after the window begins, a GPU-bound
     step's host time is its launch time alone; the deadline reads the last warmup step's (synced) time then."""
     warmup = [{"measured": False, "step_time_s": 0.5}, {"measured": False, "step_time_s": 0.4}]
-    assert trainer._recent_step_s([]) == 0.0
-    assert trainer._recent_step_s(warmup) == 0.4
-    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.03}]) == 0.4
-    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.6}]) == 0.6
+    assert trainer._recent_step_s([], None) == 0.0
+    assert trainer._recent_step_s(warmup, None) == 0.4  # before the window: the last step's, synced
+    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.03}], 2) == 0.4
+    assert trainer._recent_step_s(warmup + [{"measured": True, "step_time_s": 0.6}], 2) == 0.6
+    assert trainer._recent_step_s([{"measured": True, "step_time_s": 0.03}], 0) == 0.03  # no warmup to fall back on
 
 
 @pytest.mark.slow

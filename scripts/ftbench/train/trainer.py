@@ -303,7 +303,7 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
             window_start, measured = step_start, True
             sampler.start()
             clock.start(step_start)
-        stop_reason = _stop_reason(run, _recent_step_s(steps))
+        stop_reason = _stop_reason(run, _recent_step_s(steps, warmup.used))
         if stop_reason:
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
@@ -360,14 +360,16 @@ def _previous_step_diverged(run: Run, loop: _Loop, figures: dict, losses: Lagged
     return True
 
 
-def _recent_step_s(steps: list[dict]) -> float:
+def _recent_step_s(steps: list[dict], warmup_steps: int | None) -> float:
     """The time a step takes, for the deadline's estimate: the last step's, or the last warmup step's where that is
-    longer. In the window a step's time is the host's until the window ends, which in a GPU-bound run is its launch
-    time alone for the first step after the window begins or an evaluation (nothing had made the host wait yet)."""
+    longer (``warmup_steps``: how many the window began after, None before it begins). In the window a step's time is
+    the host's until the window ends, which in a GPU-bound run is its launch time alone for the first step after the
+    window begins or an evaluation (nothing had made the host wait yet). Records before the window are one per step,
+    so the last warmup step's is found by its index: this runs before every step."""
     if not steps:
         return 0.0
-    warmup = [record["step_time_s"] for record in steps if not record["measured"]]
-    return max(steps[-1]["step_time_s"], warmup[-1] if warmup else 0.0)
+    last_warmup_s = steps[warmup_steps - 1]["step_time_s"] if warmup_steps else 0.0
+    return max(steps[-1]["step_time_s"], last_warmup_s)
 
 
 def _close_window(run: Run, loop: _Loop, figures: dict, timing: tuple[StepClock, LaggedLosses], steps: list[dict],
