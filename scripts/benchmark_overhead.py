@@ -78,11 +78,10 @@ class Speed:
 
     @classmethod
     def of(cls, step_tokens: list[int], step_seconds: list[float], window_s: float) -> "Speed":
-        typical_step_s = statistics.median(step_seconds)
-        return cls(window=sum(step_tokens) / window_s,
-                   typical_step=statistics.median(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds)),
-                   stall_share=window_s / (typical_step_s * len(step_seconds)) - 1,
-                   step_speeds=tuple(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds)))
+        step_speeds = tuple(tokens / seconds for tokens, seconds in zip(step_tokens, step_seconds))
+        return cls(window=sum(step_tokens) / window_s, typical_step=statistics.median(step_speeds),
+                   stall_share=window_s / (statistics.median(step_seconds) * len(step_seconds)) - 1,
+                   step_speeds=step_speeds)
 
 
 def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
