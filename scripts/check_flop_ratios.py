@@ -72,8 +72,9 @@ def shortened(experiment: dict, base: Path) -> dict:
 def _absolute_paths(node, base: Path):
     """Every ``{kind: path, path: relative}`` source under ``node`` with its path made absolute from ``base``."""
     if isinstance(node, dict):
-        if node.get("kind") == "path" and isinstance(node.get("path"), str) and not Path(node["path"]).is_absolute():
-            node["path"] = str((base / node["path"]).resolve())
+        if node.get("kind") == "path" and isinstance(node.get("path"), str):
+            # ~ first, as the workflow reads it (data.sources.resolve_location): "~/data" is not relative to base.
+            node["path"] = str((base / Path(node["path"]).expanduser()).resolve())
         for value in node.values():
             _absolute_paths(value, base)
     elif isinstance(node, list):

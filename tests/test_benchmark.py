@@ -266,6 +266,8 @@ def test_the_flop_check_cuts_every_run_to_three_steps_whatever_sets_its_length()
     assert sourced["models"]["m"]["source"]["path"] == "/data/x/models/m"
     assert sourced["models"]["m"]["source"]["tokenizer"]["path"] == "/abs/tok"
     assert sourced["datasets"]["d"]["source"]["path"] == "/data/d.csv"
+    home = check.shortened({"datasets": {"d": {"source": {"kind": "path", "path": "~/d.csv"}}}}, Path("/data/x"))
+    assert home["datasets"]["d"]["source"]["path"] == str(Path("~/d.csv").expanduser().resolve())
     # Selecting runs by their length cannot survive cutting every run to 3 steps: refused, not silently changed.
     for selecting in ({"exclude": [{"method": "lora", "max_steps": 400}]},
                       {"overrides": [{"when": {"max_steps": 400}, "set": {"batch_size": 16}}]}):
