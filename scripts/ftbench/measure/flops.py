@@ -8,7 +8,8 @@
   get no weight gradient: 4N + 2N_trainable (forward 2N, input gradients 2N, weight gradients 2N_trainable).
 - An encoder classifier's pooler and classifier (BERT, RoBERTa, DistilBERT, ViT) see one pooled token per
   sequence or image: counted once per sequence, not per token (per token they had made MiniLM's FLOPs 1.4% too
-  many). Which modules those are, the task family says (``pooled_heads``). peft's untouched original of a head it trains as a copy (modules_to_save) never runs: not counted.
+  many). Which modules those are, the task family says (``pooled_heads``). peft's untouched original of a head it
+  trains as a copy (modules_to_save) never runs: not counted.
 - Not modelled: autograd computes no input gradient for a frozen layer that nothing trainable precedes (under
   LoRA, the first layer's unadapted projections), so adapter runs count slightly fewer FLOPs than this
   (flops_counted_ratio on a CPU: MiniLM, 6 layers, LoRA on query and value, 0.980; Llama 134M, 30 layers, LoRA
