@@ -22,7 +22,7 @@ def make_cpu_spec(tiny_config_factory):
 
     def make(**settings):
         config = tiny_config_factory()
-        config["defaults"].update(device="cpu", num_gpus=0, **settings)
+        config["defaults"].update({"device": "cpu", "num_gpus": 0, **settings})  # settings may name another device
         config["matrix"] = {"model": ["tiny"], "dataset": ["tiny"]}
         (spec,) = matrix.expand_runs(config)
         return spec
