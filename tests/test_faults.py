@@ -931,3 +931,19 @@ def test_real_gpu_oom_is_a_row_and_auto_batch_size_finds_the_real_limit(tmp_path
     assert metrics["tokens_per_s"] > 0
     print(json.dumps({key: metrics.get(key) for key in (
         "device_name", "auto_batch_size_trials", "auto_batch_size_time_s", "peak_memory_reserved_mb", "tokens_per_s")}))
+
+
+@pytest.mark.slow
+def test_an_oom_after_a_nan_read_a_step_late_is_the_divergence(cpu_spec, prepared_data, monkeypatch):
+    """Step 4's NaN is read at step 5, before its update; an out-of-memory error in step 5's forward pass comes
+    first. The run diverged at 4 (its update skipped on the device): a loop that read each loss before its update
+    would have stopped there, so the row is diverged, not a configuration that does not fit."""
+    monkeypatch.setattr(trainer, "make_optimizer", plain_fused_adamw)
+    monkeypatch.setenv(ENV, "nan@4,oom@5")
+    metrics, steps = trainer.train_run(cpu_spec(max_steps=8), prepared_data[0])
+    assert metrics["status"] == "diverged" and metrics["diverged_step"] == 4 and metrics["last_step"] == 4
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    # Without the NaN the same OOM is what ends the run.
+    monkeypatch.setenv(ENV, "oom@5")
+    metrics, _ = trainer.train_run(cpu_spec(max_steps=8), prepared_data[0])
+    assert metrics["status"] == "oom" and metrics["last_step"] == 5

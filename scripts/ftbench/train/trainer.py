@@ -308,14 +308,10 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
             figures.update(status="timeout", status_reason=f"{stop_reason} at step {step} of {loop.total_steps}")
             break
         run.last_step = step
-        record, loss = _forward_backward(run, loop, shape, step, upcoming, measured=measured)
-        losses.put(step, loss)
-        if _diverged_before_update(run, loop, figures, losses, loss, steps, measured):
+        record = _step_until_update(run, loop, shape, figures, losses, steps, upcoming, measured)
+        if record is None:
             loop.optimizer.zero_grad(set_to_none=True)
             break
-        # fp16's GradScaler skipped the update (inf/NaN gradients): still a step (timed, tokens counted).
-        if scaler_step(loop.scaler, loop.optimizer):
-            figures["grad_scaler_skipped_steps"] += 1
         record["lr"] = loop.scheduler.get_last_lr()[0]
         loop.scheduler.step()
         loop.optimizer.zero_grad(set_to_none=True)
@@ -334,6 +330,27 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
         steps.append(record)
         step_start = step_end
     return figures, steps, _close_window(run, loop, figures, (clock, losses), steps, window_start, loop_times)
+
+
+def _step_until_update(run: Run, loop: _Loop, shape: flops.ModelShape, figures: dict, losses: LaggedLosses,
+                       steps: list[dict], upcoming: _PreparedBatch, measured: bool) -> dict | None:
+    """One step's forward, backward and optimizer update: its record so far, or None where a loss read before the
+    update is not finite (the run diverged; nothing was updated). An out-of-memory error in the window after a step
+    whose loss, read a step late, is not finite, is that divergence: the optimizer skipped that step's update, and a
+    loop reading each loss before its update would never have started this step."""
+    try:
+        record, loss = _forward_backward(run, loop, shape, run.last_step, upcoming, measured=measured)
+    except torch.OutOfMemoryError:
+        if measured and _previous_step_diverged(run, loop, figures, losses, steps):
+            return None
+        raise
+    losses.put(run.last_step, loss)
+    if _diverged_before_update(run, loop, figures, losses, loss, steps, measured):
+        return None
+    # fp16's GradScaler skipped the update (inf/NaN gradients): still a step (timed, tokens counted).
+    if scaler_step(loop.scaler, loop.optimizer):
+        figures["grad_scaler_skipped_steps"] += 1
+    return record
 
 
 def _diverged_before_update(run: Run, loop: _Loop, figures: dict, losses: LaggedLosses, loss: torch.Tensor,
