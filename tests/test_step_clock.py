@@ -74,7 +74,9 @@ def test_the_window_waits_for_the_device_only_at_its_ends(make_cpu_spec, prepare
 def test_on_a_gpu_event_timed_steps_add_up_to_the_window_and_a_nan_stops_before_the_next_update(make_cpu_spec,
                                                                                                 prepared_data, monkeypatch):
     """The CUDA half of the clock (events, pinned loss copies), where CI cannot reach it: the steps' event times add up
-    to the host-timed window, and a NaN in the window (fused AdamW: read a step late) still ends the run at its step."""
+    to the host-timed window, and a NaN in the window (fused AdamW: read a step late) still ends the run at its step.
+    The clock reads finished steps every 4 here (HARVEST_EVERY), so that reading runs on the GPU too."""
+    monkeypatch.setattr(step_clock, "HARVEST_EVERY", 4)
     metrics, steps = trainer.train_run(make_cpu_spec(device="auto", num_gpus=1, max_steps=12, warmup_steps=2),
                                        prepared_data[0])
     measured = [record for record in steps if record["measured"]]
@@ -86,3 +88,21 @@ def test_on_a_gpu_event_timed_steps_add_up_to_the_window_and_a_nan_stops_before_
                                        prepared_data[0])
     assert metrics["status"] == "diverged" and metrics["diverged_step"] == 6 and metrics["last_step"] == 6
     assert [record["step"] for record in steps] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_long_window_reads_finished_steps_as_it_goes_and_keeps_every_steps_time(monkeypatch):
+    """One marker per step held to the end would keep a CUDA event per step alive for the whole run: past
+    HARVEST_EVERY the finished steps are read and let go, the newest two kept for the window's end."""
+    now = [0.0]
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
+    clock = StepClock(CPU)
+    clock.start(0.0)
+    steps = 3 * step_clock.HARVEST_EVERY + 7
+    for step in range(steps):
+        now[0] += 0.001 * (1 + step % 5)
+        clock.boundary(step)
+        assert len(clock.ends) <= step_clock.HARVEST_EVERY
+    seconds = clock.step_seconds()
+    assert list(seconds) == list(range(steps))
+    assert seconds == {step: pytest.approx(0.001 * (1 + step % 5)) for step in range(steps)}
+    assert clock.host_time_of(steps - 2) == pytest.approx(now[0] - 0.001 * (1 + (steps - 1) % 5))

@@ -30,6 +30,9 @@ import time
 
 import torch
 
+# Steps whose markers a clock holds before it reads those the device has finished (a CUDA event each, until read).
+HARVEST_EVERY = 512
+
 
 class StepClock:
     """Step boundaries on the device's timeline: ``start`` begins a chain (the window's first step, the first step
@@ -39,6 +42,7 @@ class StepClock:
         self.cuda = device.type == "cuda"
         self.last = None  # the latest marker: where the next step begins
         self.ends: dict[int, tuple] = {}  # step -> (the marker it began at, the marker it ended at)
+        self.seconds: dict[int, float] = {}  # the steps already read (harvested), oldest first
 
     def _marker(self):
         if not self.cuda:
@@ -56,6 +60,21 @@ class StepClock:
         ended = self._marker()
         self.ends[step] = (self.last, ended)
         self.last = ended
+        if len(self.ends) > HARVEST_EVERY:
+            self._harvest()
+
+    def _harvest(self) -> None:
+        """Read the steps the device has already finished, oldest first and without waiting, so that a long run keeps
+        a bounded number of CUDA events; the newest two stay (the window's end reads the last kept step's marker)."""
+        for step in list(self.ends)[:-2]:
+            began, ended = self.ends[step]
+            if self.cuda and not ended.query():
+                return  # the device has not got this far: nor any further
+            self.seconds[step] = self._elapsed(began, ended)
+            del self.ends[step]
+
+    def _elapsed(self, began, ended) -> float:
+        return began.elapsed_time(ended) / 1000 if self.cuda else ended - began
 
     def host_time_of(self, step: int | None = None) -> float:
         """When the device finished ``step`` (by default, whatever was last marked), on the host's clock
@@ -71,10 +90,9 @@ class StepClock:
 
     def step_seconds(self) -> dict[int, float]:
         """Each step's seconds (waits for the device to reach the last marker)."""
-        if not self.cuda:
-            return {step: ended - began for step, (began, ended) in self.ends.items()}
-        self.last.synchronize()
-        return {step: began.elapsed_time(ended) / 1000 for step, (began, ended) in self.ends.items()}
+        if self.cuda:
+            self.last.synchronize()
+        return {**self.seconds, **{step: self._elapsed(began, ended) for step, (began, ended) in self.ends.items()}}
 
 
 class LaggedLosses:
