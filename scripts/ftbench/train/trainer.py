@@ -289,7 +289,7 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
     for step in range(loop.total_steps):
         measured = window_start is not None
         if evals.due(step, loop.total_steps):
-            if measured and _previous_step_diverged(run, loop, figures, losses, steps):
+            if _previous_step_diverged(run, loop, figures, losses, steps):
                 break  # not an evaluation (nor a stop at target) of a run that has diverged
             # In the window the last step may still be running: the pause begins when the device finished it.
             if evals.pause(step, may_stop=measured, since=clock.host_time_of() if measured else step_start):
@@ -341,11 +341,11 @@ def _step_until_update(run: Run, loop: _Loop, shape: flops.ModelShape, figures: 
     try:
         record, loss = _forward_backward(run, loop, shape, run.last_step, upcoming, measured=measured)
     except torch.OutOfMemoryError:
-        if measured and _previous_step_diverged(run, loop, figures, losses, steps):
+        if _previous_step_diverged(run, loop, figures, losses, steps):
             return None
         raise
     losses.put(run.last_step, loss)
-    if _diverged_before_update(run, loop, figures, losses, loss, steps, measured):
+    if _diverged_before_update(run, loop, figures, losses, loss, steps):
         return None
     # fp16's GradScaler skipped the update (inf/NaN gradients): still a step (timed, tokens counted).
     if scaler_step(loop.scaler, loop.optimizer):
@@ -354,19 +354,20 @@ def _step_until_update(run: Run, loop: _Loop, shape: flops.ModelShape, figures: 
 
 
 def _diverged_before_update(run: Run, loop: _Loop, figures: dict, losses: LaggedLosses, loss: torch.Tensor,
-                            steps: list[dict], measured: bool) -> bool:
+                            steps: list[dict]) -> bool:
     """Whether to stop before this step's update. Where the optimizer can skip a non-finite loss's update on the
     device, it is told to, and in the window the previous step's loss is read (a step late: reading this step's
     would wait for it). Elsewhere this step's loss is read now, before its update reaches the weights (a sync)."""
     if not loop.skip_on_device:
         return _diverged(figures, loss.item(), run.last_step)
     skip_update_if(loop.optimizer, loss)
-    return measured and _previous_step_diverged(run, loop, figures, losses, steps)
+    return _previous_step_diverged(run, loop, figures, losses, steps)
 
 
 def _previous_step_diverged(run: Run, loop: _Loop, figures: dict, losses: LaggedLosses, steps: list[dict]) -> bool:
-    """In the window, where the optimizer skips a non-finite loss's update on the device: whether the last step
-    recorded had one. If so its update was skipped, its record is dropped, and the run stops there."""
+    """Where the optimizer skips a non-finite loss's update on the device: whether the last step recorded, if it was
+    measured (a warmup step's loss was read before its update), had one. If so its update was skipped, its record is
+    dropped, and the run stops there. Outside the window the answer is always no, so callers need not ask first."""
     previous = steps[-1] if steps else None
     if not (loop.skip_on_device and previous is not None and previous["measured"]):
         return False
