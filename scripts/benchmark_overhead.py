@@ -162,7 +162,7 @@ class Settled:
     mean: float
     interval: tuple[float, float] | None  # None from a single trial
     verdict: str  # meets / misses / not resolved
-    trials_to_settle: int | None  # where not resolved: the trials whose interval would clear the target (None: no count would)
+    trials_to_settle: int | None  # where not resolved: the trials whose interval would clear the target (None: over 1000)
 
 
 def settle(values: list[float], target: float) -> Settled:
@@ -172,10 +172,9 @@ def settle(values: list[float], target: float) -> Settled:
     trials narrow it: a ratio whose trials scatter by more than its margin still settles, given enough of them.
     Logs, because a ratio and its reciprocal must settle alike."""
     logs = [math.log(value) for value in values]
-    mean = statistics.fmean(logs)
     if len(values) < 2:
-        return Settled(math.exp(mean), None, "not resolved", None)
-    _, low, high = uncertainty.mean_interval(logs)
+        return Settled(values[0], None, "not resolved", None)
+    mean, low, high = uncertainty.mean_interval(logs)
     verdict = "meets" if low >= math.log(target) else "misses" if high < math.log(target) else "not resolved"
     needed = None
     if verdict == "not resolved":
@@ -324,7 +323,7 @@ def print_summary(spec: RunSpec, results: dict) -> None:
                 f"{results[f'verdict_{key}']}")
         needed = results[f"trials_to_settle_{key}"]
         if results[f"verdict_{key}"] == "not resolved":
-            line += f" (at this scatter about {needed} trials would settle it)" if needed else " (its mean is at the target)"
+            line += f" (at this scatter about {needed} trials would settle it)" if needed else " (over 1000 trials would)"
         window_low, window_high = results[f"range_window_{key}"]
         lines.append(line + f"; window median {results[f'median_window_{key}']:.3f} ({window_low:.3f}-{window_high:.3f})")
     print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials, typical "
