@@ -3,6 +3,7 @@ the statuses, on hand-made numbers (no training)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -208,3 +209,26 @@ def test_wall_time_is_the_whole_job_from_its_process_start(monkeypatch):
     monkeypatch.setattr(trainer, "_prepare", unsupported)
     metrics, steps = trainer.train_run(RunSpec(model="m", dataset="d", run_id="r"), "no-data")
     assert (metrics["status"], metrics["wall_time_s"], steps) == ("unsupported", 123.0, [])
+
+
+@pytest.mark.parametrize("warm_job", [False, True])
+def test_a_process_age_is_no_older_than_the_process(warm_job):
+    """A job's startup_s, overhead_s and wall_time_s are its process's age. That age was read against the wall
+    clock from a start time built on /proc/stat's boot time, which is rounded to the second: every age on a host
+    was off by the same fraction of a second (a process 0.05 s old read as 0.47 s). Timed from outside, a
+    process that reports its age and exits must be no older than the time it took. A warm-started job reads its
+    age from its client's start, passed over the socket (warmstart._process_start_time)."""
+    import subprocess
+    import sys
+    import time
+
+    report = ("from ftbench.measure import environment; from ftbench.cluster import warmstart; "
+              + ("environment.job_started_at = warmstart._process_start_time(); " if warm_job else "")
+              + "print(environment.process_age_s())")
+    for _ in range(3):
+        started = time.monotonic()
+        age = float(subprocess.run([sys.executable, "-c", report], capture_output=True, text=True, check=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT / "scripts")}).stdout)
+        lived = time.monotonic() - started
+        tick = 1 / os.sysconf("SC_CLK_TCK")  # the start time's resolution
+        assert 0 < age <= lived + tick, (age, lived)

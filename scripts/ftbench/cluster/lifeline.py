@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ftbench.measure import environment
+
 POLL_S = 0.5
 
 # What to end before the job exits (a DDP launch's torchrun and ranks): registered by whoever starts them.
@@ -32,20 +34,12 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def start_ticks(pid: int) -> str | None:
-    """The process's start time (/proc/<pid>/stat field 22): a pid reused by another process differs."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def watch(pid: int | None, what: str = "snakemake") -> threading.Thread | None:
     """End this process when ``pid`` (``what`` it is, for the message) ends (not under SLURM, not without
     a pid). Returns the watching thread."""
     if not pid or os.environ.get("SLURM_JOB_ID"):
         return None
-    started = start_ticks(pid)
+    started = environment.process_start_ticks(pid)
     if started is None:
         _end(pid, what)  # already gone before the job started
     thread = threading.Thread(target=_watch, args=(pid, started, what), name="ftbench-lifeline", daemon=True)
@@ -65,7 +59,7 @@ def forget(callback) -> None:
 def _watch(pid: int, started: str, what: str) -> None:
     event = threading.Event()
     while not event.wait(POLL_S):
-        if not alive(pid) or start_ticks(pid) != started:
+        if not alive(pid) or environment.process_start_ticks(pid) != started:
             _end(pid, what)
 
 

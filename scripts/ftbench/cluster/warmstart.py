@@ -269,15 +269,10 @@ def _umask() -> int:
 
 
 def _process_start_time() -> float:
-    """When this process started (the operating system's record), so a warm job's overhead counts the
-    client's own start-up too."""
-
-    try:
-        ticks = int(lifeline.start_ticks(os.getpid()))
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, TypeError, ValueError, StopIteration):
-        return time.time()
+    """When this process started (the operating system's record, on the boot clock the forked job reads its age
+    with: environment.process_age_s), so a warm job's overhead counts the client's own start-up too."""
+    started = environment.process_started_s()
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if started is None else started
 
 
 # --- the warm process ------------------------------------------------------------------------------
