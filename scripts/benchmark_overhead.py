@@ -35,6 +35,9 @@ five. (Until November 2026 a verdict needed every trial on one side of the targe
 more than its margin could never pass, however many trials were run.) ``--out`` is rewritten after every trial
 (each pass's step speeds included), so a run that is stopped keeps the trials it finished; ``--time-limit-s`` starts
 no trial that would not finish by then at the pace of the slowest so far, and summarises the trials it ran.
+``--pool A.json B.json`` adds the trials of earlier ``--out`` files of the same run, batch, sampling interval and GPU
+model to this run's before the verdicts (each trial is paired within itself, so trials from several sessions are
+independent units alike); with ``--trials 0`` it only settles the pooled trials, without a GPU.
 """
 
 from __future__ import annotations
@@ -242,7 +245,7 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=0, help="index of the run in the expanded matrix")
     parser.add_argument("--steps", type=int, default=200, help="measured steps per side and pass (two passes a trial)")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=5, help="trials to run here (0: only settle --pool's trials)")
     parser.add_argument("--sample-interval", type=float, help="override the run's gpu_sample_interval_s (seconds)")
     parser.add_argument("--batch-size", type=int, help="override the run's batch size (a larger one makes a small model GPU-bound)")
     parser.add_argument("--out", help="write the figures as JSON here (after every trial)")
@@ -250,9 +253,11 @@ def main() -> None:
                         "after every measured step, as its loop was before (no_sync_over_sync: what not waiting gains)")
     parser.add_argument("--time-limit-s", type=float, help="start no trial that would end past this many seconds of "
                         "trials (at the slowest trial's pace so far); the summary covers the trials run")
+    parser.add_argument("--pool", nargs="+", default=[], metavar="OUT_JSON",
+                        help="earlier --out files of the same run and GPU model whose trials count with this run's")
     args = parser.parse_args()
-    if args.trials < 1:
-        parser.error("--trials: at least 1")
+    if args.trials < (0 if args.pool else 1):
+        parser.error("--trials: at least 1 (0 only with --pool)")
 
     config = ftbench_config.load_config(args.config)
     spec = matrix.expand_runs(config)[args.run]
@@ -263,22 +268,59 @@ def main() -> None:
         spec = spec.replace(gpu_sample_interval_s=args.sample_interval)
     if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
-    with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
-        registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
-        sides = {
-            "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
-            "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
-            "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False, samples_taken=[]),
-        }
-        if args.sync_side:
-            sides["ftbench_sync_every_step"] = lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=[],
-                                                                   sync_every_step=True)
-        nvml_samples: list[int] = []  # per ftbench trial: 0 means there was nothing to sample (no NVML)
-        results = {"run_id": spec.run_id, "batch_size": spec.batch_size,
-                   "gpu_sample_interval_s": spec.gpu_sample_interval_s, "steps": args.steps, "warmup": args.warmup, "trials": [],
-                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-        run_trials(sides, nvml_samples, results, args)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
+               "steps": args.steps, "warmup": args.warmup, "device": device if args.trials else None, "trials": [],
+               "pooled_from": args.pool}
+    try:
+        for path in args.pool:
+            add_pooled_trials(results, json.loads(Path(path).read_text()), path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--pool: {error}") from None
+    if args.trials:
+        with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
+            registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+            sides, nvml_samples = measured_sides(spec, data_dir, args)
+            run_trials(sides, nvml_samples, results, args)
+    elif results["trials"]:
+        results.update(summarise_trials(results["trials"]))
+    if not results["trials"]:
+        raise SystemExit("--pool: the pooled files hold no trials")
+    if args.out and not args.trials:
+        Path(args.out).write_text(json.dumps(results, indent=2))
     print_summary(spec, results)
+
+
+# What must agree for trials to be pooled: the same run and batch, sampled alike, on the same GPU model. The
+# passes' lengths may differ: each trial's ratio compares sides of the same length.
+POOLED_MUST_MATCH = ("run_id", "batch_size", "gpu_sample_interval_s", "device")
+
+
+def add_pooled_trials(results: dict, earlier: dict, path: str) -> None:
+    """Add an earlier --out file's trials to ``results`` (each marked with its file), after checking that they
+    measured the same thing (POOLED_MUST_MATCH); ``results["device"]`` None takes the first file's."""
+    if results["device"] is None:
+        results["device"] = earlier.get("device")
+    for key in POOLED_MUST_MATCH:
+        if earlier.get(key) != results[key]:
+            raise ValueError(f"{path}: {key} is {earlier.get(key)!r}, this run's is {results[key]!r}: "
+                             "only trials of the same run, batch, sampling interval and GPU model pool")
+    results["trials"].extend({**trial, "pooled_from": path} for trial in earlier.get("trials", []))
+
+
+def measured_sides(spec: RunSpec, data_dir: str, args: argparse.Namespace) -> tuple[dict, list[int]]:
+    """Each side as a callable that runs one pass and returns its Speed; and the list the ftbench side appends each
+    pass's NVML sample count to."""
+    nvml_samples: list[int] = []  # per ftbench pass: 0 means there was nothing to sample (no NVML)
+    sides = {
+        "bare": lambda: bare_loop(spec, data_dir, args.steps, args.warmup),
+        "ftbench": lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=nvml_samples),
+        "ftbench_no_nvml": lambda: ftbench_loop(spec, data_dir, sampling=False, samples_taken=[]),
+    }
+    if args.sync_side:
+        sides["ftbench_sync_every_step"] = lambda: ftbench_loop(spec, data_dir, sampling=True, samples_taken=[],
+                                                               sync_every_step=True)
+    return sides, nvml_samples
 
 
 def run_trials(sides: dict, nvml_samples: list[int], results: dict, args: argparse.Namespace) -> None:
@@ -326,8 +368,10 @@ def print_summary(spec: RunSpec, results: dict) -> None:
             line += f" (at this scatter about {needed} trials would settle it)" if needed else " (over 1000 trials would)"
         window_low, window_high = results[f"range_window_{key}"]
         lines.append(line + f"; window median {results[f'median_window_{key}']:.3f} ({window_low:.3f}-{window_high:.3f})")
-    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials, typical "
-          "step, geometric mean: " + "; ".join(lines))
+    pooled = sum(1 for trial in results["trials"] if "pooled_from" in trial)
+    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials"
+          + (f" ({pooled} of them pooled from {len(results['pooled_from'])} earlier files)" if pooled else "")
+          + ", typical step, geometric mean: " + "; ".join(lines))
     if "median_no_sync_over_sync" in results:
         low, high = results["range_no_sync_over_sync"]
         print(f"ftbench / ftbench synchronising every step: median {results['median_no_sync_over_sync']:.3f} "

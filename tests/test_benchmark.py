@@ -227,6 +227,47 @@ def test_a_ratio_settles_by_the_interval_of_its_trials_mean():
     assert flipped.verdict == "misses"
 
 
+def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_model(tmp_path, tiny_config_factory):
+    """Launch-bound examples need more trials than one GPU session gives: --pool settles the trials of earlier --out
+    files together (--trials 0: without running any), and refuses a file from another GPU model or run, naming it."""
+    from ftbench.experiment import config as ftbench_config, matrix
+
+    benchmark = _load_benchmark_module()
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 8,
+                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
+    spec = matrix.expand_runs(ftbench_config.load_config(config))[0]
+    h100 = "NVIDIA H100 80GB HBM3"
+    sessions = {"first.json": (0.997, 0.958, 1.011, 0.988), "second.json": (0.980, 1.082, 0.997, 0.979, 1.02)}
+    for name, ratios in sessions.items():
+        (tmp_path / name).write_text(json.dumps({
+            "run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
+            "device": h100, "trials": [_trial(ratio, 1.0) for ratio in ratios]}))
+
+    def pool(*files: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
+                               "--trials", "0", "--pool", *files, "--out", "pooled.json"],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    process = pool("first.json", "second.json")
+    assert process.returncode == 0, process.stderr[-3000:]
+    pooled = json.loads((tmp_path / "pooled.json").read_text())
+    assert pooled["device"] == h100 and len(pooled["trials"]) == 9
+    assert [trial["pooled_from"] for trial in pooled["trials"]] == ["first.json"] * 4 + ["second.json"] * 5
+    together = benchmark.summarise_trials([_trial(r, 1.0) for ratios in sessions.values() for r in ratios])
+    assert pooled["interval_ftbench_over_bare"] == pytest.approx(together["interval_ftbench_over_bare"])
+    assert pooled["verdict_ftbench_over_bare"] == together["verdict_ftbench_over_bare"]
+    assert f"on {h100}, 9 trials (9 of them pooled from 2 earlier files)" in process.stdout
+
+    other_gpu = json.loads((tmp_path / "second.json").read_text()) | {"device": "NVIDIA H200"}
+    (tmp_path / "second.json").write_text(json.dumps(other_gpu))
+    refused = pool("first.json", "second.json")
+    assert refused.returncode != 0
+    assert f"--pool: second.json: device is 'NVIDIA H200', this run's is '{h100}'" in refused.stderr
+    nothing = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
+                              "--trials", "0"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert nothing.returncode != 0 and "--trials: at least 1 (0 only with --pool)" in nothing.stderr
+
+
 @pytest.mark.slow
 def test_parse_benchmark_reports_each_dry_run_and_ftbench_share(tmp_path):
     """scripts/benchmark_parse.py on a 4-run matrix, one dry run each: its table and JSON, not its timings."""
