@@ -56,7 +56,7 @@ def forget(callback) -> None:
         _on_parent_death.remove(callback)
 
 
-def _watch(pid: int, started: str, what: str) -> None:
+def _watch(pid: int, started: int | None, what: str) -> None:
     event = threading.Event()
     while not event.wait(POLL_S):
         if not alive(pid) or environment.process_start_ticks(pid) != started:
