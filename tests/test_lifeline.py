@@ -7,20 +7,28 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from ftbench.cluster import lifeline
 
 WATCHER = "import sys, time; from ftbench.cluster import lifeline; lifeline.watch(int(sys.argv[1])); time.sleep(60)"
+# As on macOS: no /proc, so processes are read through psutil.
+WITHOUT_PROC = "from pathlib import Path; from ftbench.cluster import lifeline; lifeline.PROC = Path('/no/proc'); "
 
 
-def start_watcher(pid: int, **env) -> subprocess.Popen:
+def start_watcher(pid: int, prefix: str = "", **env) -> subprocess.Popen:
     environment = {**os.environ, **env}
-    return subprocess.Popen([sys.executable, "-c", WATCHER, str(pid)], env=environment, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", prefix + WATCHER, str(pid)], env=environment, stderr=subprocess.PIPE,
+                            text=True)
 
 
-def test_the_job_ends_within_a_second_of_the_process_it_watches():
+@pytest.mark.parametrize("prefix", ["", WITHOUT_PROC], ids=["proc", "without-proc"])
+def test_the_job_ends_within_a_second_of_the_process_it_watches(prefix):
+    """Without /proc (macOS) every watched process looked gone, and every local job ended as it started."""
     parent = subprocess.Popen(["sleep", "60"])
-    watcher = start_watcher(parent.pid)
+    watcher = start_watcher(parent.pid, prefix)
     try:
         time.sleep(1.5)
         assert watcher.poll() is None  # alive while its parent is
@@ -36,13 +44,18 @@ def test_the_job_ends_within_a_second_of_the_process_it_watches():
         watcher.kill()
 
 
-def test_a_zombie_counts_as_gone():
+@pytest.mark.parametrize("proc", [lifeline.PROC, Path("/no/proc")], ids=["proc", "without-proc"])
+def test_a_zombie_counts_as_gone_and_a_reused_pid_is_another_process(proc, monkeypatch):
     """Snakemake killed with SIGKILL stays a zombie until its own parent reaps it."""
+    monkeypatch.setattr(lifeline, "PROC", proc)
     parent = subprocess.Popen(["sleep", "60"])
+    assert lifeline.alive(parent.pid) and lifeline.started(parent.pid) == lifeline.started(parent.pid) is not None
+    assert lifeline.started(parent.pid) != lifeline.started(os.getpid())  # this one started earlier
     parent.kill()
     time.sleep(0.3)  # not reaped: a zombie
     assert not lifeline.alive(parent.pid)
     parent.wait()
+    assert lifeline.started(parent.pid) is None
 
 
 def test_under_slurm_nothing_is_watched():

@@ -8,6 +8,8 @@ watch), and a thread here polls it; when it is gone the job ends at once, with i
 nothing.
 
 Under SLURM (SLURM_JOB_ID set) nothing is watched: the job belongs to the scheduler, which ends it.
+Processes are read from /proc where there is one (Linux), else through psutil (macOS): without /proc every
+watched process once looked gone, and every local job ended as it started.
 """
 
 from __future__ import annotations
@@ -25,13 +27,38 @@ POLL_S = 0.5
 _on_parent_death: list = []
 
 
+# Where Linux shows its processes; elsewhere psutil is asked (tests point this at a missing folder).
+PROC = Path("/proc")
+
+
 def alive(pid: int) -> bool:
     """Running (not a zombie waiting to be reaped)."""
+    if not PROC.is_dir():
+        return _psutil_process(pid) is not None
     try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def started(pid: int) -> float | int | None:
+    """When the process started, which tells it from a later one given the same pid; None once it is gone."""
+    if PROC.is_dir():
+        return environment.process_start_ticks(pid)
+    process = _psutil_process(pid)
+    return None if process is None else process.create_time()
+
+
+def _psutil_process(pid: int):
+    """psutil's view of a running process (None when gone or a zombie), where there is no /proc."""
+    import psutil  # only off Linux: a job's lifeline on Linux needs no more than /proc
+
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process
+    except psutil.Error:
+        return None
 
 
 def watch(pid: int | None, what: str = "snakemake") -> threading.Thread | None:
@@ -39,10 +66,10 @@ def watch(pid: int | None, what: str = "snakemake") -> threading.Thread | None:
     a pid). Returns the watching thread."""
     if not pid or os.environ.get("SLURM_JOB_ID"):
         return None
-    started = environment.process_start_ticks(pid)
-    if started is None:
+    start = started(pid)
+    if start is None:
         _end(pid, what)  # already gone before the job started
-    thread = threading.Thread(target=_watch, args=(pid, started, what), name="ftbench-lifeline", daemon=True)
+    thread = threading.Thread(target=_watch, args=(pid, start, what), name="ftbench-lifeline", daemon=True)
     thread.start()
     return thread
 
@@ -56,10 +83,10 @@ def forget(callback) -> None:
         _on_parent_death.remove(callback)
 
 
-def _watch(pid: int, started: int | None, what: str) -> None:
+def _watch(pid: int, start: float | int, what: str) -> None:
     event = threading.Event()
     while not event.wait(POLL_S):
-        if not alive(pid) or environment.process_start_ticks(pid) != started:
+        if not alive(pid) or started(pid) != start:
             _end(pid, what)
 
 
