@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--sync-side", action="store_true", help="a fourth side: ftbench with the device synchronised "
                         "after every measured step, as its loop was before (no_sync_over_sync: what not waiting gains)")
     parser.add_argument("--time-limit-s", type=float, help="start no trial that would end past this many seconds of "
-                        "trials (at the slowest trial's pace so far); the summary covers the trials run")
+                        "trials (at the slowest trial's pace so far); the summary covers the trials run (and --pool's)")
     parser.add_argument("--pool", nargs="+", default=[], metavar="OUT_JSON",
                         help="earlier --out files of the same run and GPU model whose trials count with this run's")
     args = parser.parse_args()
@@ -270,13 +270,16 @@ def main() -> None:
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
-               "steps": args.steps, "warmup": args.warmup, "device": device if args.trials else None, "trials": [],
+               "steps": args.steps if args.trials else None, "warmup": args.warmup if args.trials else None,
+               "device": device if args.trials else None, "trials": [],
                "pooled_from": args.pool}
     try:
-        for path in args.pool:
-            add_pooled_trials(results, json.loads(Path(path).read_text()), path)
-    except (OSError, ValueError) as error:
+        repeated = sum(add_pooled_trials(results, path) for path in args.pool)
+    except ValueError as error:
         raise SystemExit(f"--pool: {error}") from None
+    if repeated:
+        print(f"--pool: {repeated} trials came more than once (a file given twice, or pooled into a later one): "
+              "each counted once", flush=True)
     if args.trials:
         with tempfile.TemporaryDirectory(prefix="ftbench-overhead-") as data_dir:
             registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
@@ -292,20 +295,48 @@ def main() -> None:
 
 
 # What must agree for trials to be pooled: the same run and batch, sampled alike, on the same GPU model. The
-# passes' lengths may differ: each trial's ratio compares sides of the same length.
+# passes' lengths may differ (each trial keeps its own steps and warmup): a trial's ratio compares sides of one length.
 POOLED_MUST_MATCH = ("run_id", "batch_size", "gpu_sample_interval_s", "device")
+# What a pooled trial must hold: the ratios the verdicts and the summary read.
+TRIAL_RATIOS = (*TARGETS, *(f"window_{key}" for key in TARGETS))
 
 
-def add_pooled_trials(results: dict, earlier: dict, path: str) -> None:
-    """Add an earlier --out file's trials to ``results`` (each marked with its file), after checking that they
-    measured the same thing (POOLED_MUST_MATCH); ``results["device"]`` None takes the first file's."""
+def add_pooled_trials(results: dict, path: str) -> int:
+    """Add the trials of an earlier --out file to ``results``, after checking that it measured the same thing
+    (POOLED_MUST_MATCH; ``results["device"]`` None takes the first file's). Each trial keeps the file it was first
+    measured into (``pooled_from``) and its passes' length; a trial already in ``results`` (a file given twice, or an
+    --out that pooled it already) is not added again. Returns how many were skipped so; ValueError names the file."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: cannot be read as a benchmark_overhead --out file ({error})") from None
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("trials"), list):
+        raise ValueError(f"{path}: expected a benchmark_overhead --out file: a JSON object with a list of trials")
     if results["device"] is None:
         results["device"] = earlier.get("device")
     for key in POOLED_MUST_MATCH:
         if earlier.get(key) != results[key]:
             raise ValueError(f"{path}: {key} is {earlier.get(key)!r}, this run's is {results[key]!r}: "
                              "only trials of the same run, batch, sampling interval and GPU model pool")
-    results["trials"].extend({**trial, "pooled_from": path} for trial in earlier.get("trials", []))
+    seen = {_trial_identity(trial) for trial in results["trials"]}
+    repeated = 0
+    for index, trial in enumerate(earlier["trials"]):
+        if not isinstance(trial, dict) or not all(isinstance(trial.get(key), (int, float)) for key in TRIAL_RATIOS):
+            raise ValueError(f"{path}: trial {index} lacks a number for one of {', '.join(TRIAL_RATIOS)}")
+        identity = _trial_identity(trial)
+        if identity in seen:
+            repeated += 1
+            continue
+        seen.add(identity)
+        results["trials"].append({"pooled_from": path, "steps": earlier.get("steps"), "warmup": earlier.get("warmup"),
+                                  **trial})
+    return repeated
+
+
+def _trial_identity(trial: dict) -> str:
+    """A trial's measured figures (each pass's step speeds among them): the same in every file it was pooled into."""
+    return json.dumps({key: value for key, value in trial.items() if key not in ("pooled_from", "steps", "warmup")},
+                      sort_keys=True)
 
 
 def measured_sides(spec: RunSpec, data_dir: str, args: argparse.Namespace) -> tuple[dict, list[int]]:
@@ -336,7 +367,7 @@ def run_trials(sides: dict, nvml_samples: list[int], results: dict, args: argpar
             return
         order, speed, passes = mirrored_trial(sides, trial)
         slowest_trial_s = max(slowest_trial_s, time.monotonic() - started - elapsed)
-        row = trial_row(order, speed, nvml_samples[-1])
+        row = trial_row(order, speed, nvml_samples[-1]) | {"steps": args.steps, "warmup": args.warmup}
         row["passes"] = [{"side": name, "typical_step_tokens_per_s": pass_speed.typical_step,
                           "step_tokens_per_s": list(pass_speed.step_speeds)} for name, pass_speed in passes]
         results["trials"].append(row)

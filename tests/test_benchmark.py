@@ -237,11 +237,11 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
                                                                   "seq_len": 32, "device": "cpu", "num_gpus": 0}))
     spec = matrix.expand_runs(ftbench_config.load_config(config))[0]
     h100 = "NVIDIA H100 80GB HBM3"
-    sessions = {"first.json": (0.997, 0.958, 1.011, 0.988), "second.json": (0.980, 1.082, 0.997, 0.979, 1.02)}
-    for name, ratios in sessions.items():
+    sessions = {"first.json": (0.997, 0.958, 1.011, 0.988), "second.json": (0.980, 1.082, 0.996, 0.979, 1.02)}
+    for steps, (name, ratios) in zip((40, 60), sessions.items()):
         (tmp_path / name).write_text(json.dumps({
             "run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
-            "device": h100, "trials": [_trial(ratio, 1.0) for ratio in ratios]}))
+            "device": h100, "steps": steps, "warmup": 10, "trials": [_trial(ratio, 1.0) for ratio in ratios]}))
 
     def pool(*files: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
@@ -253,11 +253,27 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
     pooled = json.loads((tmp_path / "pooled.json").read_text())
     assert pooled["device"] == h100 and len(pooled["trials"]) == 9
     assert [trial["pooled_from"] for trial in pooled["trials"]] == ["first.json"] * 4 + ["second.json"] * 5
+    assert [trial["steps"] for trial in pooled["trials"]] == [40] * 4 + [60] * 5 and pooled["steps"] is None
     together = benchmark.summarise_trials([_trial(r, 1.0) for ratios in sessions.values() for r in ratios])
     assert pooled["interval_ftbench_over_bare"] == pytest.approx(together["interval_ftbench_over_bare"])
     assert pooled["verdict_ftbench_over_bare"] == together["verdict_ftbench_over_bare"]
     assert f"on {h100}, 9 trials (9 of them pooled from 2 earlier files)" in process.stdout
 
+    # Pooling the pooled file with one of its sources, or a file twice, counts each trial once, from where it began.
+    (tmp_path / "pooled.json").rename(tmp_path / "earlier-pool.json")
+    again = pool("earlier-pool.json", "first.json", "second.json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "--pool: 9 trials came more than once" in again.stdout
+    repooled = json.loads((tmp_path / "pooled.json").read_text())
+    assert [trial["pooled_from"] for trial in repooled["trials"]] == ["first.json"] * 4 + ["second.json"] * 5
+    assert repooled["interval_ftbench_over_bare"] == pooled["interval_ftbench_over_bare"]
+
+    (tmp_path / "truncated.json").write_text('{"trials": [')
+    assert "--pool: truncated.json: cannot be read as a benchmark_overhead --out file" in pool("truncated.json").stderr
+    broken = json.loads((tmp_path / "first.json").read_text())
+    del broken["trials"][2]["window_nvml_on_over_off"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    assert "--pool: broken.json: trial 2 lacks a number for one of" in pool("broken.json").stderr
     other_gpu = json.loads((tmp_path / "second.json").read_text()) | {"device": "NVIDIA H200"}
     (tmp_path / "second.json").write_text(json.dumps(other_gpu))
     refused = pool("first.json", "second.json")

@@ -90,9 +90,9 @@ def process_age_s() -> float:
 def process_started_s(pid: int | None = None) -> float | None:
     """When a process started, on the clock the kernel stamps it with (seconds since boot, CLOCK_BOOTTIME, to a
     clock tick), or None off Linux or once it is gone. Not the wall clock: a start time on the wall clock is built
-    from /proc/stat's boot time (as psutil's create_time is on Linux), which is rounded to a whole second and does
-    not follow clock adjustments since boot; every job's startup_s, overhead_s and wall_time_s were off by the same
-    fraction of a second (0.42 s on one laptop: a process 0.05 s old read as 0.47 s)."""
+    from /proc/stat's boot time (as psutil's create_time is on Linux), which is rounded to a whole second: every
+    job's startup_s, overhead_s and wall_time_s were off by the same fraction of a second (0.42 s on one laptop: a
+    process 0.05 s old read as 0.47 s)."""
     ticks = process_start_ticks(os.getpid() if pid is None else pid)
     return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
