@@ -1,8 +1,9 @@
 """How much does ftbench's measuring cost? Tokens/s of a run through ftbench vs a bare PyTorch loop.
 
-All sides use the same model, batches, optimizer and precision, in the same process on the same
-machine:
-- bare: forward, backward, optimizer step; the device is synchronised only at the ends of the window.
+All sides use the same model, batches (the run's batching and gradient accumulation), optimizer and precision, in
+the same process on the same machine:
+- bare: forward and backward of each micro-batch, optimizer step; the device is synchronised only at the ends of the
+  window.
 - ftbench: trainer.train_run as a pipeline job runs it (per-step records, each step's loss copied to the host and
   checked a step later, NVML sampling on a GPU).
 - ftbench without NVML: the same, with the sampler given no GPU, isolating the sampler's cost.
@@ -58,7 +59,7 @@ from ftbench.data import batch_order, prepared
 from ftbench.measure import gpu_monitor
 from ftbench.measure.step_clock import StepClock
 from ftbench.experiment import matrix
-from ftbench.train import modeling, trainer
+from ftbench.train import batching, modeling, trainer
 from ftbench.experiment import config as ftbench_config
 from ftbench.report import uncertainty
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
@@ -102,29 +103,43 @@ def bare_loop(spec: RunSpec, data_dir: str, steps: int, warmup: int) -> Speed:
     optimizer = make_optimizer(spec, model, device)
     autocast = autocast_args(device, spec.precision)  # off for fp32 and bf16_true, as in ftbench's loop
     scaler = make_grad_scaler(spec, device)
-    order = batch_order.batch_order(len(split), spec.batch_size, warmup + steps, spec.seed)
     model.train()
     step_tokens: list[int] = []
     clock = StepClock(device)  # the one ftbench's window uses: markers on the device's timeline, read at the end
     start = None
-    for step, indices in enumerate(order):
+    for step, micro_batches in enumerate(step_batches(spec, split, manifest, warmup + steps)):
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
             clock.start(start)
-        batch = registry.family(manifest["task"]).collate(split, indices, manifest["pad_token_id"]).to(device)
-        with torch.autocast(**autocast):
-            loss = model(**batch.inputs).loss
-        scaler.scale(loss).backward()
+        tokens = 0
+        for batch in micro_batches:
+            batch = batch.to(device)
+            with torch.autocast(**autocast):
+                loss = model(**batch.inputs).loss / len(micro_batches)
+            scaler.scale(loss).backward()
+            tokens += batch.real_tokens
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
             clock.boundary(step)
-            step_tokens.append(batch.real_tokens)
+            step_tokens.append(tokens)
     synchronize(device)
     window_s = time.perf_counter() - start
     return Speed.of(step_tokens, list(clock.step_seconds().values()), window_s)
+
+
+def step_batches(spec: RunSpec, split, manifest: dict, total_steps: int):
+    """Each optimizer step's micro-batches (on the host, collated when the step asks for them), as ftbench's loop
+    draws them for this run: its ``batching`` (packed rows, length groups) and its ``grad_accum_steps``. The bare
+    loop does the same work per token; drawing plain padded batches of one micro-step each, as it once did, would
+    compare ftbench with another workload on a packed or accumulating run."""
+    lengths = batching.lengths_of(split) if spec.batching == "group_by_length" else None
+    order = iter(batch_order.run_order(spec, len(split), total_steps, lengths))
+    for _ in range(total_steps):
+        yield [batching.collate(manifest["task"], split, next(order), manifest["pad_token_id"], spec.batching, spec.seq_len)
+               for _ in range(spec.grad_accum_steps)]
 
 
 def ftbench_loop(spec: RunSpec, data_dir: str, sampling: bool, samples_taken: list[int],

@@ -70,6 +70,34 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
     assert results["median_window_ftbench_over_bare"] == pytest.approx(window[1])
 
 
+def test_the_bare_loop_trains_on_the_batches_ftbench_draws_for_the_run(tiny_config_factory, tmp_path):
+    """ftbench / bare compares the harness with a plain loop doing the same work. The bare loop drew plain batches of
+    one micro-batch per step whatever the run's batching and accumulation: on a length-grouped, accumulating run it
+    trained on other batches (other padding, half the tokens per step) than the ftbench side it was compared with."""
+    from ftbench.data import prepared
+    from ftbench.experiment import matrix
+    from ftbench.tasks import registry
+    from ftbench.train import trainer
+
+    benchmark = _load_benchmark_module()
+    config = tiny_config_factory(defaults={"method": "full", "precision": "fp32", "batch_size": 4, "seq_len": 32,
+                                           "batching": "group_by_length", "grad_accum_steps": 2, "max_steps": 4,
+                                           "warmup_steps": 1, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0,
+                                           "seed": 0, "eval_batch_size": 64},
+                                 matrix={"model": ["tiny"], "dataset": ["tiny"]})
+    (spec,) = matrix.expand_runs(config)
+    data_dir = tmp_path / "data"
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data_dir)
+    manifest = prepared.verify(data_dir)
+    split = registry.load_split(data_dir, "train", manifest)
+    bare = [(sum(batch.real_tokens for batch in micro), sum(batch.padded_tokens for batch in micro), len(micro))
+            for micro in benchmark.step_batches(spec, split, manifest, 4)]
+    metrics, steps = trainer.train_run(spec, data_dir)
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert [(step["tokens"], step["padded_tokens"]) for step in steps] == [(real, padded) for real, padded, _ in bare]
+    assert all(micro_batches == 2 for _, _, micro_batches in bare)
+
+
 def test_a_side_speed_is_its_window_and_its_median_step():
     """Four steps of 1,000 tokens, one of them stalled: the window's tokens/s carry the stall, the typical
     step does not, and the stall share says how much longer the window was than four typical steps."""
@@ -129,7 +157,7 @@ def test_trials_stop_before_the_time_limit_and_each_is_written_as_it_ends(tmp_pa
         return run
 
     results: dict = {"trials": []}
-    args = argparse.Namespace(trials=5, time_limit_s=150.0, out=str(out))
+    args = argparse.Namespace(trials=5, time_limit_s=150.0, out=str(out), steps=40, warmup=10)
     benchmark.run_trials({"bare": side(100.0), "ftbench": side(99.0), "ftbench_no_nvml": side(99.5)}, [0], results, args)
     # Trial 0 ends at 60 s, trial 1 at 120 s; trial 2 would end at 180 s > 150 s: not started.
     assert len(results["trials"]) == 2 and clock[0] == 120.0
