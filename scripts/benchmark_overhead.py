@@ -414,9 +414,9 @@ def print_summary(spec: RunSpec, results: dict) -> None:
             line += f" (at this scatter about {needed} trials would settle it)" if needed else " (over 1000 trials would)"
         window_low, window_high = results[f"range_window_{key}"]
         lines.append(line + f"; window median {results[f'median_window_{key}']:.3f} ({window_low:.3f}-{window_high:.3f})")
-    pooled = sum(1 for trial in results["trials"] if "pooled_from" in trial)
+    origins = [trial["pooled_from"] for trial in results["trials"] if "pooled_from" in trial]
     print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials"
-          + (f" ({pooled} of them pooled from {len(results['pooled_from'])} earlier files)" if pooled else "")
+          + (f" ({len(origins)} of them measured into {len(set(origins))} earlier files)" if origins else "")
           + ", typical step, geometric mean: " + "; ".join(lines))
     if "median_no_sync_over_sync" in results:
         low, high = results["range_no_sync_over_sync"]

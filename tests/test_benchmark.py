@@ -285,13 +285,14 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
     together = benchmark.summarise_trials([_trial(r, 1.0) for ratios in sessions.values() for r in ratios])
     assert pooled["interval_ftbench_over_bare"] == pytest.approx(together["interval_ftbench_over_bare"])
     assert pooled["verdict_ftbench_over_bare"] == together["verdict_ftbench_over_bare"]
-    assert f"on {h100}, 9 trials (9 of them pooled from 2 earlier files)" in process.stdout
+    assert f"on {h100}, 9 trials (9 of them measured into 2 earlier files)" in process.stdout
 
     # Pooling the pooled file with one of its sources, or a file twice, counts each trial once, from where it began.
     (tmp_path / "pooled.json").rename(tmp_path / "earlier-pool.json")
     again = pool("earlier-pool.json", "first.json", "second.json")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "--pool: 9 trials came more than once" in again.stdout
+    assert "9 trials (9 of them measured into 2 earlier files)" in again.stdout  # where they were measured, not pooled
     repooled = json.loads((tmp_path / "pooled.json").read_text())
     assert [trial["pooled_from"] for trial in repooled["trials"]] == ["first.json"] * 4 + ["second.json"] * 5
     assert repooled["interval_ftbench_over_bare"] == pooled["interval_ftbench_over_bare"]
