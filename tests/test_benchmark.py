@@ -255,7 +255,8 @@ def test_a_ratio_settles_by_the_interval_of_its_trials_mean():
     assert flipped.verdict == "misses"
 
 
-def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_model(tmp_path, tiny_config_factory):
+def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_model(tmp_path, tiny_config_factory,
+                                                                                   monkeypatch, capsys):
     """Launch-bound examples need more trials than one GPU session gives: --pool settles the trials of earlier --out
     files together (--trials 0: without running any), and refuses a file from another GPU model or run, naming it."""
     from ftbench.experiment import config as ftbench_config, matrix
@@ -271,12 +272,23 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
             "run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
             "device": h100, "steps": steps, "warmup": 10, "trials": [_trial(ratio, 1.0) for ratio in ratios]}))
 
-    def pool(*files: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
-                               "--trials", "0", "--pool", *files, "--out", "pooled.json"],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
 
-    process = pool("first.json", "second.json")
+    def pool(*arguments: str) -> subprocess.CompletedProcess:
+        """The script's main() run here (no GPU, nothing trained: a process of its own would only add torch's import)."""
+        monkeypatch.setattr(sys, "argv", ["benchmark_overhead.py", "--config", str(config), "--trials", "0", *arguments])
+        returncode, message = 0, ""
+        try:
+            benchmark.main()
+        except SystemExit as exit_:
+            returncode, message = (exit_.code, "") if isinstance(exit_.code, int) else (1, str(exit_.code))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([], returncode, out, err + message)
+
+    def pool_files(*files: str) -> subprocess.CompletedProcess:
+        return pool("--pool", *files, "--out", "pooled.json")
+
+    process = pool_files("first.json", "second.json")
     assert process.returncode == 0, process.stderr[-3000:]
     pooled = json.loads((tmp_path / "pooled.json").read_text())
     assert pooled["device"] == h100 and len(pooled["trials"]) == 9
@@ -289,7 +301,7 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
 
     # Pooling the pooled file with one of its sources, or a file twice, counts each trial once, from where it began.
     (tmp_path / "pooled.json").rename(tmp_path / "earlier-pool.json")
-    again = pool("earlier-pool.json", "first.json", "second.json")
+    again = pool_files("earlier-pool.json", "first.json", "second.json")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "--pool: 9 trials came more than once" in again.stdout
     assert "9 trials (9 of them measured into 2 earlier files)" in again.stdout  # where they were measured, not pooled
@@ -298,18 +310,17 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
     assert repooled["interval_ftbench_over_bare"] == pooled["interval_ftbench_over_bare"]
 
     (tmp_path / "truncated.json").write_text('{"trials": [')
-    assert "--pool: truncated.json: cannot be read as a benchmark_overhead --out file" in pool("truncated.json").stderr
+    assert "--pool: truncated.json: cannot be read as a benchmark_overhead --out file" in pool_files("truncated.json").stderr
     broken = json.loads((tmp_path / "first.json").read_text())
     del broken["trials"][2]["window_nvml_on_over_off"]
     (tmp_path / "broken.json").write_text(json.dumps(broken))
-    assert "--pool: broken.json: trial 2 lacks a number for one of" in pool("broken.json").stderr
+    assert "--pool: broken.json: trial 2 lacks a number for one of" in pool_files("broken.json").stderr
     other_gpu = json.loads((tmp_path / "second.json").read_text()) | {"device": "NVIDIA H200"}
     (tmp_path / "second.json").write_text(json.dumps(other_gpu))
-    refused = pool("first.json", "second.json")
+    refused = pool_files("first.json", "second.json")
     assert refused.returncode != 0
     assert f"--pool: second.json: device is 'NVIDIA H200', this run's is '{h100}'" in refused.stderr
-    nothing = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
-                              "--trials", "0"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    nothing = pool()
     assert nothing.returncode != 0 and "--trials: at least 1 (0 only with --pool)" in nothing.stderr
 
 
