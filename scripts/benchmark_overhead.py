@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from ftbench.tasks import registry
-from ftbench.data import batch_order, prepared
+from ftbench.data import prepared
 from ftbench.measure import gpu_monitor
 from ftbench.measure.step_clock import StepClock
 from ftbench.experiment import matrix
@@ -64,6 +64,7 @@ from ftbench.experiment import config as ftbench_config
 from ftbench.report import uncertainty
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer
+from ftbench.train.run_state import training_order
 from ftbench.runspec import RunSpec
 
 
@@ -135,8 +136,7 @@ def step_batches(spec: RunSpec, split, manifest: dict, total_steps: int):
     draws them for this run: its ``batching`` (packed rows, length groups) and its ``grad_accum_steps``. The bare
     loop does the same work per token; drawing plain padded batches of one micro-step each, as it once did, would
     compare ftbench with another workload on a packed or accumulating run."""
-    lengths = batching.lengths_of(split) if spec.batching == "group_by_length" else None
-    order = iter(batch_order.run_order(spec, len(split), total_steps, lengths))
+    order = iter(training_order(spec, split, total_steps))
     for _ in range(total_steps):
         yield [batching.collate(manifest["task"], split, next(order), manifest["pad_token_id"], spec.batching, spec.seq_len)
                for _ in range(spec.grad_accum_steps)]
@@ -286,8 +286,7 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
                "steps": args.steps if args.trials else None, "warmup": args.warmup if args.trials else None,
-               "device": device if args.trials else None, "trials": [],
-               "pooled_from": args.pool}
+               "device": device if args.trials else None, "trials": []}  # pooled trials each name their file
     try:
         repeated = sum(add_pooled_trials(results, path) for path in args.pool)
     except ValueError as error:

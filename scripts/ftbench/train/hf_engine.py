@@ -180,7 +180,7 @@ def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = Non
         evals.measure_with(meter.sampler)  # evaluations inside the window pause the sampler with the clock
     # The loop's order (its batching's), one index at a time: the Trainer's DataLoader batches it back into
     # the same batches.
-    order = [int(i) for batch in training_order(run, total_steps) for i in batch]
+    order = [int(i) for batch in training_order(run.spec, run.train_split, total_steps) for i in batch]
 
     class MeasuredTrainer(Trainer):
         def _get_train_sampler(self, train_dataset=None):

@@ -63,11 +63,11 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def training_order(run: Run, total_steps: int):
-    """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it)."""
-    split = run.train_split
-    lengths = batching.lengths_of(split) if run.spec.batching == "group_by_length" else None
-    return batch_order.run_order(run.spec, len(split), total_steps, lengths)
+def training_order(spec: RunSpec, split: TokenisedSplit, total_steps: int):
+    """The global batches of the run's micro-steps, as its ``batching`` draws them (both engines use it, and
+    scripts/benchmark_overhead.py's bare loop)."""
+    lengths = batching.lengths_of(split) if spec.batching == "group_by_length" else None
+    return batch_order.run_order(spec, len(split), total_steps, lengths)
 
 
 def steps_and_peaks(steps: list[dict], figures: dict, spec: RunSpec, local_gpus: list[int]) -> dict:

@@ -269,7 +269,7 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     for index in gpus:
         torch.cuda.reset_peak_memory_stats(index)
     return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), scaler,
-                 autocast_args(device, spec.precision), training_order(run, total_steps),
+                 autocast_args(device, spec.precision), training_order(run.spec, run.train_split, total_steps),
                  spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check,
                  count_first_microbatch, skips_non_finite_on_device(optimizer, scaler, spec.parallel))
 
