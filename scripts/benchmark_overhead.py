@@ -38,7 +38,9 @@ more than its margin could never pass, however many trials were run.) ``--out`` 
 no trial that would not finish by then at the pace of the slowest so far, and summarises the trials it ran.
 ``--pool A.json B.json`` adds the trials of earlier ``--out`` files of the same run, batch, sampling interval and GPU
 model to this run's before the verdicts (each trial is paired within itself, so trials from several sessions are
-independent units alike); with ``--trials 0`` it only settles the pooled trials, without a GPU.
+independent units alike); with ``--trials 0`` it only settles the pooled trials, without a GPU, and with
+``--across-runs`` too the files may be of several runs and batches: one verdict on what the harness costs over that
+mix of workloads (each trial keeps its run).
 """
 
 from __future__ import annotations
@@ -270,9 +272,14 @@ def main() -> None:
                         "trials (at the slowest trial's pace so far); the summary covers the trials run (and --pool's)")
     parser.add_argument("--pool", nargs="+", default=[], metavar="OUT_JSON",
                         help="earlier --out files of the same run and GPU model whose trials count with this run's")
+    parser.add_argument("--across-runs", action="store_true", help="with --trials 0: --pool's files may be of "
+                        "different runs and batches (the same GPU model and sampling interval): what the harness costs "
+                        "over that mix of workloads, each trial still paired within itself")
     args = parser.parse_args()
     if args.trials < (0 if args.pool else 1):
         parser.error("--trials: at least 1 (0 only with --pool)")
+    if args.across_runs and args.trials:
+        parser.error("--across-runs: only with --trials 0 (it settles --pool's files of several runs, running none)")
 
     config = ftbench_config.load_config(args.config)
     spec = matrix.expand_runs(config)[args.run]
@@ -287,8 +294,10 @@ def main() -> None:
     results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
                "steps": args.steps if args.trials else None, "warmup": args.warmup if args.trials else None,
                "device": device if args.trials else None, "trials": []}  # pooled trials each name their file
+    if args.across_runs:  # the run is whatever each pooled trial was measured on (POOLED_ACROSS_RUNS_MAY_DIFFER)
+        results.update({key: None for key in POOLED_ACROSS_RUNS_MAY_DIFFER}, gpu_sample_interval_s=None)
     try:
-        repeated = sum(add_pooled_trials(results, path) for path in args.pool)
+        repeated = sum(add_pooled_trials(results, path, args.across_runs) for path in args.pool)
     except ValueError as error:
         raise SystemExit(f"--pool: {error}") from None
     if repeated:
@@ -311,27 +320,34 @@ def main() -> None:
 # What must agree for trials to be pooled: the same run and batch, sampled alike, on the same GPU model. The
 # passes' lengths may differ (each trial keeps its own steps and warmup): a trial's ratio compares sides of one length.
 POOLED_MUST_MATCH = ("run_id", "batch_size", "gpu_sample_interval_s", "device")
+# --across-runs: what may differ between the pooled files (each trial keeps its own); the rest must still match.
+POOLED_ACROSS_RUNS_MAY_DIFFER = ("run_id", "batch_size")
 # What a pooled trial must hold: the ratios the verdicts and the summary read.
 TRIAL_RATIOS = (*TARGETS, *(f"window_{key}" for key in TARGETS))
 
 
-def add_pooled_trials(results: dict, path: str) -> int:
+def add_pooled_trials(results: dict, path: str, across_runs: bool = False) -> int:
     """Add the trials of an earlier --out file to ``results``, after checking that it measured the same thing
-    (POOLED_MUST_MATCH; ``results["device"]`` None takes the first file's). Each trial keeps the file it was first
-    measured into (``pooled_from``) and its passes' length; a trial already in ``results`` (a file given twice, or an
-    --out that pooled it already) is not added again. Returns how many were skipped so; ValueError names the file."""
+    (POOLED_MUST_MATCH, less POOLED_ACROSS_RUNS_MAY_DIFFER ``across_runs``; a key of ``results`` that is None takes the
+    first file's). Each trial keeps the file it was first measured into (``pooled_from``), its passes' length, and
+    across runs its run and batch; a trial already in ``results`` (a file given twice, or an --out that pooled it
+    already) is not added again. Returns how many were skipped so; ValueError names the file."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: cannot be read as a benchmark_overhead --out file ({error})") from None
     if not isinstance(earlier, dict) or not isinstance(earlier.get("trials"), list):
         raise ValueError(f"{path}: expected a benchmark_overhead --out file: a JSON object with a list of trials")
-    if results["device"] is None:
-        results["device"] = earlier.get("device")
+    may_differ = POOLED_ACROSS_RUNS_MAY_DIFFER if across_runs else ()
     for key in POOLED_MUST_MATCH:
+        if key in may_differ:
+            continue
+        if results[key] is None:
+            results[key] = earlier.get(key)
         if earlier.get(key) != results[key]:
             raise ValueError(f"{path}: {key} is {earlier.get(key)!r}, this run's is {results[key]!r}: "
-                             "only trials of the same run, batch, sampling interval and GPU model pool")
+                             + ("only trials of the same sampling interval and GPU model pool across runs" if across_runs
+                                else "only trials of the same run, batch, sampling interval and GPU model pool"))
     seen = {_trial_identity(trial) for trial in results["trials"]}
     repeated = 0
     for index, trial in enumerate(earlier["trials"]):
@@ -342,15 +358,16 @@ def add_pooled_trials(results: dict, path: str) -> int:
             repeated += 1
             continue
         seen.add(identity)
+        measured_on = {key: earlier.get(key) for key in may_differ}
         results["trials"].append({"pooled_from": path, "steps": earlier.get("steps"), "warmup": earlier.get("warmup"),
-                                  **trial})
+                                  **measured_on, **trial})
     return repeated
 
 
 def _trial_identity(trial: dict) -> str:
     """A trial's measured figures (each pass's step speeds among them): the same in every file it was pooled into."""
-    return json.dumps({key: value for key, value in trial.items() if key not in ("pooled_from", "steps", "warmup")},
-                      sort_keys=True)
+    added_when_pooled = ("pooled_from", "steps", "warmup", *POOLED_ACROSS_RUNS_MAY_DIFFER)
+    return json.dumps({key: value for key, value in trial.items() if key not in added_when_pooled}, sort_keys=True)
 
 
 def measured_sides(spec: RunSpec, data_dir: str, args: argparse.Namespace) -> tuple[dict, list[int]]:
@@ -414,7 +431,10 @@ def print_summary(spec: RunSpec, results: dict) -> None:
         window_low, window_high = results[f"range_window_{key}"]
         lines.append(line + f"; window median {results[f'median_window_{key}']:.3f} ({window_low:.3f}-{window_high:.3f})")
     origins = [trial["pooled_from"] for trial in results["trials"] if "pooled_from" in trial]
-    print(f"{spec.run_id} at batch {spec.batch_size} on {results['device']}, {len(results['trials'])} trials"
+    runs = sorted({trial["run_id"] for trial in results["trials"] if trial.get("run_id")})
+    measured = (f"across {len(runs)} runs ({', '.join(runs)})" if results["run_id"] is None
+                else f"{spec.run_id} at batch {spec.batch_size}")
+    print(f"{measured} on {results['device']}, {len(results['trials'])} trials"
           + (f" ({len(origins)} of them measured into {len(set(origins))} earlier files)" if origins else "")
           + ", typical step, geometric mean: " + "; ".join(lines))
     if "median_no_sync_over_sync" in results:

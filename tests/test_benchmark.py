@@ -323,6 +323,27 @@ def test_earlier_trials_pool_with_this_runs_and_only_from_the_same_run_and_gpu_m
     nothing = pool()
     assert nothing.returncode != 0 and "--trials: at least 1 (0 only with --pool)" in nothing.stderr
 
+    # Across runs: files of other runs and batches pool only when asked, each trial keeping the run it measured;
+    # another GPU model is refused still.
+    other_run = {"run_id": "llama1b-other-run", "batch_size": 2, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
+                 "device": h100, "steps": 40, "warmup": 10, "trials": [_trial(r, 0.99) for r in (0.93, 0.95, 1.04)]}
+    (tmp_path / "other-run.json").write_text(json.dumps(other_run))
+    refused = pool_files("first.json", "other-run.json")
+    assert refused.returncode != 0 and "--pool: other-run.json: run_id is 'llama1b-other-run'" in refused.stderr
+    across = pool("--across-runs", "--pool", "first.json", "other-run.json", "--out", "across.json")
+    assert across.returncode == 0, across.stderr[-3000:]
+    pooled = json.loads((tmp_path / "across.json").read_text())
+    assert pooled["run_id"] is None and pooled["device"] == h100
+    assert [trial["run_id"] for trial in pooled["trials"]] == [spec.run_id] * 4 + ["llama1b-other-run"] * 3
+    assert [trial["batch_size"] for trial in pooled["trials"]] == [spec.batch_size] * 4 + [2] * 3
+    mixed = benchmark.summarise_trials([_trial(r, 1.0) for r in sessions["first.json"]]
+                                       + [_trial(r, 0.99) for r in (0.93, 0.95, 1.04)])
+    assert pooled["interval_ftbench_over_bare"] == pytest.approx(mixed["interval_ftbench_over_bare"])
+    assert pooled["interval_nvml_on_over_off"] == pytest.approx(mixed["interval_nvml_on_over_off"])
+    assert f"across 2 runs (llama1b-other-run, {spec.run_id}) on {h100}, 7 trials" in across.stdout
+    assert "device is 'NVIDIA H200'" in pool("--across-runs", "--pool", "first.json", "second.json").stderr
+    assert "--across-runs: only with --trials 0" in pool("--across-runs", "--trials", "1").stderr
+
 
 @pytest.mark.slow
 def test_parse_benchmark_reports_each_dry_run_and_ftbench_share(tmp_path):
