@@ -12,7 +12,6 @@ import torch
 
 from ftbench.data import batch_order, prepared
 from ftbench.runspec import RunSpec
-from ftbench.tasks import registry
 from ftbench.tasks.base import TokenisedSplit
 from ftbench.train import faults, batching
 from ftbench.train.devices import Distributed
