@@ -294,8 +294,8 @@ def main() -> None:
     results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
                "steps": args.steps if args.trials else None, "warmup": args.warmup if args.trials else None,
                "device": device if args.trials else None, "trials": []}  # pooled trials each name their file
-    if args.across_runs:  # the run is whatever each pooled trial was measured on (POOLED_ACROSS_RUNS_MAY_DIFFER)
-        results.update({key: None for key in POOLED_ACROSS_RUNS_MAY_DIFFER}, gpu_sample_interval_s=None)
+    if args.across_runs:  # nothing of --config's run applies: the first pooled file sets what the others must match
+        results.update(dict.fromkeys(POOLED_MUST_MATCH))
     try:
         repeated = sum(add_pooled_trials(results, path, args.across_runs) for path in args.pool)
     except ValueError as error:
