@@ -40,7 +40,10 @@ no trial that would not finish by then at the pace of the slowest so far, and su
 model to this run's before the verdicts (each trial is paired within itself, so trials from several sessions are
 independent units alike); with ``--trials 0`` it only settles the pooled trials, without a GPU, and with
 ``--across-runs`` too the files may be of several runs and batches: one verdict on what the harness costs over that
-mix of workloads (each trial keeps its run).
+mix of workloads (each trial keeps its run). ``--gpus 0,1,2,3`` runs the trials on several GPUs of a host at once:
+one process per GPU (``CUDA_VISIBLE_DEVICES`` set to it) on an equal share of this process's CPU cores, each its own
+``--trials`` into ``<out>.gpu<N>.json``, then one verdict over all of them (with ``--pool``'s): a launch-bound example's
+tens of trials in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -63,6 +69,7 @@ from ftbench.measure.step_clock import StepClock
 from ftbench.experiment import matrix
 from ftbench.train import batching, modeling, trainer
 from ftbench.experiment import config as ftbench_config
+from ftbench.errors import ConfigError
 from ftbench.report import uncertainty
 from ftbench.train.devices import Distributed, autocast_args, choose_device, synchronize
 from ftbench.train.optimizers import make_grad_scaler, make_optimizer
@@ -275,14 +282,24 @@ def main() -> None:
     parser.add_argument("--across-runs", action="store_true", help="with --trials 0: --pool's files may be of "
                         "different runs and batches (the same GPU model and sampling interval): what the harness costs "
                         "over that mix of workloads, each trial still paired within itself")
+    parser.add_argument("--gpus", type=lanes_of, help="comma-separated CUDA_VISIBLE_DEVICES values (0,1,2,3): "
+                        "--trials on each GPU at once, one process per GPU on an equal share of the CPU cores, its "
+                        "figures in <out>.gpu<N>.json; then one verdict over them all (needs --out)")
     args = parser.parse_args()
     if args.trials < (0 if args.pool else 1):
         parser.error("--trials: at least 1 (0 only with --pool)")
     if args.across_runs and args.trials:
         parser.error("--across-runs: only with --trials 0 (it settles --pool's files of several runs, running none)")
+    if args.gpus:
+        check_lanes(parser, args)
 
-    config = ftbench_config.load_config(args.config)
-    spec = matrix.expand_runs(config)[args.run]
+    try:
+        runs = matrix.expand_runs(ftbench_config.load_config(args.config))
+    except ConfigError as error:  # one line naming the file and key, before anything is measured
+        raise SystemExit(f"{args.config}: {error}") from None
+    if not 0 <= args.run < len(runs):
+        parser.error(f"--run: expected an index of {args.config}'s runs, 0 to {len(runs) - 1}, got {args.run}")
+    spec = runs[args.run]
     spec = spec.replace(max_steps=args.warmup + args.steps, warmup_steps=args.warmup, epochs=None, max_eval_samples=1)
     if args.batch_size:
         spec = spec.replace(batch_size=args.batch_size)
@@ -290,16 +307,10 @@ def main() -> None:
         spec = spec.replace(gpu_sample_interval_s=args.sample_interval)
     if spec.parallel != "single":
         raise SystemExit("the overhead benchmark compares single-device loops; pick a single run")
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
-               "steps": args.steps if args.trials else None, "warmup": args.warmup if args.trials else None,
-               "device": device if args.trials else None, "trials": []}  # pooled trials each name their file
-    if args.across_runs:  # nothing of --config's run applies: the first pooled file sets what the others must match
-        results.update(dict.fromkeys(POOLED_MUST_MATCH))
-    try:
-        repeated = sum(add_pooled_trials(results, path, args.across_runs) for path in args.pool)
-    except ValueError as error:
-        raise SystemExit(f"--pool: {error}") from None
+    if args.gpus:  # the run is valid: the lanes measure, this process settles their trials with --pool's
+        pooled_results(spec, args, measuring=False)  # a --pool file that would be refused is, before any lane runs
+        args.pool, args.trials = [*run_lanes(args), *args.pool], 0
+    results, repeated = pooled_results(spec, args, measuring=bool(args.trials))
     if repeated:
         print(f"--pool: {repeated} trials came more than once (a file given twice, or pooled into a later one): "
               "each counted once", flush=True)
@@ -315,6 +326,84 @@ def main() -> None:
     if args.out and not args.trials:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print_summary(spec, results)
+
+
+def pooled_results(spec: RunSpec, args: argparse.Namespace, measuring: bool) -> tuple[dict, int]:
+    """The figures of this run before its own trials: what it measures and where (``measuring``: this process runs
+    trials), with --pool's trials added (``add_pooled_trials``); and how many of those came more than once."""
+    device = torch.cuda.get_device_name(0) if measuring and torch.cuda.is_available() else "cpu"
+    results = {"run_id": spec.run_id, "batch_size": spec.batch_size, "gpu_sample_interval_s": spec.gpu_sample_interval_s,
+               "steps": args.steps if measuring else None, "warmup": args.warmup if measuring else None,
+               "device": device if measuring else None, "trials": []}  # pooled trials each name their file
+    if measuring:  # where this process ran: a lane of --gpus, or what its caller gave it
+        results.update(cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), cpu_cores=sorted(os.sched_getaffinity(0)))
+    if args.across_runs:  # nothing of --config's run applies: the first pooled file sets what the others must match
+        results.update(dict.fromkeys(POOLED_MUST_MATCH))
+    try:
+        repeated = sum(add_pooled_trials(results, path, args.across_runs) for path in args.pool)
+    except ValueError as error:
+        raise SystemExit(f"--pool: {error}") from None
+    return results, repeated
+
+
+def lanes_of(text: str) -> list[str]:
+    """--gpus: the GPUs to run lanes on, as CUDA_VISIBLE_DEVICES values (indices or UUIDs), each once."""
+    lanes = [lane.strip() for lane in text.split(",")]
+    if not all(lanes) or len(set(lanes)) != len(lanes):
+        raise argparse.ArgumentTypeError(f"expected distinct GPUs separated by commas (0,1,2,3), got {text!r}")
+    return lanes
+
+
+def check_lanes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--gpus needs trials to run, a file to settle them in, and at least one CPU core per lane."""
+    if not args.trials:
+        parser.error("--gpus: needs --trials of at least 1 (the trials each GPU runs)")
+    if not args.out:
+        parser.error("--gpus: needs --out (each GPU's figures go beside it, in <out>.gpu<N>.json)")
+    if len(args.gpus) > len(os.sched_getaffinity(0)):
+        parser.error(f"--gpus: {len(args.gpus)} GPUs but {len(os.sched_getaffinity(0))} CPU cores to run them on: "
+                     "one core at least per GPU")
+
+
+def run_lanes(args: argparse.Namespace) -> list[str]:
+    """Run this benchmark once per GPU of --gpus, all at once: each process sees only its GPU and runs on its own equal
+    share of this process's CPU cores (a launch-bound loop is as fast as the cores launching its kernels, so lanes
+    must not take each other's), with --pool and --gpus left out. Returns the --out files the lanes wrote; a lane
+    that failed is named with its log, and the trials it finished still count."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // len(args.gpus)
+    lanes = {}
+    for number, gpu in enumerate(args.gpus):
+        out = f"{args.out}.gpu{number}.json"
+        Path(out).unlink(missing_ok=True)  # an earlier run's: pooled as this one's should this lane end before a trial
+        log = open(f"{args.out}.gpu{number}.log", "w")  # noqa: SIM115 - closed once the lane has ended
+        lane_cores = cores[number * share:(number + 1) * share]
+        lanes[out] = (subprocess.Popen([sys.executable, __file__, *lane_arguments(args), "--out", out], stdout=log,
+                                       stderr=subprocess.STDOUT, env=os.environ | {"CUDA_VISIBLE_DEVICES": gpu},
+                                       preexec_fn=lambda lane_cores=lane_cores: os.sched_setaffinity(0, lane_cores)), log)
+        print(f"lane {number}: GPU {gpu}, CPU cores {lane_cores[0]}-{lane_cores[-1]}, log {log.name}", flush=True)
+    written = []
+    for out, (process, log) in lanes.items():
+        returncode = process.wait()
+        log.close()
+        if returncode:
+            print(f"lane {out}: exit status {returncode} (log {log.name})", flush=True)
+        if Path(out).exists():  # rewritten after every trial: what a failed lane finished still counts
+            written.append(out)
+    if not written:
+        raise SystemExit(f"--gpus: no lane finished a trial (logs: {args.out}.gpu<N>.log)")
+    return written
+
+
+def lane_arguments(args: argparse.Namespace) -> list[str]:
+    """This run's command line for one lane: what measures, without --gpus, --pool and --out."""
+    arguments = ["--config", args.config, "--run", str(args.run), "--steps", str(args.steps), "--warmup",
+                 str(args.warmup), "--trials", str(args.trials)]
+    for option, value in (("--sample-interval", args.sample_interval), ("--batch-size", args.batch_size),
+                          ("--time-limit-s", args.time_limit_s)):
+        if value is not None:
+            arguments += [option, str(value)]
+    return arguments + (["--sync-side"] if args.sync_side else [])
 
 
 # What must agree for trials to be pooled: the same run and batch, sampled alike, on the same GPU model. The

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,53 @@ def test_overhead_benchmark_rotates_the_sides_and_reports_within_trial_ratios(tm
     assert results["verdict_ftbench_over_bare"] in process.stdout
     window = sorted(trial["window_ftbench_over_bare"] for trial in trials)
     assert results["median_window_ftbench_over_bare"] == pytest.approx(window[1])
+
+
+@pytest.mark.slow
+def test_gpus_runs_one_lane_per_gpu_on_cores_of_its_own_and_settles_their_trials_together(tmp_path, tiny_config_factory):
+    """A launch-bound example needs tens of trials: --gpus runs them on several GPUs at once, each lane a process that
+    sees only its GPU and runs on its own share of the cores, and settles every lane's trials as one verdict. On a CPU
+    the lanes train on the CPU: what is checked is the lanes' placement and the pooling."""
+    process, results = run_benchmark("benchmark_overhead.py", tmp_path, tiny_config_factory, 4, "--steps", "2",
+                                     "--warmup", "1", "--trials", "1", "--gpus", "0,1")
+    lane_files = [f"{tmp_path / 'figures.json'}.gpu{number}.json" for number in (0, 1)]
+    lanes = [json.loads(Path(path).read_text()) for path in lane_files]
+    assert [lane["cuda_visible_devices"] for lane in lanes] == ["0", "1"]
+    cores = [set(lane["cpu_cores"]) for lane in lanes]
+    assert all(cores) and not cores[0] & cores[1] and cores[0] | cores[1] <= os.sched_getaffinity(0)
+    assert all(len(lane["trials"]) == 1 and lane["device"] == "cpu" for lane in lanes)
+    # One verdict over both lanes' trials, each trial naming the lane file it was measured into.
+    assert [trial["pooled_from"] for trial in results["trials"]] == lane_files
+    assert results["device"] == "cpu" and results["run_id"] == lanes[0]["run_id"]
+    both = _load_benchmark_module().summarise_trials([lane["trials"][0] for lane in lanes])
+    assert results["interval_ftbench_over_bare"] == pytest.approx(both["interval_ftbench_over_bare"])
+    assert "lane 0: GPU 0, CPU cores" in process.stdout and "lane 1: GPU 1" in process.stdout
+    assert "2 trials (2 of them measured into 2 earlier files)" in process.stdout
+
+
+def test_gpus_is_refused_before_any_lane_starts_when_it_cannot_run(tmp_path, tiny_config_factory, monkeypatch, capsys):
+    benchmark = _load_benchmark_module()
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 8,
+                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
+    # An experiment the workflow would refuse: one line naming the file and the key, not a traceback.
+    bad = write_config(tmp_path, tiny_config_factory(defaults={"batch_size": 32, "epochs": 1, "warmup_steps": 50,
+                                                               "device": "cpu", "num_gpus": 0}), name="bad.yaml")
+    monkeypatch.chdir(tmp_path)
+    too_many = ",".join(str(gpu) for gpu in range(len(os.sched_getaffinity(0)) + 1))
+    for arguments, message in ((["--gpus", "0,0", "--out", "o.json"], "expected distinct GPUs separated by commas"),
+                               (["--gpus", "0,1"], "--gpus: needs --out"),
+                               (["--gpus", too_many, "--out", "o.json"], "CPU cores to run them on"),
+                               (["--gpus", "0", "--out", "o.json", "--pool", "missing.json"],
+                                "--pool: missing.json: cannot be read"),
+                               (["--gpus", "0", "--out", "o.json", "--run", "7"], "--run: expected an index of"),
+                               (["--config", str(bad), "--gpus", "0", "--out", "o.json"],
+                                f"{bad}: config key defaults.warmup_steps: 50")):
+        monkeypatch.setattr(sys, "argv", ["benchmark_overhead.py", "--config", str(config), "--trials", "1", *arguments])
+        with pytest.raises(SystemExit) as exit_:
+            benchmark.main()
+        error = capsys.readouterr().err + (exit_.value.code if isinstance(exit_.value.code, str) else "")
+        assert exit_.value.code != 0 and message in error, (arguments, error)
+        assert not list(tmp_path.glob("o.json.gpu*")), arguments  # no lane started
 
 
 def test_the_bare_loop_trains_on_the_batches_ftbench_draws_for_the_run(tiny_config_factory, tmp_path):
