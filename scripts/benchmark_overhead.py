@@ -52,6 +52,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -369,30 +370,48 @@ def run_lanes(args: argparse.Namespace) -> list[str]:
     """Run this benchmark once per GPU of --gpus, all at once: each process sees only its GPU and runs on its own equal
     share of this process's CPU cores (a launch-bound loop is as fast as the cores launching its kernels, so lanes
     must not take each other's), with --pool and --gpus left out. Returns the --out files the lanes wrote; a lane
-    that failed is named with its log, and the trials it finished still count."""
+    that failed is named with its log, and the trials it finished still count. Stopping this process (SIGTERM, as
+    `timeout` does, or Ctrl-C) stops the lanes: none is left holding a GPU."""
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // len(args.gpus)
-    lanes = {}
-    for number, gpu in enumerate(args.gpus):
-        out = f"{args.out}.gpu{number}.json"
-        Path(out).unlink(missing_ok=True)  # an earlier run's: pooled as this one's should this lane end before a trial
-        log = open(f"{args.out}.gpu{number}.log", "w")  # noqa: SIM115 - closed once the lane has ended
-        lane_cores = cores[number * share:(number + 1) * share]
-        lanes[out] = (subprocess.Popen([sys.executable, __file__, *lane_arguments(args), "--out", out], stdout=log,
-                                       stderr=subprocess.STDOUT, env=os.environ | {"CUDA_VISIBLE_DEVICES": gpu},
-                                       preexec_fn=lambda lane_cores=lane_cores: os.sched_setaffinity(0, lane_cores)), log)
-        print(f"lane {number}: GPU {gpu}, CPU cores {lane_cores[0]}-{lane_cores[-1]}, log {log.name}", flush=True)
-    written = []
-    for out, (process, log) in lanes.items():
-        returncode = process.wait()
-        log.close()
-        if returncode:
-            print(f"lane {out}: exit status {returncode} (log {log.name})", flush=True)
-        if Path(out).exists():  # rewritten after every trial: what a failed lane finished still counts
-            written.append(out)
+    lanes: dict[str, tuple[subprocess.Popen, object]] = {}
+    previous = signal.signal(signal.SIGTERM, lambda number, _: sys.exit(128 + number))
+    try:
+        for number, gpu in enumerate(args.gpus):
+            out = f"{args.out}.gpu{number}.json"
+            Path(out).unlink(missing_ok=True)  # an earlier run's: it would pool as this one's were this lane to fail
+            log = open(f"{args.out}.gpu{number}.log", "w")  # noqa: SIM115 - closed once the lane has ended
+            lane_cores = cores[number * share:(number + 1) * share]
+            lanes[out] = (subprocess.Popen([sys.executable, __file__, *lane_arguments(args), "--out", out], stdout=log,
+                                           stderr=subprocess.STDOUT, env=os.environ | {"CUDA_VISIBLE_DEVICES": gpu},
+                                           preexec_fn=lambda lane_cores=lane_cores: os.sched_setaffinity(0, lane_cores)),
+                          log)
+            print(f"lane {number}: GPU {gpu}, CPU cores {core_ranges(lane_cores)}, log {log.name}", flush=True)
+        for out, (process, log) in lanes.items():
+            if process.wait():
+                print(f"lane {out}: exit status {process.returncode} (log {log.name})", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for process, log in lanes.values():
+            if process.poll() is None:  # this process is being stopped: so are its lanes
+                process.terminate()
+                process.wait()
+            log.close()
+    written = [out for out in lanes if Path(out).exists()]  # rewritten after every trial: a failed lane's count
     if not written:
         raise SystemExit(f"--gpus: no lane finished a trial (logs: {args.out}.gpu<N>.log)")
     return written
+
+
+def core_ranges(cores: list[int]) -> str:
+    """CPU core numbers as ranges: [0, 1, 2, 3, 8] -> '0-3,8'."""
+    ranges: list[list[int]] = []
+    for core in cores:
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(f"{first}-{last}" if last > first else str(first) for first, last in ranges)
 
 
 def lane_arguments(args: argparse.Namespace) -> list[str]:

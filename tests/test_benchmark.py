@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,30 @@ def test_gpus_runs_one_lane_per_gpu_on_cores_of_its_own_and_settles_their_trials
     assert "2 trials (2 of them measured into 2 earlier files)" in process.stdout
 
 
+@pytest.mark.slow
+def test_stopping_a_gpus_run_stops_its_lanes(tmp_path, tiny_config_factory):
+    """`timeout` stops the process it started: lanes left running would hold their GPUs after it."""
+    config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 4,
+                                                                  "seq_len": 32, "device": "cpu", "num_gpus": 0}))
+    out = tmp_path / "figures.json"
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "benchmark_overhead.py"), "--config", str(config),
+                                "--steps", "2", "--warmup", "1", "--trials", "100", "--gpus", "0,1", "--out", str(out)],
+                               stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert [process.stdout.readline().split(":")[0] for _ in range(2)] == ["lane 0", "lane 1"]
+    lanes = [pid for pid in os.listdir("/proc") if pid.isdigit() and _command_line_of(pid).count(f"{out}.gpu") == 1]
+    assert len(lanes) == 2
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) != 0
+    assert not [pid for pid in lanes if _command_line_of(pid)]  # both ended (and were reaped) with it
+
+
+def _command_line_of(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # ended
+        return ""
+
+
 def test_gpus_is_refused_before_any_lane_starts_when_it_cannot_run(tmp_path, tiny_config_factory, monkeypatch, capsys):
     benchmark = _load_benchmark_module()
     config = write_config(tmp_path, tiny_config_factory(defaults={"method": "lora", "lora_rank": 4, "batch_size": 8,
@@ -116,6 +141,7 @@ def test_gpus_is_refused_before_any_lane_starts_when_it_cannot_run(tmp_path, tin
         error = capsys.readouterr().err + (exit_.value.code if isinstance(exit_.value.code, str) else "")
         assert exit_.value.code != 0 and message in error, (arguments, error)
         assert not list(tmp_path.glob("o.json.gpu*")), arguments  # no lane started
+    assert benchmark.core_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 
 def test_the_bare_loop_trains_on_the_batches_ftbench_draws_for_the_run(tiny_config_factory, tmp_path):
