@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from ftbench.tasks import registry
-from ftbench.tasks import registry
 from ftbench.measure import flops
 from ftbench.experiment import matrix
 from ftbench.train import modeling

@@ -166,7 +166,6 @@ def tiny_config_factory(tiny_model_dir, tiny_csv):
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory, tiny_csv):
     """The tiny CSV prepared with the MiniLM tokenizer (package source) at seq_len 32: (folder, manifest)."""
-    from ftbench.data import prepared
 
     folder = tmp_path_factory.mktemp("prepared") / "tiny-s32"
     manifest = registry.prepare("tiny", tiny_dataset_def(tiny_csv), {"source": MINILM_SOURCE}, TINY_SEQ_LEN, folder)

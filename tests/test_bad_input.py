@@ -657,7 +657,7 @@ VIT = {"task": "image_classification", "source": {
 
 def _image_table(tmp_path, bad: dict[str, bytes | None]) -> dict:
     """A folder of 24 good PNGs plus the ``bad`` files (name -> bytes; None: named in the table, absent)."""
-    from conftest import png_bytes, write_image_folder
+    from conftest import write_image_folder
 
     names = [f"img{index}.png" for index in range(24)] + list(bad)
     rows = pd.DataFrame({"file": names, "label": ["cat" if index % 3 else "dog" for index in range(len(names))]})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ftbench import atomic
-from ftbench.train import ddp, run_state, trainer
+from ftbench.train import ddp, run_state
 from ftbench.runspec import RunSpec
 
 SPEC = RunSpec(run_id="r", parallel="ddp", num_gpus=2, device="cpu")

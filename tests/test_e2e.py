@@ -16,7 +16,6 @@ import pytest
 from ftbench.tasks import registry
 from ftbench.data import batch_order, prepared
 from ftbench.experiment import matrix
-from ftbench.train import trainer
 from ftbench.report.columns import COLUMNS
 
 pytestmark = pytest.mark.slow

@@ -245,7 +245,6 @@ def test_two_node_ranks_meet_at_a_localhost_rendezvous(llama_data, tmp_path, mon
     over both, merged by the launcher like any ddp/fsdp run."""
     import socket
 
-    from ftbench.train import trainer
 
     spec = llama_spec(parallel="fsdp", num_gpus=1, num_nodes=2)
     with socket.socket() as probe:  # a free port for the rendezvous

@@ -208,6 +208,31 @@ def test_no_second_warm_process_while_one_holds_the_lock(tmp_path):
     assert not path.with_suffix(".log").exists()
 
 
+def test_waiting_for_readiness_ends_with_the_ready_mark_of_the_process_holding_the_lock(tmp_path):
+    """What the workflow waits for before its first train job: the .ready file naming the pid that holds the lock.
+    A mark left by a killed predecessor is not it; a process that gave up, or none at all, ends the wait at once
+    (after the grace a just-started one needs to take its lock)."""
+    import fcntl
+
+    path = tmp_path / "k.sock"
+    started = time.monotonic()
+    assert warmstart.wait_until_ready(path, timeout_s=5, start_grace_s=0.3) is False  # nobody holds the lock
+    assert time.monotonic() - started < 2
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("4242")
+        lock.flush()
+        path.with_suffix(".ready").write_text("17")  # a killed predecessor's mark
+        assert warmstart.wait_until_ready(path, timeout_s=0.5) is False
+        path.with_suffix(".ready").write_text("4242")
+        assert warmstart.wait_until_ready(path, timeout_s=0.5) is True
+        path.with_suffix(".ready").unlink()
+        path.with_suffix(".failed").write_text("importing the stack initialised CUDA\n")
+        started = time.monotonic()
+        assert warmstart.wait_until_ready(path, timeout_s=5) is False
+        assert time.monotonic() - started < 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Jobs through a warm process, as the train rule starts them
 
@@ -334,7 +359,7 @@ def test_stopping_the_jobs_process_stops_its_warm_child(how, cpu_spec, prepared_
 def test_snakemake_jobs_run_warm_with_the_results_of_cold_ones(snakemake_run, tiny_model_dir, tiny_csv, tmp_path, warm_env,
                                                               monkeypatch):
     """The workflow starts the warm process when it starts, with the key its jobs compute (one warm process
-    serves them all); once it is up, jobs fork from it, and each warm run's losses equal the same run's
+    serves them all), and waits for it: every job forks from it, the first one too, and each warm run's losses equal the same run's
     in the (cold) shared workflow."""
     workdir = tmp_path / "workflow"
     config = e2e_config(tiny_model_dir, tiny_csv)
@@ -344,7 +369,13 @@ def test_snakemake_jobs_run_warm_with_the_results_of_cold_ones(snakemake_run, ti
         monkeypatch.setenv(name, value)
     process = run_snakemake(workdir, f"results/runs/{first.run_id}/metrics.json", timeout=600)
     assert process.returncode == 0, snakemake_failure(process)
-    wait_for_socket(warm_env)
+    # The workflow waited for the warm process before its first train job: that job forked from it at once.
+    assert "train jobs fork from a process that had the stack imported" in process.stderr
+    first_metrics = json.loads((workdir / "results" / "runs" / first.run_id / "metrics.json").read_text())["metrics"]
+    assert first_metrics["warm_start"] is True and first_metrics["warm_start_wait_s"] < 0.5
+    path = wait_for_socket(warm_env)
+    assert warmstart._ready_pid(path) == server_pid(path)
+    assert "the optional imports took" in path.with_suffix(".log").read_text()  # settled before any job asked
     process = run_snakemake(workdir, timeout=600)
     assert process.returncode == 0, snakemake_failure(process)
     cold_workdir = snakemake_run[0]

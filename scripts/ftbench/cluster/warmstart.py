@@ -6,9 +6,10 @@ and 10.8-18.7 s for torch + transformers + a Llama class (on a 2-core laptop 1.4
 about 7 s of measured steps in a 60-step run of the 134M example. A sweep of short runs would be mostly
 imports. (Numbers: README, "Warm start".)
 
-How: a local workflow starts the warm process when it starts (``python -m ftbench.cluster.warmstart start`` from
-rules/common.smk), and a train job that finds none starts one and runs inline as before; a job that finds
-one still importing waits for it. The warm process imports the stack once (never
+How: a local workflow starts the warm process when it starts and waits until it has imported everything it will
+(``python -m ftbench.cluster.warmstart start --wait`` from rules/common.smk), so the stack's one import is the
+workflow's start-up, not the first train job's wall time; a train job that finds none starts one and runs inline as
+before; a job that finds one still importing waits for it. The warm process imports the stack once (never
 touching CUDA: a process that has initialised CUDA cannot fork a working CUDA child), listens on a Unix
 socket, and for each later job forks a child that takes over the job's command line, environment,
 working directory and standard streams (passed as file descriptors), runs it, and exits with the job's
@@ -230,13 +231,67 @@ def _address(path: Path):
         os.close(folder)
 
 
-def start_ahead() -> None:
+def start_ahead(wait: bool = False) -> None:
     """Start the warm process that a train job started here would use, unless one runs (or is importing):
-    the workflow does this when it starts (rules/common.smk), so the first train job finds it ready too.
-    Nothing where train jobs would not run warm."""
+    the workflow does this when it starts (rules/common.smk). With ``wait``, return once it has imported all it
+    will (up to READY_WAIT_S): the workflow starts its first train job only then, so that job's wall time is its
+    own (it waited 6-15 s inside it on H100 hosts before November 2026). Nothing where train jobs would not run
+    warm."""
     path = socket_path() if wanted(["train"]) else None
-    if path is not None:
-        start_server(path)
+    if path is None:
+        return
+    start_server(path)
+    if not wait:
+        return
+    started = time.monotonic()
+    ready = wait_until_ready(path)
+    waited = time.monotonic() - started
+    if ready:
+        print(f"ftbench: warm start: train jobs fork from a process that had the stack imported {waited:.1f} s after "
+              "the workflow started it", file=sys.stderr, flush=True)
+    else:
+        print(f"ftbench: warm start: the warm process was not ready after {waited:.0f} s (its log: {path.with_suffix('.log')});"
+              " train jobs wait for it or run on their own", file=sys.stderr, flush=True)
+
+
+def wait_until_ready(path: Path, timeout_s: float = READY_WAIT_S, start_grace_s: float = 10.0) -> bool:
+    """Whether the warm process of ``path`` became ready (listening, its optional imports settled: its ``.ready``
+    file names it) within ``timeout_s``. False at once when it gave up (``.failed``) or ended, and when none holds
+    the lock ``start_grace_s`` after the call (one just started takes it within its first second)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if path.with_suffix(".failed").exists():
+            return False
+        if _serving(path):
+            if _ready_pid(path) is not None and _ready_pid(path) == _lock_pid(path):
+                return True
+        elif time.monotonic() - started > start_grace_s:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def _ready_pid(path: Path) -> int | None:
+    """The pid in ``path``'s ``.ready`` file (written by a warm process once it has imported all it will)."""
+    try:
+        return int(path.with_suffix(".ready").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _lock_pid(path: Path) -> int | None:
+    try:
+        return int(path.with_suffix(".lock").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _mark_ready(path: Path) -> None:
+    """Say that this warm process has imported all it will (``wait_until_ready`` reads it): its pid, so a file
+    left by one that was killed is not taken for the next one's."""
+    temporary = path.with_suffix(".ready.tmp")
+    temporary.write_text(str(os.getpid()), encoding="utf-8")
+    temporary.replace(path.with_suffix(".ready"))
 
 
 def _serving(path: Path) -> bool:
@@ -284,6 +339,8 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     lock = _take_lock(path)  # held for the process's life
     if lock is None:
         return 0  # two jobs started one each at once: the other one serves
+    with contextlib.suppress(FileNotFoundError):
+        path.with_suffix(".ready").unlink()  # a killed predecessor's
     started = time.perf_counter()
     reason, optional = _preload()
     if reason:
@@ -301,11 +358,12 @@ def serve(path: Path, idle_s: float | None = None) -> int:
     listener.listen(64)
     print(f"warm start: pid {os.getpid()} ready in {time.perf_counter() - started:.1f} s at {path}", flush=True)
     try:
-        _fork_jobs(listener, idle_s, optional)
+        _fork_jobs(listener, idle_s, optional, lambda: _mark_ready(path))
     finally:
         listener.close()  # from here a connecting client is refused and runs inline
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        for leftover in (path, path.with_suffix(".ready")):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
     print(f"warm start: idle for {idle_s:.0f} s; exiting", flush=True)
     return 0
 
@@ -350,9 +408,8 @@ def _preload():
 
 class OptionalImports:
     """PRELOAD_IF_FORK_SAFE, imported by the warm process where its probe child found that importing leaves CUDA
-    alone. Polled from the accept loop once the first job is forked and while no job is asking, never waited
-    on: the first job would otherwise wait for imports it may not need (a full fine-tuning job's), or that it
-    makes itself in the same time."""
+    alone. Polled from the accept loop while no job is asking, never waited on by a job that asks: it is forked
+    between two modules' imports. A workflow waits for them before its first train job (start_ahead)."""
 
     DEADLINE_S = 120.0  # a probe still running after this is stopped and its module left to the jobs
 
@@ -389,30 +446,32 @@ class OptionalImports:
         return True
 
 
-def _fork_jobs(listener: socket.socket, idle_s: float, optional: OptionalImports | None = None) -> None:
-    """Accept jobs and fork a child for each until no child has run for ``idle_s``; between them, once the first
-    job is forked and while no job is asking, the ``optional`` imports."""
+def _fork_jobs(listener: socket.socket, idle_s: float, optional: OptionalImports | None = None, on_ready=lambda: None) -> None:
+    """Accept jobs and fork a child for each until no child has run for ``idle_s``; while no job is asking, the
+    ``optional`` imports, then ``on_ready()`` (at once when there are none)."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes select() through wake_read
     children: dict[int, socket.socket] = {}
     idle_since = time.monotonic()
-    forked = False
+    if optional is None:
+        on_ready()
     while True:
         _reap(children)
         if children:
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > idle_s:
             return
-        ready, _, _ = select.select([listener, wake_read], [], [], 1.0)
+        # While the optional imports settle, their probes are polled often: the workflow waits for them.
+        ready, _, _ = select.select([listener, wake_read], [], [], 1.0 if optional is None else 0.1)
         if wake_read in ready:
             os.read(wake_read, 4096)
         if listener in ready:
             _start_job(listener, children, (wake_read, wake_write))
-            forked = True
-        elif optional is not None and forked and optional.poll():
+        elif optional is not None and optional.poll():
             optional = None
+            on_ready()
 
 
 def _start_job(listener: socket.socket, children: dict[int, socket.socket], wake_fds: tuple[int, int]) -> None:
@@ -648,7 +707,8 @@ def stop_server(path: Path) -> bool:
 
 USAGE = """python -m ftbench.cluster.warmstart where | start | stop | serve SOCKET
   where   the socket a train job started here (this folder, this environment) would use; its log is beside it
-  start   start that warm process in the background unless it runs (the workflow does this when it starts)
+  start   start that warm process in the background unless it runs; --wait: return once it has imported all it
+          will (the workflow does this when it starts)
   stop    end the warm process of that socket (it also ends by itself after FTBENCH_WARM_IDLE_S idle seconds)
   serve   be the warm process at SOCKET (what the first train job starts)"""
 
@@ -659,8 +719,8 @@ def main(argv: list[str]) -> int:
 
     if argv[:1] == ["serve"] and len(argv) == 2:
         return warmstart.serve(Path(argv[1]))
-    if argv == ["start"]:
-        warmstart.start_ahead()
+    if argv in (["start"], ["start", "--wait"]):
+        warmstart.start_ahead(wait=argv[1:] == ["--wait"])
         return 0
     if argv in (["where"], ["stop"]):
         path = warmstart.socket_path()
