@@ -790,3 +790,27 @@ def test_eval_before_training_is_true_or_false_in_one_line_naming_the_key(tiny_c
     with pytest.raises(FtbenchError, match=message) as refused:
         ftbench_config.validate_config(config)
     assert "\n" not in str(refused.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings that cannot take effect, and runs recorded without training
+
+
+def test_plan_says_unsupported_for_a_run_snakemake_records_unsupported(tmp_path, tiny_config_factory, capsys):
+    """`plan` once estimated memory and said "fits: yes" for a run the workflow records as unsupported without
+    training: the plan now gives the same verdict and reason as the dry run's warning, and no GPU rows."""
+    from ftbench import cli
+
+    config = tiny_config_factory(matrix={"model": ["tiny"], "dataset": ["tiny"], "engine": ["loop", "hf_trainer"]})
+    config["defaults"].update(parallel="ddp", num_gpus=2, device="cuda")
+    path = write_config(tmp_path, config)
+    warned = [m for m in ftbench_config.experiment_warnings(ftbench_config.load_config(str(path))) if "unsupported" in m]
+    assert len(warned) == 1 and "hf_trainer" in warned[0]
+    cli.plan([str(path), "--data-root", str(tmp_path / "data")])
+    blocks = capsys.readouterr().out.split("\n\n")[1:]
+    unsupported_id = warned[0].split()[1]
+    (hf,) = [block for block in blocks if block.startswith(unsupported_id + " ")]
+    (loop,) = [block for block in blocks if block is not hf]
+    reason = warned[0].split("without training: ")[1]
+    assert f"unsupported: recorded without training ({reason})" in hf and "fits" not in hf and "estimate" not in hf
+    assert "unsupported" not in loop and "estimate" in loop and "yes" in loop

@@ -220,6 +220,8 @@ def _meta_model(run: RunSpec):
 def plan_table(run: RunSpec, planned: dict) -> str:
     """One run's plan as text: its estimate and largest parts, then one line per GPU."""
     lines = [f"\n{run.run_id}  ({run.parallel}, {run.devices} GPU{'s' if run.devices > 1 else ''}, batch {run.batch_size})"]
+    if planned.get("unsupported"):
+        return "\n".join(lines + [f"  unsupported: recorded without training ({planned['unsupported']})"])
     if planned["memory_estimate_mb"] is None:
         return "\n".join(lines + [f"  no estimate: {planned['memory_estimate_note']}"])
     parts = sorted(planned["memory_estimate_parts_mb"].items(), key=lambda item: -item[1])

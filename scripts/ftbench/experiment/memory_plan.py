@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ftbench.data import batch_order, prepared, sources
 from ftbench.data.tokenizers import tokenizer_source
+from ftbench.experiment import feasibility
 from ftbench.measure import memory_estimate, model_shape
 from ftbench.runspec import RunSpec
 from ftbench.tasks.registry import model_family
@@ -167,7 +168,12 @@ def capacity_mib(gpu: dict) -> float:
 
 def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None, build=None) -> dict:
     """The run's estimate, and per GPU of the table: its capacity, the verdict and the largest fitting batch.
-    ``build``: makes the run's model on the meta device (train/modeling.py meta_model), once, where needed."""
+    ``build``: makes the run's model on the meta device (train/modeling.py meta_model), once, where needed.
+    A run this version records as ``unsupported`` without training (experiment/feasibility.py) gets no estimate
+    and no GPU rows: ``unsupported`` holds the reason, as the run's row will."""
+    reason = feasibility.unsupported_reason(run)
+    if reason:
+        return {**_no_estimate(f"unsupported: {reason}"), "unsupported": reason, "gpus": []}
     data_dir = data_dir_of(run, data_root)
     model, unbuilt_note = built_model(run, build)
     figures = run_estimate(run, data_dir, model=model, unbuilt_note=unbuilt_note)
@@ -180,7 +186,7 @@ def plan_run(run: RunSpec, gpus: list[dict], data_root: str | Path | None = None
             lambda batch: run_estimate(run, data_dir, batch, model)["memory_estimate_mb"], capacity)
         rows.append({"gpu": gpu["name"], "capacity_mib": capacity,
                      "fits": memory_estimate.fit(figures["memory_estimate_mb"], capacity), "largest_batch": largest})
-    return {**figures, "gpus": rows}
+    return {**figures, "unsupported": None, "gpus": rows}
 
 
 def predicted_not_to_fit(run: RunSpec, capacity_bytes: int, device_name: str, data_dir: str | Path | None = None,
