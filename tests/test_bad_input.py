@@ -814,3 +814,42 @@ def test_plan_says_unsupported_for_a_run_snakemake_records_unsupported(tmp_path,
     reason = warned[0].split("without training: ")[1]
     assert f"unsupported: recorded without training ({reason})" in hf and "fits" not in hf and "estimate" not in hf
     assert "unsupported" not in loop and "estimate" in loop and "yes" in loop
+
+
+def _patterns(schema, where=""):
+    """(where, pattern) of every `pattern` in the schema, however deep."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                yield where, value
+            else:
+                yield from _patterns(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            yield from _patterns(value, f"{where}[{index}]")
+
+
+def test_every_pattern_of_the_schema_is_said_in_words():
+    """A refusal by a pattern names what to write, not the regular expression: every pattern has its words."""
+    found = list(_patterns(ftbench_config.load_schema()))
+    assert found, "the schema has patterns; the walk found none"
+    assert [where for where, pattern in found if pattern not in ftbench_config.PATTERN_WORDS] == []
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(target={"metric": "accuracy", "value": 0.7}),
+     r"^config key target\.metric: 'accuracy' is not an eval figure of any run's task; did you mean 'eval_accuracy'\?; "
+     r"expected one of 'eval_accuracy', 'eval_loss' \(what these runs' tasks produce\)$"),
+    (lambda c: c.update(target={"metric": "f1", "value": 0.7}), r"^config key target\.metric: 'f1' .*; expected one of 'eval_accuracy', 'eval_loss' "),
+    (lambda c: c["models"].update({"-base": c["models"]["tiny"]}),
+     r"^config key models: name '-base' is not allowed; expected a name of letters, digits, '_' and '\.' that starts"),
+    (lambda c: c["datasets"].update({"my data": c["datasets"]["tiny"]}), r"^config key datasets: name 'my data' is not allowed; expected a name"),
+    (lambda c: c["datasets"]["tiny"].update(caption_template="a photo"),
+     r"^config key datasets\.tiny\.caption_template: 'a photo' is not allowed; expected text containing \{label\}, where each"),
+])
+def test_a_refusal_names_what_is_allowed_never_a_regular_expression(tiny_config_factory, edit, message):
+    config = tiny_config_factory()
+    edit(config)
+    with pytest.raises(FtbenchError, match=message) as refused:
+        ftbench_config.validate_config(config)
+    assert "^" not in str(refused.value) and "must match" not in str(refused.value)

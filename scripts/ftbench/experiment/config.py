@@ -163,13 +163,28 @@ def describe_schema_error(error: jsonschema.ValidationError, schema: dict) -> st
     if kind == "uniqueItems":
         return f"config key {path}: values must be unique"
     if kind == "pattern":
-        return f"config key {path}: {error.instance!r} must match {error.validator_value}"
-    if kind == "propertyNames":
-        return f"config key {path}: name {error.instance!r} must be letters, digits, '_' or '.'"
+        name = "name " if error.relative_schema_path and "propertyNames" in error.relative_schema_path else ""
+        return f"config key {path}: {name}{yaml_value(error.instance)} is not allowed; expected {pattern_in_words(error)}"
     if kind == "oneOf":
         allowed = " or ".join(describe_allowed(option) for option in error.validator_value)
         return f"config key {path}: {error.instance!r} is not allowed; expected {allowed}"
     return f"config key {path}: {' '.join(error.message.split())}"
+
+
+# What each pattern of the schema accepts, in words: a refusal says what to write, never a regular expression.
+# A test walks the schema and fails on a pattern missing here.
+PATTERN_WORDS = {
+    "^[A-Za-z0-9][A-Za-z0-9_.]*$": "a name of letters, digits, '_' and '.' that starts with a letter or digit",
+    "\\{label\\}": "text containing {label}, where each row's class name goes (e.g. 'a photo of a {label}')",
+}
+
+
+def pattern_in_words(error: jsonschema.ValidationError) -> str:
+    """What the pattern of ``error`` accepts, said in words (the schema's description where the table lacks it)."""
+    words = PATTERN_WORDS.get(error.validator_value)
+    if words is None:
+        words = " ".join(str(error.schema.get("description") or "a different value").split())
+    return words
 
 
 # Source kinds one schema shares between models, datasets and tokenizers, of which each role takes some
@@ -286,8 +301,10 @@ def check_target(config: dict, runs: list[RunSpec]) -> None:
     if target is not None:
         produced = sorted({metric for family in families.values() for metric in family.eval_metrics()})
         if target["metric"] not in produced:
-            raise ConfigError(f"config key target.metric: {target['metric']!r} is not an eval figure of any run's task; "
-                              f"these runs produce {', '.join(produced)}")
+            hint = f"eval_{target['metric']}" if f"eval_{target['metric']}" in produced else None
+            raise ConfigError(f"config key target.metric: {target['metric']!r} is not an eval figure of any run's task"
+                              f"{f'; did you mean {hint!r}?' if hint else ''}; expected one of "
+                              f"{', '.join(map(repr, produced))} (what these runs' tasks produce)")
         if is_proportion(target["metric"]) and not 0 <= target["value"] <= 1:
             raise ConfigError(f"config key target.value: {target['value']} is outside [0, 1], where {target['metric']} lies")
     for run in runs:
