@@ -853,3 +853,54 @@ def test_a_refusal_names_what_is_allowed_never_a_regular_expression(tiny_config_
     with pytest.raises(FtbenchError, match=message) as refused:
         ftbench_config.validate_config(config)
     assert "^" not in str(refused.value) and "must match" not in str(refused.value)
+
+
+@pytest.mark.parametrize("edit, key, words", [
+    (lambda c: c["defaults"].update(eval_every=6), "defaults.eval_every",
+     "6 is not below the run's 6 steps, so no evaluation falls between the first step and the final evaluation; expected eval_every < 6"),
+    (lambda c: c["matrix"].update(eval_every=[2, 50]), "matrix.eval_every[1]", "50 is not below the run's 6 steps"),
+    (lambda c: c["defaults"].update(max_steps=None, epochs=1, eval_every=40), "defaults.eval_every", "not below the run's 10 steps"),
+    (lambda c: (c["defaults"].update(eval_every=2, warmup_steps=4, stop_at_target=True),
+                c.update(target={"metric": "eval_accuracy", "value": 0.6})), "defaults.stop_at_target",
+     "every evaluation during training (each 2 steps of 6) comes before the measured window begins after 4 warmup steps"),
+    (lambda c: c["defaults"].update(max_eval_samples=20), "defaults.max_eval_samples",
+     "20 is not below the 20 rows of the eval split, which is scored whole anyway"),
+    (lambda c: c["defaults"].update(eval_every=2, eval_subset=64), "defaults.eval_subset",
+     "64 is not below the 20 eval rows the run scores, so each evaluation during training scores them all"),
+    (lambda c: c.update(report={"repeat_scoring": "trimmed_mean"}, repeats=2), "report.repeat_scoring",
+     "trimmed_mean drops the fastest and the slowest repeat, which needs at least 3 repeats; with repeats 2"),
+])
+def test_a_setting_the_run_is_too_short_or_too_small_for_is_warned_about_naming_the_key(tiny_config_factory, edit, key, words):
+    """Accepted, but it cannot take effect in the runs it is given to: a warning names the key and why, once."""
+    config = tiny_config_factory()
+    config["datasets"]["tiny"].update(train_size=80, eval_size=20)  # 10 steps an epoch at batch 8
+    edit(config)
+    ftbench_config.validate_config(config)
+    messages = [m for m in ftbench_config.experiment_warnings(config) if m.startswith(f"config key {key}:")]
+    assert len(messages) == 1 and words in messages[0], ftbench_config.experiment_warnings(config)
+    assert "it changes nothing" in messages[0] or key.startswith("report.")
+
+
+def test_settings_that_take_effect_are_not_warned_about(tiny_config_factory):
+    config = tiny_config_factory(report={"repeat_scoring": "trimmed_mean"}, repeats=3)
+    config["datasets"]["tiny"].update(train_size=80, eval_size=20)
+    config["defaults"].update(eval_every=5, stop_at_target=False, max_eval_samples=19, eval_subset=10)
+    assert ftbench_config.experiment_warnings(config) == []
+    config["defaults"].update(eval_every=2, warmup_steps=3, stop_at_target=True)  # evaluates at step 4, in the window
+    assert ftbench_config.experiment_warnings({**config, "target": {"metric": "eval_accuracy", "value": 0.6}}) == []
+
+
+def test_a_floor_no_run_can_be_judged_by_is_warned_about(tiny_config_factory):
+    config = tiny_config_factory(recommend={"min_accuracy": 0.8})
+    config["datasets"]["tiny"] = {"source": {"kind": "synthetic"}}
+    ftbench_config.validate_config(config)
+    messages = [m for m in ftbench_config.experiment_warnings(config) if m.startswith("config key recommend.min_accuracy:")]
+    assert len(messages) == 1 and "synthetic data" in messages[0]
+
+
+def test_a_default_the_user_did_not_write_is_not_warned_about(tiny_config_factory):
+    """eval_subset's default (256) over a 20-row eval split scores the split whole, as the user expects."""
+    config = tiny_config_factory()
+    config["datasets"]["tiny"].update(train_size=80, eval_size=20)
+    config["defaults"].update(eval_every=2)
+    assert ftbench_config.experiment_warnings(config) == []

@@ -339,7 +339,7 @@ def experiment_warnings(config: dict) -> list[str]:
         reason = feasibility.unsupported_reason(run)
         if reason:
             messages.append(f"run {run.run_id} is recorded as unsupported without training: {reason}")
-    return messages + unused_settings(config, runs)
+    return messages + unused_settings(config, runs) + ineffective_settings(config, runs)
 
 
 def unused_settings(config: dict, runs: list[RunSpec]) -> list[str]:
@@ -360,6 +360,85 @@ def unused_settings(config: dict, runs: list[RunSpec]) -> list[str]:
             unused.setdefault(meta.applies_when, []).extend(key for key, value in given if value != default)
     return [f"config key {', '.join(keys)}: no run uses it (it applies only with {when}, and no run of the experiment "
             "has that); it changes nothing" for when, keys in unused.items() if keys]
+
+
+def ineffective_settings(config: dict, runs: list[RunSpec]) -> list[str]:
+    """Settings given that cannot take effect in the runs they are given to (the run is too short for them, the
+    data too small, the repeats too few): accepted, but the result would read as if they had applied. One warning
+    per key, naming the runs and what the setting would need."""
+    by_key: dict[tuple[str, str], list[str]] = {}  # (key, why) -> run ids
+    given = {name for _, block in _settings_blocks(config) for name in block}
+    for run in runs:
+        for name, value, why in _run_ineffective(run):
+            if name not in given:  # a default the user did not write (eval_subset 256 over a smaller split)
+                continue
+            by_key.setdefault((_setting_key(config, name, value), why), []).append(run.run_id)
+    messages = [f"config key {key}: {why} in {_runs_named(ids)}; it changes nothing there" for (key, why), ids in by_key.items()]
+    return messages + _report_ineffective(config, runs)
+
+
+def _runs_named(run_ids: list[str]) -> str:
+    more = f" and {len(run_ids) - 3} more" if len(run_ids) > 3 else ""
+    return f"run{'s' if len(run_ids) > 1 else ''} {', '.join(run_ids[:3])}{more}"
+
+
+def _run_ineffective(run: RunSpec) -> list[tuple[str, Any, str]]:
+    """(setting, value, why it cannot apply) of one run: evaluation cadences the run is too short for, evaluation
+    sizes its eval split is too small for."""
+    found = []
+    steps = _planned_steps(run)
+    if run.eval_every is not None and steps is not None:
+        if run.eval_every >= steps:
+            found.append(("eval_every", run.eval_every, f"{run.eval_every} is not below the run's {steps} steps, so no "
+                          "evaluation falls between the first step and the final evaluation; expected eval_every < "
+                          f"{steps}"))
+        elif run.stop_at_target and not any(run.warmup_steps < at for at in range(run.eval_every, steps, run.eval_every)):
+            # An evaluation stops a run only once its measured window has begun (after warmup), else it has no rate.
+            room = steps - 1 - run.warmup_steps
+            found.append(("stop_at_target", True, f"every evaluation during training (each {run.eval_every} steps of "
+                          f"{steps}) comes before the measured window begins after {run.warmup_steps} warmup steps, and a "
+                          "run stops at the target only in that window; expected "
+                          f"{f'eval_every <= {room} or ' if room >= 1 else ''}fewer warmup_steps"))
+    rows = _eval_rows(run)
+    if rows is not None and run.max_eval_samples is not None and run.max_eval_samples >= rows:
+        found.append(("max_eval_samples", run.max_eval_samples, f"{run.max_eval_samples} is not below the {rows} rows of "
+                      "the eval split, which is scored whole anyway"))
+    scored = min(rows, run.max_eval_samples or rows) if rows is not None else None
+    if run.eval_every is not None and run.eval_subset is not None and scored is not None and run.eval_subset >= scored:
+        found.append(("eval_subset", run.eval_subset, f"{run.eval_subset} is not below the {scored} eval rows the run "
+                      "scores, so each evaluation during training scores them all (as eval_subset null)"))
+    return found
+
+
+def _planned_steps(run: RunSpec) -> int | None:
+    """The run's optimizer steps where the config tells them (max_steps, or epochs over a known train_size)."""
+    if run.max_steps is not None:
+        return run.max_steps
+    synthetic = run.dataset_def["source"]["kind"] == "synthetic"
+    train_size = run.dataset_def.get("train_size", sources.SYNTHETIC_SPLIT_ROWS["train"] if synthetic else None)
+    return run.planned_steps(train_size) if train_size and train_size >= run.examples_per_step else None
+
+
+def _eval_rows(run: RunSpec) -> int | None:
+    """The eval split's rows where the config tells them (eval_size, or synthetic data's): at most that many."""
+    synthetic = run.dataset_def["source"]["kind"] == "synthetic"
+    return run.dataset_def.get("eval_size", sources.SYNTHETIC_SPLIT_ROWS["eval"] if synthetic else None)
+
+
+def _report_ineffective(config: dict, runs: list[RunSpec]) -> list[str]:
+    """The report's settings that cannot apply to this experiment's runs."""
+    messages = []
+    repeats = config.get("repeats", 1)
+    if (config.get("report") or {}).get("repeat_scoring") == "trimmed_mean" and repeats < 3:
+        messages.append(f"config key report.repeat_scoring: trimmed_mean drops the fastest and the slowest repeat, which "
+                        f"needs at least 3 repeats; with repeats {repeats} every configuration is scored by its median; "
+                        "set repeats: 3 or more")
+    floor = (config.get("recommend") or {}).get("min_accuracy")
+    if floor is not None and runs and all(run.dataset_def["source"]["kind"] == "synthetic" for run in runs):
+        messages.append("config key recommend.min_accuracy: every run trains on synthetic data, which has no quality "
+                        "figure, so no configuration can meet the floor and the report recommends none; use real data "
+                        "or leave min_accuracy null")
+    return messages
 
 
 def _check_batching(run: RunSpec, config: dict, family) -> None:
