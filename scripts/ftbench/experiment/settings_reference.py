@@ -31,8 +31,8 @@ GROUPS: list[tuple[str, str, list[str]]] = [
      ["model", "dataset", "method", "precision", "batch_size", "seq_len", "epochs", "max_steps", "seed"]),
     ("LoRA and QLoRA", "Ignored (and left out of the run id) for `method: full`; the `qlora_*` settings only "
      "apply to `method: qlora`.",
-     ["lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora_quant_type", "qlora_double_quant",
-      "qlora_compute_dtype"]),
+     ["lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_base_dtype", "qlora_quant_type",
+      "qlora_double_quant", "qlora_compute_dtype"]),
     ("Optimisation", "", ["optimizer", "learning_rate", "lr_warmup_steps", "weight_decay", "grad_accum_steps",
                           "gradient_checkpointing"]),
     ("Batches, kernels and engine", "How rows become batches and what computes them.",
