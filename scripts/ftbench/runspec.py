@@ -68,12 +68,16 @@ def _is_fsdp(settings: dict) -> bool:
 
 
 
+def _has_lora_base_choice(settings: dict) -> bool:
+    return settings.get("method") == "lora" and settings.get("precision") in ("bf16", "fp16")
+
+
 def _evaluates_during_training(settings: dict) -> bool:
     return settings.get("eval_every") is not None
 
 
 APPLIES_WHEN = {_is_adapter: "method lora or qlora", _is_qlora: "method qlora", _is_fsdp: "parallel fsdp",
-                _evaluates_during_training: "eval_every set"}
+                _evaluates_during_training: "eval_every set", _has_lora_base_choice: "method lora with precision bf16 or fp16"}
 
 
 LORA_TARGETS_SCHEMA = {
@@ -110,8 +114,9 @@ class RunSpec:
                                        "boolean", name_part=lambda s: "nodq" if s.method == "qlora" and not s.qlora_double_quant else None,
                                        applies=_is_qlora)
     precision: str = setting(
-        "fp32", "fp32 | fp16 | bf16 (mixed precision: fp32 weights and optimizer state, the forward pass under autocast "
-        "in that dtype; QLoRA's compute dtype) | bf16_true (weights, gradients and optimizer state themselves in bf16, "
+        "fp32", "fp32 | fp16 | bf16 (the forward pass under autocast in that dtype: full fine-tuning keeps fp32 master "
+        "weights and optimizer state; LoRA keeps its frozen base in that dtype (lora_base_dtype) and fp32 adapters; QLoRA "
+        "computes its 4-bit base in it) | bf16_true (weights, gradients and optimizer state themselves in bf16, "
         "no autocast: half the memory per parameter and no per-step casts, but updates smaller than bf16's resolution "
         "are lost; full and lora, not fsdp)",
         {"enum": ["fp32", "fp16", "bf16", "bf16_true"]}, "string", name_part=lambda s: s.precision)
@@ -182,6 +187,12 @@ class RunSpec:
     lora_dropout: float = setting(0.05, "dropout on the LoRA branch", {"type": "number", "minimum": 0, "maximum": 0.9},
                                   applies=_is_adapter)
     lora_targets: Any = setting("all-linear", "module names to adapt, or all-linear", LORA_TARGETS_SCHEMA, applies=_is_adapter)
+    lora_base_dtype: str | None = setting(
+        "compute", "LoRA under bf16/fp16: dtype of the frozen base weights. compute (the run's 16-bit dtype, with fp32 "
+        "adapters under autocast: PEFT's convention, as Axolotl, LLaMA-Factory, Unsloth and torchtune run it) | fp32 (an "
+        "fp32 base under autocast, TRL's SFTTrainer default for a bare model id: twice the base's memory)",
+        {"enum": [None, "compute", "fp32"]}, "string",
+        name_part=lambda s: "fp32base" if s.lora_base_dtype == "fp32" else None, applies=_has_lora_base_choice)
     qlora_compute_dtype: str | None = setting(None, "QLoRA compute dtype; null: the run's precision",
                                               {"enum": [None, "fp32", "fp16", "bf16"]}, "string", applies=_is_qlora)
 

@@ -1,12 +1,15 @@
 """Training memory estimated before the first step, stored beside the measured peak.
 
-The model (bytes), so the ratio estimate / measured says where it is off:
-- weights: 4 bytes per parameter (fp32 master weights); QLoRA: 4-bit base weights at 0.5 byte, plus
-  their quantisation constants (one fp32 absmax per block of 64 = 0.0625 byte, or ~0.0159 byte with
+The model (bytes), so the ratio estimate / measured says where it is off. Every dtype is the run's recipe's
+(ftbench/recipe.py):
+- weights: 4 bytes per fp32 parameter (full fine-tuning's master weights, LoRA's adapters), 2 per 16-bit one (a
+  LoRA run's frozen base under bf16/fp16, every weight under bf16_true); QLoRA: 4-bit base weights at 0.5 byte,
+  plus their quantisation constants (one fp32 absmax per block of 64 = 0.0625 byte, or ~0.0159 byte with
   double quantisation), other parameters in fp32.
-- weight copies: with bf16/fp16 autocast, the 16-bit copy of every unquantised weight, cast once per
-  step and held for the backward pass (2 bytes per parameter). 4-bit weights are dequantised per use.
-- gradients: 4 bytes per trainable parameter.
+- weight copies: with bf16/fp16 autocast, the 16-bit copy of every fp32 weight, cast once per step and held for
+  the backward pass (2 bytes per parameter); a 16-bit frozen base needs none (only the adapters are cast).
+  4-bit weights are dequantised per use.
+- gradients: one per trainable parameter, in its dtype (4 bytes, 2 under bf16_true).
 - optimizer state per trainable parameter: AdamW 8 (two fp32 moments), 8-bit AdamW 2, SGD with
   momentum 4.
 - activations that autograd keeps for the backward pass, per layer and token: a x width + m x
@@ -99,6 +102,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftbench.measure import model_shape
+from ftbench.recipe import recipe_of
 from ftbench.runspec import RunSpec, compute_dtype
 
 if TYPE_CHECKING:  # torch is not imported here: cluster/resources.py reads OPTIMIZER_BYTES at parse time
@@ -130,8 +134,12 @@ DROPOUT_MASK_BYTES = {True: 4, False: 8}  # per unit of width, when hidden dropo
 QUICK_GELU_BYTES = {True: 2, False: 4}
 # Adapters, per layer-token per unit of width, by (norm kind, 16-bit?), relative to the full fine-tuning
 # row above. Llama: -8 for its two frozen RMSNorms, +2 for one more 16-bit copy under autocast; BERT
-# (LayerNorm keeps what it keeps whether or not its weight trains): +2 and 0.
+# (LayerNorm keeps what it keeps whether or not its weight trains): +2 and 0. With a 16-bit frozen base (LoRA's
+# default under bf16/fp16) the layers' inputs are 16-bit already, so autocast makes no second 16-bit copy of
+# them: traced with saved-tensor hooks on transformers' BERT (-1.8 per unit of width, rounded) and Llama (the
+# same -6: its RMSNorm outputs were 16-bit copies under an fp32 base too) layers.
 ADAPTER_WIDTH_BYTES = {("rms", True): -6, ("rms", False): -8, ("layer", True): 2, ("layer", False): 0}
+ADAPTER_WIDTH_BYTES_16_BIT_BASE = {"rms": -6, "layer": -2}
 # QLoRA under 16-bit autocast, per unit of MLP width: the MLP's intermediate-wide tensors kept in fp32 instead
 # of 16 bits, 2 more bytes each: three in a gated MLP (gate and up outputs, activation), one in a plain one.
 QLORA_MLP_BYTES = {"gated": 6, "plain": 2}
@@ -312,9 +320,23 @@ def computes_in_16_bit(spec: RunSpec) -> bool:
     return compute_dtype(spec.precision) != "fp32"
 
 
-def weight_bytes(spec: RunSpec) -> int:
-    """Bytes of one unquantised weight, and of one gradient: fp32 masters, or bf16 themselves (bf16_true)."""
-    return 2 if spec.precision == "bf16_true" else 4
+def weight_bytes(spec: RunSpec) -> float:
+    """Bytes of one trainable weight, and of one gradient: fp32 masters and adapters, or bf16 themselves (bf16_true)."""
+    return recipe_of(spec).trainable_bytes
+
+
+def frozen_weight_bytes(spec: RunSpec) -> float:
+    """Bytes of one frozen, unquantised weight: a LoRA base's dtype (16-bit by default under bf16/fp16), fp32 for
+    what QLoRA leaves unquantised."""
+    return recipe_of(spec).frozen_bytes
+
+
+def residual_bytes(facts: ModelFacts, spec: RunSpec) -> float:
+    """Bytes per element of the residual stream, each layer's input (what checkpointing keeps): 16-bit when the
+    embeddings' weights are (bf16_true, a 16-bit LoRA base) and no LayerNorm (fp32 under autocast) makes it fp32."""
+    recipe = recipe_of(spec)
+    sixteen = spec.precision == "bf16_true" or (recipe.sixteen_bit_base and facts.norm == "rms")
+    return 2 if sixteen else 4
 
 
 def optimizer_bytes(spec: RunSpec) -> float:
@@ -331,7 +353,8 @@ def estimate_parts(facts: ModelFacts, spec: RunSpec, logits_vocab: int | None,
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
     positions, row = batch_positions(spec, packed_batch)
     parts = {
-        "weights": facts.quantised * (0.5 + constants) + facts.other * weight_bytes(spec),
+        "weights": facts.quantised * (0.5 + constants) + facts.trainable * weight_bytes(spec)
+        + (facts.other - facts.trainable) * frozen_weight_bytes(spec),
         "weight_copies": weight_copies_bytes(facts, spec, sixteen),
         "gradients": facts.trainable * weight_bytes(spec),
         "optimizer": facts.trainable * optimizer_bytes(spec),
@@ -353,9 +376,12 @@ def weight_copies_bytes(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool) -> 
     16-bit weight for the gradient of its input: 2 bytes per head parameter, trainable or not (seen in a CUDA
     memory snapshot of the 1B Llama shape's LoRA and QLoRA runs with checkpointing on an H100: the 501 MB those
     rows missed). Liger's fused cross-entropy computes the head's gradients in the forward pass and keeps no
-    copy: its cast goes with autocast's cache, with or without checkpointing. bf16_true: no autocast, no copies."""
+    copy: its cast goes with autocast's cache, with or without checkpointing. bf16_true: no autocast, no copies.
+    A 16-bit frozen base (LoRA under bf16/fp16): only the fp32 trainable weights (adapters, a new head) are cast."""
     if not sixteen_bit or spec.precision == "bf16_true":
         return 0
+    if recipe_of(spec).sixteen_bit_base:
+        return 0 if spec.gradient_checkpointing else 2 * facts.trainable
     head_copy = 0 if spec.kernels == "liger" else 2 * facts.head
     if spec.gradient_checkpointing:
         return head_copy
@@ -412,7 +438,7 @@ def activation_parts(facts: ModelFacts, spec: RunSpec, sixteen_bit: bool, positi
     if spec.gradient_checkpointing:
         # each layer's input (fp32 under autocast, bf16 under bf16_true); one layer's activations, while the
         # backward pass recomputes it
-        return {"activations": positions * layers * weight_bytes(spec) * width, "recompute": positions * per_layer_token}
+        return {"activations": positions * layers * residual_bytes(facts, spec) * width, "recompute": positions * per_layer_token}
     return {"activations": positions * layers * per_layer_token, "recompute": 0}
 
 
@@ -424,7 +450,9 @@ def adapter_bytes_per_layer_token(facts: ModelFacts, spec: RunSpec, inter: int, 
     added = len(inputs) * spec.lora_rank * per_element  # LoRA-A outputs, kept for LoRA-B's gradient
     if spec.lora_dropout:
         added += sum(inputs) * LORA_DROPOUT_MASK_BYTES
-    per_layer = added / max(layers, 1) + ADAPTER_WIDTH_BYTES[(facts.norm, sixteen_bit)] * width
+    width_bytes = ADAPTER_WIDTH_BYTES_16_BIT_BASE[facts.norm] if recipe_of(spec).sixteen_bit_base and \
+        spec.parallel != "fsdp" else ADAPTER_WIDTH_BYTES[(facts.norm, sixteen_bit)]
+    per_layer = added / max(layers, 1) + width_bytes * width
     if fp32_qlora_mlp(facts, spec, sixteen_bit):
         per_layer += QLORA_MLP_BYTES[facts.mlp] * inter
     return per_layer
@@ -496,7 +524,8 @@ def sharded(parts: dict, facts: ModelFacts, spec: RunSpec) -> tuple[dict, float]
     gathered_bytes = root + (2 * largest if spec.fsdp_reshard_after_forward else sum(gathered(b[0], b[1]) for b in blocks))
     constants = 0.0159 if spec.qlora_double_quant else 0.0625
     # 4-bit packed bytes and other parameters sharded; the quantisation constants stay whole on every GPU.
-    states = {"weights": (facts.quantised * 0.5 + facts.other * 4) / world,
+    unquantised = facts.trainable * weight_bytes(spec) + (facts.other - facts.trainable) * frozen_weight_bytes(spec)
+    states = {"weights": (facts.quantised * 0.5 + unquantised) / world,
               "gradients": parts["gradients"] / world, "optimizer": parts["optimizer"] / world}
     host = sum(states.values())
     if spec.fsdp_cpu_offload:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ftbench.data import prepared
 from ftbench.measure.metrics import describe_statuses
+from ftbench.recipe import RECIPE_COLUMNS
 from ftbench.runspec import spec_columns
 
 # The eval figures an evaluation before training (eval_before_training) also gives as base_<figure>: every task's.
@@ -51,6 +52,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # size
     "trainable_params": ("Int64", "parameters updated by the optimizer"),
     "total_params": ("Int64", "all parameters (4-bit weights counted as the values they represent)"),
+    # the recipe: which dtype each kind of tensor was kept in (ftbench/recipe.py), to line a row up against a script
+    **{name: ("boolean" if name == "recipe_master_weights" else "string", meaning) for name, meaning in RECIPE_COLUMNS.items()},
     # throughput over the measured window (warmup steps excluded)
     "total_steps": ("Int64", "optimizer steps planned, warmup included"),
     "last_step": ("Int64", "index of the last step started (where an oom / diverged / timeout run stopped)"),

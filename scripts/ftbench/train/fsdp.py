@@ -8,7 +8,9 @@ processes, stopping and results is shared; what differs is how the model is wrap
   device holds 1/world of the parameters, gradients and optimizer state plus the units being computed;
 - mixed precision follows the run's precision: the gathered parameters are cast to the autocast dtype
   (bf16/fp16), the sharded masters stay fp32, gradients are reduced in ``fsdp_reduce_dtype`` (default: the
-  run's precision);
+  run's precision). A LoRA run's frozen base is sharded in its 16-bit dtype beside fp32 adapters in the same
+  unit (ftbench/recipe.py): FSDP2 asks a uniform dtype of a unit's trainable parameters only (torch releases
+  that asked it of all of them are refused by name: ``mixes_frozen_dtypes``);
 - ``fsdp_cpu_offload``: the shards, their gradients and the optimizer state live in host memory between
   uses (the optimizer step then runs on the CPU).
 
@@ -37,6 +39,20 @@ from ftbench.measure.memory_estimate import repeated_blocks  # noqa: F401 - the 
 from ftbench.runspec import RunSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixes_frozen_dtypes() -> bool:
+    """Whether this torch's FSDP2 shards a unit whose frozen parameters have another dtype than its trainable ones
+    (a 16-bit LoRA base beside fp32 adapters): it does where its dtype check looks at trainable parameters only.
+    Older releases checked every parameter and failed at the first forward pass, after the model was built."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        return "requires_grad" in inspect.getsource(FSDPParamGroup._init_mp_dtypes)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
 
 
 def build_device(spec: RunSpec, device: torch.device) -> torch.device:

@@ -1,7 +1,10 @@
 """Build the model a run asks for: full fine-tuning, LoRA (peft) or QLoRA (bitsandbytes 4-bit + LoRA).
 
-Precision is applied as autocast around the forward pass (weights stay fp32 masters, as mixed-precision
-training does); QLoRA's 4-bit base weights compute in the run's dtype.
+The dtype of every weight follows the run's recipe (ftbench/recipe.py): the weights are loaded, or built from a
+config, directly in the dtype they train in (a LoRA run's frozen base in its 16-bit compute dtype, so no fp32 copy
+of the base exists at any point), and every trainable parameter is then made the recipe's trainable dtype (fp32
+adapters and heads, as peft's autocast_adapter_dtype makes adapters). Precision bf16/fp16 is autocast around the
+forward pass; QLoRA's 4-bit base weights compute in the run's dtype.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 from ftbench.data.sources import load_failure, local_model_config, pretrained_args
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, load_tokenizer
 from ftbench.errors import ConfigError, SourceError, UnsupportedConfiguration, describe
+from ftbench.recipe import lora_base_in_compute_dtype, recipe_of
 from ftbench.runspec import RunSpec, compute_dtype
 from ftbench.tasks.base import TaskFamily
 from ftbench.tasks.registry import model_family
+from ftbench.train import fsdp
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -64,6 +69,24 @@ class BuiltModel:
     model: torch.nn.Module
     trainable_params: int
     total_params: int
+    recipe_columns: dict  # the row's recipe columns, the dtypes read from the model as built (recipe_as_built)
+
+
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def recipe_as_built(model: torch.nn.Module, spec: RunSpec) -> dict:
+    """The row's recipe columns, with the frozen and trainable dtypes read from the built model's parameters rather
+    than from what the recipe intends: a row says what was measured. A 4-bit base names its quantisation type."""
+    columns = recipe_of(spec).columns()
+    frozen = {DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters()
+              if not p.requires_grad and getattr(p, "quant_state", None) is None}
+    if any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+        frozen = {spec.qlora_quant_type}
+    trainable = {DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.requires_grad}
+    columns["recipe_frozen_dtype"] = "+".join(sorted(frozen)) if frozen else None
+    columns["recipe_trainable_dtype"] = "+".join(sorted(trainable)) if trainable else None
+    return columns
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -97,6 +120,11 @@ def check_supported(spec: RunSpec, device: torch.device, importing: bool = True)
         raise UnsupportedConfiguration(f"{torch.cuda.get_device_name(device)} does not support bf16")
     if spec.fsdp_cpu_offload and spec.parallel == "fsdp" and device.type != "cuda":
         raise UnsupportedConfiguration("fsdp_cpu_offload moves shards between a GPU and host memory: needs a CUDA GPU")
+    if spec.parallel == "fsdp" and lora_base_in_compute_dtype(spec) and not fsdp.mixes_frozen_dtypes():
+        raise UnsupportedConfiguration(
+            f"fsdp with a {spec.precision} LoRA base and fp32 adapters needs a torch whose FSDP2 shards frozen and "
+            f"trainable parameters of different dtypes together (torch {torch.__version__} does not); set "
+            "lora_base_dtype: fp32, or use ddp")
     if spec.parallel == "dp" and device.type != "cuda":
         raise UnsupportedConfiguration("DataParallel splits batches over CUDA GPUs; on a CPU use ddp (gloo processes)")
     if spec.compile and spec.parallel == "dp":
@@ -147,12 +175,31 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
     model = _prepare_for_training(model, spec)
     if spec.method in ("lora", "qlora"):
         model = _add_lora(model, spec, family)
+    trainables_in_recipe_dtype(model, spec)
     if spec.method != "qlora":
-        # bf16_true: every weight (adapters included) becomes bf16 here, so gradients and the optimizer's state,
-        # made in each parameter's dtype, are bf16 too.
-        model = model.to(device, dtype=torch.bfloat16) if spec.precision == "bf16_true" else model.to(device)
+        model = model.to(device)
     trainable, total = count_parameters(model)
-    return BuiltModel(model=model, trainable_params=trainable, total_params=total)
+    return BuiltModel(model=model, trainable_params=trainable, total_params=total,
+                      recipe_columns=recipe_as_built(model, spec))
+
+
+def load_dtype(spec: RunSpec) -> torch.dtype:
+    """The dtype a run's weights are loaded or built in (its recipe): the trained weights' for full fine-tuning, the
+    frozen base's for LoRA; fp32 for QLoRA's layers that stay unquantised (peft's k-bit preparation keeps them fp32)."""
+    recipe = recipe_of(spec)
+    if spec.method == "qlora":
+        return torch.float32
+    return DTYPES[recipe.trainable_dtype if spec.method == "full" else recipe.frozen_dtype]
+
+
+def trainables_in_recipe_dtype(model: torch.nn.Module, spec: RunSpec) -> None:
+    """Every trainable parameter in the recipe's trainable dtype: peft makes 16-bit adapters fp32 itself, but a new
+    head it keeps trainable (modules_to_save) stays in the base's dtype, and the optimizer must update fp32 masters.
+    bf16_true: everything, adapters included, in bf16 (so gradients and optimizer state are bf16 too)."""
+    wanted = DTYPES[recipe_of(spec).trainable_dtype]
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != wanted:
+            param.data = param.data.to(wanted)
 
 
 def meta_model(spec: RunSpec) -> torch.nn.Module | None:
@@ -174,9 +221,12 @@ def meta_model(spec: RunSpec) -> torch.nn.Module | None:
         location, extra = pretrained_args(source)
         config = transformers.AutoConfig.from_pretrained(location, revision=extra.get("revision"))
         with torch.device("meta"):
-            model = family.model_class().from_config(config, **kwargs)
+            model = family.model_class().from_config(config, **kwargs, dtype=load_dtype(spec))
     model = _prepare_for_training(model, spec)
-    return _add_lora(model, spec, family) if spec.method == "lora" else model
+    if spec.method == "lora":
+        model = _add_lora(model, spec, family)
+    trainables_in_recipe_dtype(model, spec)
+    return model
 
 
 def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantised: dict, device: torch.device,
@@ -199,11 +249,10 @@ def _model_from_config(spec: RunSpec, family: TaskFamily, kwargs: dict, quantise
     model_class = family.model_class()
     if quantised:
         return _quantised_random_model(model_class, config, kwargs, quantised, device, spec.run_id)
-    # Random weights are made where they will live: initialising a large model on the CPU and copying
-    # it over costs seconds that the run does not measure. (Weights stay fp32 masters; precision is
-    # autocast.)
+    # Random weights are made where they will live, in the dtype they train in: initialising a large model on
+    # the CPU, or in fp32, and copying or casting it costs seconds and memory that the run does not measure.
     with torch.device(device):
-        return model_class.from_config(config)
+        return model_class.from_config(config, dtype=load_dtype(spec))
 
 
 def _quantised_random_model(model_class, config, kwargs: dict, quantised: dict, device: torch.device, run_id: str):
@@ -242,13 +291,11 @@ def _model_from_checkpoint(spec: RunSpec, family: TaskFamily, kwargs: dict, quan
     source = spec.model_def["source"]
     location, extra = pretrained_args(source)
     extra.update(family.pretrained_kwargs())
-    # Loaded as fp32 whatever dtype the checkpoint is stored in: transformers 5 loads a checkpoint in its
-    # stored dtype by default, so a bf16-stored checkpoint (most hub LLMs) would train bf16 weights under a
-    # run that says fp32 or mixed precision (fp32 masters, autocast), and memory, numerics and the memory
-    # estimate would describe another run than a fp32-stored checkpoint of the same model. QLoRA's
-    # non-quantised layers (norms, embeddings, the head) follow the same rule.
+    # Loaded in the recipe's dtype whatever dtype the checkpoint is stored in: transformers 5 loads a checkpoint in
+    # its stored dtype by default, so a bf16-stored checkpoint (most hub LLMs) would otherwise train bf16 weights
+    # under a run that says fp32 or mixed precision, and an fp32-stored one would keep an fp32 base under LoRA bf16.
     try:
-        return family.model_class().from_pretrained(location, **extra, **kwargs, **quantised, dtype=torch.float32)
+        return family.model_class().from_pretrained(location, **extra, **kwargs, **quantised, dtype=load_dtype(spec))
     except OSError as exc:
         raise SourceError(load_failure("model", source, location, exc)) from None
 

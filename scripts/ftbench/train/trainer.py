@@ -117,7 +117,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
     if spec.packed:
         batching.check_isolation(built.model, device)
     metrics.update(trainable_params=built.trainable_params, total_params=built.total_params,
-                   load_time_s=time.perf_counter() - load_started)
+                   load_time_s=time.perf_counter() - load_started, **built.recipe_columns)
     return run, manifest
 
 
