@@ -28,6 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ftbench.train import batch_size_search, evaluation, faults, fsdp, hf_engine, modeling, batching
+from ftbench.train.progress import Progress
 from ftbench.train.run_state import Run, StopSignal, set_seed, steps_and_peaks, training_order
 from ftbench.tasks import registry
 from ftbench.tasks.base import Batch, TokenisedSplit
@@ -210,6 +211,7 @@ class _Loop:
     flop_check: dict  # the FLOP cross-check where the loop takes it (fsdp; the first step: _counts_flops_in_first_step)
     count_first_microbatch: bool  # count the FLOPs of the first step's first micro-batch as it trains
     skip_on_device: bool  # the optimizer skips a non-finite loss's update itself (optimizers.skips_non_finite_on_device)
+    progress: Progress  # the job's progress line in its log (train/progress.py)
 
 
 def train_steps(run: Run, shape: flops.ModelShape, loop_times: dict | None = None,
@@ -271,7 +273,8 @@ def _set_up_loop(run: Run, shape: flops.ModelShape) -> _Loop:
     return _Loop(model, optimizer, make_scheduler(optimizer, spec, total_steps), scaler,
                  autocast_args(device, spec.precision), training_order(run.spec, run.train_split, total_steps),
                  spec.batch_size * (spec.devices // run.dist.world_size), total_steps, gpus, flop_check,
-                 count_first_microbatch, skips_non_finite_on_device(optimizer, scaler, spec.parallel))
+                 count_first_microbatch, skips_non_finite_on_device(optimizer, scaler, spec.parallel),
+                 Progress(total_steps, run.dist.world_size, run.stop.deadline, enabled=run.dist.rank == 0))
 
 
 def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, sampler, loop_times: dict,
@@ -328,6 +331,7 @@ def _take_steps(run: Run, loop: _Loop, shape: flops.ModelShape, warmup: Warmup, 
                 break
         record.update(step_time_s=step_end - step_start, loss=None if measured else losses.get(step))
         steps.append(record)
+        loop.progress.step_done(step, record["tokens"], losses)
         step_start = step_end
     return figures, steps, _close_window(run, loop, figures, (clock, losses), steps, window_start, loop_times)
 
