@@ -40,23 +40,17 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     device, which a model of two stacks needs (``needs_built_model``; else a note says why there is none)."""
     run = run.replace(batch_size=batch_size) if batch_size else run
     family = model_family(run.model_def)
-    source = run.model_def["source"]
-    settings = sources.local_model_config(source)
-    if settings is None:
-        return _no_estimate("the model's config is not readable here (a hub model): no estimate before it is loaded")
+    if sources.local_model_config(run.model_def["source"]) is None:
+        return _no_estimate(NOT_READABLE)
     manifest = prepared_manifest(data_dir) or {}
     manifest = {"seq_len": run.seq_len, **family.planning_manifest(run), **manifest}
     if needs_built_model(run):
         if model is None:
             return _no_estimate(unbuilt_note or UNBUILT_NOTES["qlora" if run.method == "qlora" else "other"])
         return _estimate_of_model(family, model, run, manifest, data_dir)
-    settings = model_shape.with_defaults(source.get("architecture"), settings)
-    if settings.get("text_config") or settings.get("vision_config"):
-        return _no_estimate("a multimodal config is not planned from the config by this task's family")
-    vocab = settings.get("vocab_size") or tokenizer_vocab(run.model_def)
-    settings = {**settings, "vocab_size": vocab} if vocab else settings
-    labels = len(run.dataset_def.get("labels") or ()) or 2
-    facts = memory_estimate.facts_from_config(settings, run, family.takes_num_labels, labels)
+    facts, why_not = config_facts(run)
+    if facts is None:
+        return _no_estimate(why_not)
     lengths = train_lengths(str(data_dir)) if run.packed and manifest.get("splits") else None
     if lengths is not None:
         manifest["largest_packed_batch"] = batch_order.largest_packed_batch(run, lengths)
@@ -69,6 +63,32 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     # single-GPU run's plus 21 MB, and the replica's estimate 1.021 of it.
     figures["plan_note"] = "; ".join(notes) or None
     return figures
+
+
+NOT_READABLE = "the model's config is not readable here (a hub model): no estimate before it is loaded"
+
+
+def config_settings(run: RunSpec) -> tuple[dict | None, str | None]:
+    """(the run's model config over its architecture's defaults, with its vocabulary; or None and why not): what a
+    plan made from the config alone reads. A model of two stacks has no such settings (``needs_built_model``)."""
+    source = run.model_def["source"]
+    settings = sources.local_model_config(source)
+    if settings is None:
+        return None, NOT_READABLE
+    settings = model_shape.with_defaults(source.get("architecture"), settings)
+    if settings.get("text_config") or settings.get("vision_config"):
+        return None, "a multimodal config is not planned from the config by this task's family"
+    vocab = settings.get("vocab_size") or tokenizer_vocab(run.model_def)
+    return ({**settings, "vocab_size": vocab} if vocab else settings), None
+
+
+def config_facts(run: RunSpec) -> tuple[memory_estimate.ModelFacts | None, str | None]:
+    """(the run's model facts from its config alone, or None and why not): parameters by kind, shape, adapters."""
+    settings, why_not = config_settings(run)
+    if settings is None:
+        return None, why_not
+    labels = len(run.dataset_def.get("labels") or ()) or 2
+    return memory_estimate.facts_from_config(settings, run, model_family(run.model_def).takes_num_labels, labels), None
 
 
 def _estimate_of_model(family, model, run: RunSpec, manifest: dict, data_dir) -> dict:

@@ -1,4 +1,5 @@
-"""The GPU table (config/gpus.yaml): dense peak TFLOP/s per GPU model and dtype, the peak MFU divides by.
+"""The GPU table (config/gpus.yaml): dense peak TFLOP/s per GPU model and dtype, the peak MFU divides by; memory
+capacity, memory bandwidth and the GPU-to-GPU link, what the step-time prediction (experiment/step_time.py) reads.
 
 Read at collect time (the collect rule passes the file), so a corrected peak re-runs collect and report,
 never training. Imports nothing heavy: collect runs in the analysis environment, which has no torch.
@@ -44,10 +45,21 @@ def _entries_problem(peaks) -> str | None:
         if not isinstance(tflops, dict) or not all(
                 isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 for value in tflops.values()):
             return f"{where}.dense_tflops: expected dtype -> peak TFLOP/s > 0 (e.g. {{bf16: 989.4}}), got {tflops!r}"
-        memory = entry.get("memory_gb")
-        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
-            return f"{where}.memory_gb: expected a size in GB > 0, got {memory!r}"
+        for key, expected in SIZES.items():
+            value = entry.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                return f"{where}.{key}: expected {expected} > 0, got {value!r}"
     return None
+
+
+# Optional per-GPU figures and what each must be.
+SIZES = {"memory_gb": "a size in GB", "memory_bandwidth_gbs": "a bandwidth in GB/s",
+         "interconnect_gbs": "a bandwidth in GB/s"}
+
+
+def entry_for(device_name: str, peaks: list[dict]) -> dict | None:
+    """The first table entry whose ``match`` fits a device name (torch's, or a table entry's own name), or None."""
+    return next((entry for entry in peaks if re.search(entry["match"], device_name or "", flags=re.IGNORECASE)), None)
 
 
 def peak_tflops(device_name: str, dtype: str, peaks: list[dict]) -> tuple[float | None, str | None]:
