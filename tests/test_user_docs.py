@@ -136,3 +136,13 @@ def test_yaml_comments_leave_values_out():
     text = "key: abc1234def   # a comment with #12\nplain: value\n# header line\n"
     assert yaml_comments(text) == [" a comment with #12", "", " header line"]
     assert history_in({"x.yaml": yaml_comments(text)}) == ["x.yaml:1: issue number '#12'"]
+
+
+def test_readme_keeps_the_test_command_ci_runs():
+    """.ci/run runs "the README's test command": a shorter README must not lose it, nor the two commands CI uses."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "```bash\npython -m pytest\n```" in readme
+    assert "\npython -m pytest\n" in ci
+    for needed in ('-m "not slow"', "bash .ci/install-system.sh"):
+        assert needed in readme, f"README.md no longer says {needed}"
