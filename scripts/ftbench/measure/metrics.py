@@ -153,6 +153,23 @@ def image_throughput(steps: list[dict], window_s: float | None, devices: int) ->
     }
 
 
+# A run whose GPU was busy for less than this share of its measured window waited on its host (Python, kernel
+# launches, the loader) for the rest: its speed is the host's, and a faster host or torch.compile (fewer launches)
+# would change it where a faster GPU would not. GPU-bound runs read 0.95-1.0; a 134M Llama at batch 64 x 256
+# read 0.12-0.47 on an H200.
+HOST_BOUND_BUSY_SHARE = 0.8
+
+
+def gpu_busy(metrics: dict) -> dict:
+    """gpu_busy_share (NVML's utilisation over the measured window, the share of its sample periods in which a
+    kernel ran, as a fraction) and host_bound (below HOST_BOUND_BUSY_SHARE); both None without NVML."""
+    util = metrics.get("gpu_util_mean")
+    if util is None or not metrics.get("nvml_samples"):
+        return {"gpu_busy_share": None, "host_bound": None}
+    share = float(util) / 100
+    return {"gpu_busy_share": share, "host_bound": share < HOST_BOUND_BUSY_SHARE}
+
+
 def energy_per_token(metrics: dict) -> float | None:
     """GPU energy of the measured window per real token (None without NVML energy or tokens)."""
     energy, tokens = metrics.get("energy_j"), metrics.get("measured_tokens")

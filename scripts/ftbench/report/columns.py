@@ -7,7 +7,7 @@ value a run did not produce (an OOM run has no accuracy; a CPU run has no CUDA m
 from __future__ import annotations
 
 from ftbench.data import prepared
-from ftbench.measure.metrics import describe_statuses
+from ftbench.measure.metrics import HOST_BOUND_BUSY_SHARE, describe_statuses, gpu_busy
 from ftbench.recipe import RECIPE_COLUMNS
 from ftbench.runspec import spec_columns
 
@@ -96,6 +96,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "energy_j": ("Float64", "energy of the run's GPUs over the measured window (J), evaluations between steps left out as they are from its time"),
     "energy_j_per_token": ("Float64", "energy_j / measured_tokens"),
     "nvml_samples": ("Int64", "NVML samples taken over the measured window (none during evaluations between steps); 0 without NVML"),
+    "gpu_busy_share": ("Float64", "gpu_util_mean / 100: the share of the measured window in which the GPU ran a kernel; null without NVML"),
+    "host_bound": ("boolean", f"gpu_busy_share below {HOST_BOUND_BUSY_SHARE}: the GPU waited on the host (Python, kernel launches, the loader) for the "
+                              "rest, so on a faster host or with compile this run's speed, and its ranking, may change; null without NVML"),
     # memory
     "memory_estimate_mb": ("Float64", "memory predicted before training (scripts/ftbench/measure/memory_estimate.py), MiB"),
     "memory_estimate_note": ("string", "why memory_estimate_mb is null (e.g. not modelled for compiled runs); null when there is an estimate"),
@@ -248,6 +251,7 @@ def row_from_result(result: dict) -> dict:
         slurm_job_id=env.get("slurm_job_id"),
     )
     metrics = result["metrics"]
+    row.update(gpu_busy(metrics))
     row["peak_memory_mb"] = metrics.get("peak_memory_reserved_mb", metrics.get("peak_rss_mb"))
     # The estimate models the tensors of training on the device (memory_estimate.py): compare it with
     # the CUDA peak allocated alone. A CPU run's RSS also holds the interpreter, libraries and data.
