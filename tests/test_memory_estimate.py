@@ -240,11 +240,14 @@ def test_the_cublas_workspaces_are_a_constant_part():
 
 def test_checkpointing_keeps_only_the_output_heads_autocast_copy():
     """With checkpointing the layers' 16-bit weight copies are not saved, but the head's matmul (outside the
-    checkpointed layers) keeps its bf16 weight: 2 bytes x 1000 x 64 here, trainable or not (LoRA's frozen head
-    too). Without checkpointing every weight's copy; fp32 none; Liger's fused loss keeps no copy of the head."""
+    checkpointed layers) keeps its bf16 weight: 2 bytes x 1000 x 64 here, trainable or not (the frozen head of LoRA
+    over an fp32 base too). Without checkpointing every weight's copy; fp32 none; Liger's fused loss keeps no copy
+    of the head. LoRA's default 16-bit base is 16-bit already: no copy of it, the head included."""
     facts = me.ModelFacts(**{**FACTS.__dict__, "head": 1000 * 64})
     assert part(me.estimate(facts, spec(gradient_checkpointing=True), 1000), "weight_copies") == 2 * 64_000
-    assert part(me.estimate(facts, spec(gradient_checkpointing=True, method="lora"), 1000), "weight_copies") == 2 * 64_000
+    fp32_base = spec(gradient_checkpointing=True, method="lora", lora_base_dtype="fp32")
+    assert part(me.estimate(facts, fp32_base, 1000), "weight_copies") == 2 * 64_000
+    assert part(me.estimate(facts, spec(gradient_checkpointing=True, method="lora"), 1000), "weight_copies") == 0
     assert part(me.estimate(facts, spec(), 1000), "weight_copies") == 2 * PARAMS
     assert part(me.estimate(facts, spec(gradient_checkpointing=True, precision="fp32"), 1000), "weight_copies") == 0
     assert part(me.estimate(facts, spec(gradient_checkpointing=True, kernels="liger"), 1000), "weight_copies") == 0
