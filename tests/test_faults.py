@@ -312,7 +312,7 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
     monkeypatch.setattr(trainer, "scaler_step", signalled_after_the_third_step)
     out = tmp_path / "run" / "metrics.json"
     spec = cpu_spec(max_steps=50, warmup_steps=1)
-    with pytest.raises(errors.TerminatedError, match=r"terminated by the scheduler \(SIGTERM\) at step 3 of 50: no result written; Snakemake submits it again if it has retries left"):
+    with pytest.raises(errors.TerminatedError, match=r"terminated \(SIGTERM\) at step 3 of 50 \(cancelled or preempted: nothing to fix\): no result written; Snakemake submits it again if it has retries left"):
         cli.train(["--spec", spec.to_json(), "--data", str(prepared_data[0]), "--out", str(out)])
     assert len(steps_done) == 3  # it stopped before step 3, not at the end of the run
     assert not out.exists() and not out.with_name("steps.parquet").exists()
@@ -322,11 +322,14 @@ def test_sigterm_leaves_no_result_and_keeps_the_measurements_in_the_log(cpu_spec
 
 
 @pytest.mark.slow
-def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigterm):
-    """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result."""
+def test_deadline_stop_is_a_result(cpu_spec, prepared_data, tmp_path, keep_sigterm, capfd):
+    """The job's own deadline (--time-limit-s) is not a termination: status=timeout is written as a result. Its log
+    shows its progress (train/progress.py): a line after the first step, naming the time limit that will stop it."""
     out = tmp_path / "run" / "metrics.json"
     spec = cpu_spec(max_steps=100_000, warmup_steps=1)
     cli.train(["--spec", spec.to_json(), "--data", str(prepared_data[0]), "--out", str(out), "--time-limit-s", "8"])
+    assert re.search(r"^progress: step 1 of 100000 \(0%\), [0-9,]+ tokens/s, \d+s elapsed, about .* left at this pace; "
+                     r"its time limit stops it in \ds, loss \d", capfd.readouterr().out, re.M)
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["status"] == "timeout" and "time limit" in metrics["status_reason"]
     # Evaluated in the job's margin: the accuracy of the model it trained, with the steps it did.

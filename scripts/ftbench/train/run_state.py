@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ftbench.cluster import job_clock
+from ftbench.cluster.job_clock import JobTimes
 from ftbench.data import batch_order, prepared
 from ftbench.runspec import RunSpec
 from ftbench.tasks.base import TokenisedSplit
@@ -19,23 +21,33 @@ from ftbench.train.devices import Distributed
 
 @dataclass
 class StopSignal:
-    """When the loop must stop early: a wall-clock deadline (the job's time limit minus a margin for
-    evaluation and writing results) or a termination request (SIGTERM from the scheduler)."""
+    """When the loop must stop early: a wall-clock deadline (the job's time limit, counted from the scheduler's
+    start, less a margin for evaluation and writing results: cluster/job_clock.py) or a termination request
+    (SIGTERM: scancel, preemption, or the scheduler's own limit)."""
 
     deadline: float | None = None  # time.monotonic() value
     terminate_requested: bool = False
-    # When the job's time limit ends it (time.monotonic()), and the seconds kept between the deadline and
+    # When evaluation and writing must be done (time.monotonic()), and the seconds kept between the deadline and
     # then: evaluation and writing results happen there (evaluation.py).
     limit: float | None = None
     margin: float = 0.0
+    walltime_s: float | None = None  # the job's time limit, as given (--time-limit-s)
+    times: JobTimes | None = None  # the job's times on the wall clock (job_clock.job_times)
+    terminated_at: float | None = None  # time.time() of the SIGTERM
 
     def reason(self, typical_step_s: float) -> str | None:
         if self.terminate_requested:
-            return "terminated by the scheduler (SIGTERM)"
+            return "terminated (SIGTERM)"
         # Stop if another step might not finish before the deadline.
         if self.deadline is not None and time.monotonic() + 2 * typical_step_s >= self.deadline:
-            return "stopped before the job's time limit"
+            limit = f" ({job_clock.minutes_words(self.walltime_s)})" if self.walltime_s else ""
+            return f"stopped before the job's time limit{limit}"
         return None
+
+    def terminate(self) -> None:
+        """A SIGTERM: stop at the next step (the job says why: job_clock.termination_cause)."""
+        self.terminated_at = time.time()
+        self.terminate_requested = True
 
 
 @dataclass
