@@ -3,10 +3,14 @@ more. Written by collect (results/summary.txt) and printed by the Snakefile when
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
+
+from ftbench.cluster import job_clock, progress_relay
 
 # The order a user reads outcomes in: what worked, then what stopped early, then what did not run.
 OUTCOMES = ("ok", "timeout", "oom", "diverged", "unsupported", "failed")
@@ -46,15 +50,36 @@ def advice_kind(status, reason) -> str:
 
 
 def advice_lines(not_ok: pd.DataFrame) -> list[str]:
-    """One line per kind of advice the runs that are not ok need, naming (a few of) their runs."""
+    """One line per kind of advice the runs that are not ok need, naming (a few of) their runs; a timed-out run
+    with the walltime to ask for (more_time)."""
     kinds = pd.Series([advice_kind(status, reason) for status, reason in zip(not_ok["status"], not_ok["status_reason"])],
                       index=not_ok.index, dtype=object)
     lines = []
     for kind in (k for k in ADVICE if k in set(kinds)):
-        runs = not_ok.loc[kinds == kind, "run_id"].astype(str).tolist()
+        rows = not_ok.loc[kinds == kind]
+        runs = [f"{run_id}: runtime={more_time(row)}" if kind == "timeout" and more_time(row) else str(run_id)
+                for run_id, (_, row) in zip(rows["run_id"], rows.iterrows())]
         named = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
         lines.append(f"  -> {kind} ({named}): {ADVICE[kind]}")
     return lines
+
+
+def more_time(row) -> int | None:
+    """The walltime (minutes) a timed-out run needs for all its steps, at the pace it trained: its time outside
+    the loop (start, loading, evaluation) plus its steps' time at that pace, with a quarter more for the margin the
+    job keeps; at least twice the walltime it had (its status reason names it). None where that is not known."""
+    limit = job_clock.limit_minutes_in(row.get("status_reason") if isinstance(row.get("status_reason"), str) else "")
+    if limit is None:
+        return None
+    floor = job_clock.more_time_minutes(limit)
+    done = row.get("last_step")
+    figures = [row.get(name) for name in ("total_steps", "train_time_s", "wall_time_s")]
+    if pd.isna(done) or any(pd.isna(value) for value in figures) or not figures[1] or done < 0:
+        return floor
+    total, train_s, wall_s = (float(value) for value in figures)
+    pace = train_s / (int(done) + 1)
+    needed_s = max(0.0, wall_s - train_s) + pace * total
+    return max(floor, math.ceil(1.25 * needed_s / 60))
 
 
 def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
@@ -77,40 +102,86 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# A failed job (no row: Snakemake reports it) ends its log with ftbench's one line when ftbench named the
-# error: a config, source or data problem (cli.run), to fix before a rerun can pass. Terminated jobs
-# (errors.TerminatedError, scancel or preemption) are named too, but a rerun trains them again.
-TERMINATED_MARK = "was terminated (SIGTERM)"
+# A failed job (no row: Snakemake reports it) ends its log with ftbench's one line where ftbench could write it:
+# a named error (a config, source or data problem: cli.run), to fix before a rerun can pass; a run cancelled or
+# preempted (errors.TerminatedError), which a rerun trains again; a run the scheduler's walltime ended, whose line
+# names the walltime to ask for. A job killed outright (SIGKILL: out of host memory, a node's end) has no line.
+FIX, CANCELLED, TIME_LIMIT, KILLED = "fix", "cancelled", "time limit", "no line"
+JOB_ADVICE = {
+    FIX: "fix what its line names, then rerun snakemake (a rerun alone fails again)",
+    TIME_LIMIT: "its walltime ended it: rerun snakemake with the walltime its line gives (--set-resources "
+                "train:runtime=N, after the targets); a row it kept is kept by that rerun",
+    CANCELLED: "cancelled or preempted, nothing to fix: a rerun trains it again",
+    KILLED: "killed without a word (out of host memory, a node or network fault, the scheduler): a rerun retries it; "
+            "its log shows how far it got",
+}
+# Lines starting "ftbench: " that are not a job's last word: warnings, test-only fault announcements.
+NOT_AN_ENDING = ("ftbench: warning", "ftbench: FTBENCH_INJECT_FAULT")
+# How long the end of an invocation waits for a failed job's line still being written (Snakemake may report a
+# cancelled job before the job has written it): until no such log has changed for SETTLE_S, at most WAIT_S.
+SETTLE_S, WAIT_S = 2.0, 10.0
 
 
-def failed_job_errors(started: float, logs: Path = Path("logs"), results: Path = Path("results")) -> list[tuple[Path, str]]:
-    """(log, its last line) of each job of this invocation (log written since ``started``) that ended on a
-    named error other than a termination: the ``ftbench:`` line cli.run prints before exiting 1. A train
-    job whose run has its metrics.json ended well: its error is the run's failed row."""
-    found = []
-    for log in sorted(logs.rglob("*.log")) if logs.is_dir() else []:
-        if log.stat().st_mtime < started:
-            continue
-        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        last = lines[-1] if lines else ""
-        named = last.startswith("ftbench: ") and not last.startswith("ftbench: warning") and TERMINATED_MARK not in last
-        if named and not (log.parent.name == "train" and (results / "runs" / log.stem / "metrics.json").is_file()):
-            found.append((log, last))
-    return found
+def job_ending(log: Path) -> tuple[str, str]:
+    """(kind, line) of a failed job's log: its last line if that is ftbench's (FIX, CANCELLED or TIME_LIMIT), else
+    (KILLED, its last line)."""
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if not last.startswith("ftbench: ") or last.startswith(NOT_AN_ENDING):
+        return KILLED, last
+    if job_clock.TIME_LIMIT_WORDS in last:
+        return TIME_LIMIT, last
+    if "(SIGTERM)" in last:
+        return CANCELLED, last
+    return FIX, last
+
+
+def failed_jobs(started: float, logs: Path = Path("logs"), results: Path = Path("results"),
+                clock=time.time, sleep=time.sleep) -> list[tuple[Path, str, str]]:
+    """(log, kind, line) of each job of this invocation (log written since ``started``) that failed: a train job
+    without its run's metrics.json (a run that wrote its row, a failed one too, ended well), any other job whose
+    log ends on ftbench's line. Waits (SETTLE_S, WAIT_S) for the lines of train jobs still writing their end."""
+    deadline = clock() + WAIT_S
+    while True:
+        found = []
+        for log in sorted(logs.rglob("*.log")) if logs.is_dir() else []:
+            modified = log.stat().st_mtime
+            if modified < started:
+                continue
+            kind, line = job_ending(log)
+            train = log.parent.name == "train"
+            if train and (results / "runs" / log.stem / "metrics.json").is_file():
+                continue
+            if train or kind != KILLED:
+                found.append((log, kind, line, modified))
+        writing = [modified for _, kind, _, modified in found if kind == KILLED and clock() - modified < SETTLE_S]
+        if not writing or clock() >= deadline:
+            return [(log, kind, line) for log, kind, line, _ in found]
+        sleep(0.5)
 
 
 def failed_jobs_lines(started: float) -> list[str]:
-    """What to do about this invocation's failed jobs: those that ended on a named error, each with its
-    line (to fix: a rerun alone fails again); the others may have failed on a passing cause."""
-    named = failed_job_errors(started)
-    lines = [f"  fix {log}: {' '.join(last.split())[:REASON_CHARS]}" for log, last in named[:MAX_LISTED]]
-    if named:
+    """This invocation's failed jobs, each with its own last line, and what each kind needs: only a named error is
+    one to fix; a cancelled or preempted run is not; a run its walltime ended gets the walltime to ask for."""
+    jobs = failed_jobs(started)
+    lines = [f"  {kind} {log}: {' '.join(line.split())[:REASON_CHARS] or '(empty log)'}" for log, kind, line in jobs[:MAX_LISTED]]
+    if len(jobs) > MAX_LISTED:
+        lines.append(f"  ... and {len(jobs) - MAX_LISTED} more failed jobs")
+    kinds = [kind for _, kind, _ in jobs]
+    for kind in (k for k in JOB_ADVICE if k in kinds):
+        lines.append(f"  -> {kind} ({kinds.count(kind)}): {JOB_ADVICE[kind]}")
+    if FIX in kinds:
         lines.append("ftbench: some jobs failed on an error to fix (listed above): fix what each names, then rerun "
                      "snakemake (a rerun alone fails again); any other failed job is retried by that rerun")
+    elif jobs:
+        more = " with the walltime their lines give" if TIME_LIMIT in kinds else ""
+        lines.append(f"ftbench: some jobs failed, nothing to fix (listed above): rerun snakemake{more} to retry them")
     else:
-        lines.append("ftbench: some jobs failed (their logs are named above), none on an error ftbench named (terminated, "
-                     "killed, out of host memory, a node or network fault): rerun snakemake to retry them")
+        lines.append("ftbench: some jobs failed (their logs are named above), none on an error ftbench named (killed, out "
+                     "of host memory, a node or network fault): rerun snakemake to retry them")
     return lines
+
+
 def dropped_rows(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """(dataset, rows its preparation left out by rule, e.g. ``duplicates 12, also_in_train 3``) for each
     dataset of the runs whose data was cleaned (synthetic data has no rows_dropped figures). Datasets
@@ -133,22 +204,30 @@ def dropped_rows_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def target_summary(frame: pd.DataFrame) -> str:
-    """One line on the quality target (experiment key target), when there is one: how many finished runs
-    reached it, and which never did."""
+    """One line on the quality target (experiment key target), when there is one: how many finished runs reached
+    it, and which never did; timed-out runs evaluated on it counted apart (the report ranks finished runs only:
+    a run cut short is not the trained model)."""
     if "target_metric" not in frame or frame["target_metric"].isna().all():
         return ""
     ok = frame[frame["status"] == "ok"]
     never = ok[ok["target_reached"].eq(False).fillna(False)]["run_id"].tolist()
     reached = int(ok["target_reached"].eq(True).fillna(False).sum())
-    head = f"target {frame['target_metric'].dropna().iloc[0]} {frame['target_value'].dropna().iloc[0]:g}: {reached} of {len(ok)} finished runs reached it"
+    name = f"target {frame['target_metric'].dropna().iloc[0]} {frame['target_value'].dropna().iloc[0]:g}"
+    parts = [f"{reached} of {len(ok)} finished runs reached it"] if len(ok) else ["no run finished"]
+    cut = frame[frame["status"].eq("timeout") & frame["target_reached"].notna()]
+    if len(cut):
+        cut_reached = int(cut["target_reached"].eq(True).sum())
+        parts.append(f"{cut_reached} of {len(cut)} timed-out runs reached it before their time limit (not ranked in the "
+                     "report: cut short)")
     listed = ", ".join(never[:MAX_LISTED]) + (f" and {len(never) - MAX_LISTED} more" if len(never) > MAX_LISTED else "")
-    return head + (f"; never reached by {listed}\n" if never else "\n")
+    return f"{name}: {'; '.join(parts)}" + (f"; never reached by {listed}\n" if never else "\n")
 
 
 def print_outcome(started: float, failed_jobs: bool) -> None:
     """The end of an invocation, on the terminal (the Snakefile's onsuccess/onerror): the summary collect
     wrote this time, where the report is, and whether jobs failed. ``started``: when the invocation began
     (time.time()), so a summary left by an earlier invocation is not shown as this one's."""
+    progress_relay.stop()  # the jobs' progress lines end before this
     summary, report = Path("results/summary.txt"), Path("results/report.html")
     lines = ["", "=" * 100]
     if summary.is_file() and (summary.stat().st_mtime >= started or not failed_jobs):

@@ -1,0 +1,140 @@
+"""The end of an invocation names only what helps (report/summary.py): a cancelled or preempted run is never an
+error to fix, a run its walltime ended gets the walltime to ask for, each failed job's own line is on the terminal
+whatever Snakemake printed before it, and a timed-out run that reached the quality target is counted."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pandas as pd
+
+from ftbench.report import summary
+
+CANCELLED_LINE = ("ftbench: run r2 was terminated (SIGTERM) at step 3 of 20 (cancelled or preempted: nothing to fix): no "
+                  "result written; Snakemake submits it again if it has retries left (profiles/slurm: retries), else the "
+                  "next invocation trains it again")
+TIME_LIMIT_LINE = ("ftbench: run r3 reached its time limit (2 min) before its first training step: no row; give it more "
+                   "time: --set-resources train:runtime=4 (after the targets)")
+
+
+def write_log(root, path: str, *lines: str, mtime: float | None = None) -> None:
+    target = root / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(["loading", *lines]) + "\n")
+    if mtime is not None:
+        os.utime(target, (mtime, mtime))
+
+
+def test_a_cancelled_run_is_not_an_error_to_fix_and_its_line_is_shown(tmp_path, monkeypatch, capsys):
+    """The issue: with --retries 0, a scancelled run ended the invocation with "some jobs failed on an error to fix
+    ... (a rerun alone fails again)", though a rerun trained it fine."""
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    write_log(tmp_path, "logs/train/r2.log", "progress: step 3 of 20 (15%), 10 tokens/s", CANCELLED_LINE, mtime=started + 30)
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert "error to fix" not in told and "a rerun alone fails again" not in told
+    assert f"  cancelled logs/train/r2.log: {CANCELLED_LINE[:summary.REASON_CHARS]}" in told
+    assert "  -> cancelled (1): cancelled or preempted, nothing to fix: a rerun trains it again" in told
+    assert told.rstrip("=\n").endswith("ftbench: some jobs failed, nothing to fix (listed above): rerun snakemake to retry them")
+
+
+def test_a_run_its_walltime_ended_is_told_the_walltime_to_ask_for(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    write_log(tmp_path, "logs/train/r3.log", TIME_LIMIT_LINE, mtime=started + 30)
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert "  time limit logs/train/r3.log: ftbench: run r3 reached its time limit (2 min)" in told
+    assert "--set-resources train:runtime=4" in told and "error to fix" not in told
+    assert "rerun snakemake with the walltime their lines give to retry them" in told
+
+
+def test_a_job_killed_without_a_word_and_a_named_error_each_get_their_own_advice(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    write_log(tmp_path, "logs/train/r4.log", "progress: step 9 of 20 (45%), 10 tokens/s",
+              "ftbench: FTBENCH_INJECT_FAULT (test-only): SIGKILL at step 9 (pid 1, rank 0)", mtime=started + 30)
+    write_log(tmp_path, "logs/prepare_data/d.log", "ftbench: config key datasets.d.source: no such file", mtime=started + 30)
+    write_log(tmp_path, "logs/prepare_data/fine.log", "prepared d", mtime=started + 30)  # a job that succeeded
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert "  no line logs/train/r4.log: ftbench: FTBENCH_INJECT_FAULT" in told
+    assert "  fix logs/prepare_data/d.log: ftbench: config key datasets.d.source: no such file" in told
+    assert "fine.log" not in told
+    assert "  -> no line (1): killed without a word" in told and "  -> fix (1): fix what its line names" in told
+    assert "ftbench: some jobs failed on an error to fix (listed above)" in told
+
+
+def test_a_line_written_after_snakemake_gave_up_on_the_job_still_reaches_the_terminal(tmp_path, monkeypatch):
+    """Snakemake may report a cancelled job (and print its log) before the job has written its last line: the end
+    of the invocation waits, briefly, for a failed train job's log that is still changing."""
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    write_log(tmp_path, "logs/train/r2.log", "progress: step 3 of 20 (15%), 10 tokens/s")
+
+    def finish_later():
+        time.sleep(0.8)
+        with open(tmp_path / "logs/train/r2.log", "a") as handle:
+            handle.write(CANCELLED_LINE + "\n")
+
+    writer = threading.Thread(target=finish_later)
+    writer.start()
+    jobs = summary.failed_jobs(started)
+    writer.join()
+    assert jobs == [(pathlib_path("logs/train/r2.log"), summary.CANCELLED, CANCELLED_LINE)]
+
+
+def test_a_dead_jobs_log_is_not_waited_for_long(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    write_log(tmp_path, "logs/train/r5.log", "progress: step 3 of 20 (15%), 10 tokens/s")
+    began = time.monotonic()
+    ((_, kind, _),) = summary.failed_jobs(started)
+    assert kind == summary.KILLED and time.monotonic() - began < summary.SETTLE_S + 1.5
+
+
+def pathlib_path(text):
+    from pathlib import Path
+
+    return Path(text)
+
+
+def target_frame(rows):
+    base = {"target_metric": "eval_accuracy", "target_value": 0.7, "status_reason": None}
+    return pd.DataFrame([{**base, **row} for row in rows])
+
+
+def test_a_lone_timeout_row_that_reached_the_target_is_counted():
+    """The issue: a lone timeout row at 0.717 against a 0.70 target read "0 of 0 finished runs reached it"."""
+    line = summary.target_summary(target_frame([{"run_id": "a", "status": "timeout", "target_reached": True}]))
+    assert "0 of 0" not in line
+    assert line == ("target eval_accuracy 0.7: no run finished; 1 of 1 timed-out runs reached it before their time limit "
+                    "(not ranked in the report: cut short)\n")
+
+
+def test_finished_runs_are_counted_as_before_and_timeouts_apart():
+    line = summary.target_summary(target_frame([
+        {"run_id": "a", "status": "ok", "target_reached": True},
+        {"run_id": "b", "status": "ok", "target_reached": False},
+        {"run_id": "c", "status": "timeout", "target_reached": False},
+        {"run_id": "d", "status": "timeout", "target_reached": None},  # never evaluated: not counted
+        {"run_id": "e", "status": "oom", "target_reached": None},
+    ]))
+    assert line == ("target eval_accuracy 0.7: 1 of 2 finished runs reached it; 0 of 1 timed-out runs reached it before "
+                    "their time limit (not ranked in the report: cut short); never reached by b\n")
+
+
+def test_a_timed_out_run_is_told_the_walltime_its_steps_need():
+    """2 minutes, 10 of 1000 steps in 40 s of training, 30 s outside the loop: 1000 steps need 4000 s + 30 s,
+    a quarter more for the margin: 84 minutes."""
+    row = {"run_id": "slow", "status": "timeout", "status_reason": "stopped before the job's time limit (2 min) at step 10 of 1000",
+           "last_step": 9, "total_steps": 1000, "train_time_s": 40.0, "wall_time_s": 70.0}
+    assert summary.more_time(pd.Series(row)) == 84
+    (advice,) = summary.advice_lines(pd.DataFrame([row]))
+    assert advice.startswith("  -> timeout (slow: runtime=84): retry with more time")
+    unknown = {**row, "train_time_s": None}
+    assert summary.more_time(pd.Series(unknown)) == 4  # twice what it had
+    assert summary.more_time(pd.Series({**row, "status_reason": "stopped before the job's time limit at step 10 of 1000"})) is None
