@@ -11,6 +11,9 @@ import sys
 # ftbench is installed (pip install -e .): see the README.
 from ftbench.experiment import config as ftbench_config
 from ftbench.experiment import matrix
+from ftbench.cluster import job_clock as ftbench_job_clock
+from ftbench.cluster import kept_rows as ftbench_kept_rows
+from ftbench.cluster import progress_relay as ftbench_progress_relay
 from ftbench.cluster import resources as ftbench_resources
 from ftbench.cluster import slurm as ftbench_slurm
 from ftbench.errors import FtbenchError
@@ -46,6 +49,33 @@ GPU_TABLE = str(Path(workflow.basedir) / "config" / "gpus.yaml")
 # The repository, for the conda environments' post-deploy scripts (envs/*.post-deploy.sh), which run
 # from copies under .snakemake/conda/ and install ftbench from here (`--use-conda`).
 os.environ.update(FTBENCH_ROOT=str(workflow.basedir))
+
+# --set-resources train:runtime=N (and mem_mb) replaces the train rule's estimate; Snakemake would give every
+# retry that same number, so a job its walltime ended would end again at the same point. A given value is made a
+# function of the attempt instead (resources.given_per_attempt: what a retry of the estimate gets), keeping its raw
+# text for the Snakemake inside each job. Done before rules/train.smk defines the rule, which copies these in.
+# (Snakemake's parsed --set-resources: internal, read-only elsewhere; an expression given there is left alone.)
+def given_train_resource(name, given):
+    def resource(wildcards, attempt=1):
+        if name == "runtime" and _cluster_jobs():
+            with stop_on_ftbench_error():
+                ftbench_job_clock.check_walltime(given, "--set-resources train:runtime")
+        return ftbench_resources.given_per_attempt(name, given, attempt)
+
+    return resource
+
+
+def _scale_given_train_resources():
+    from snakemake.resources import Resource
+
+    given = workflow.resource_settings._parsed_overwrite_resources.get("train")
+    for name in ftbench_resources.GIVEN_PER_ATTEMPT if given else ():
+        value = given[name] if name in given else None
+        if value is not None and not value.is_evaluable() and isinstance(value.value, int):
+            given[name] = Resource(name, given_train_resource(name, value.value), raw=value.raw)
+
+
+_scale_given_train_resources()
 
 RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
 DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))
@@ -174,7 +204,18 @@ def _cluster_jobs():
 # dry run). On a SLURM cluster without accounting, track jobs with squeue: sacct would hang silently.
 onstart:
     ftbench_slurm.choose_status_command(workflow)
+    # A row kept beside its outputs (cluster/kept_rows.py) is for a job its scheduler ended after writing it: once
+    # the outputs it was published as are here, it is dropped, so a forced rerun trains the run.
+    ftbench_kept_rows.forget_published(all_run_metrics())
     start_warm_process()
+    start_progress_relay()
+
+
+def start_progress_relay():
+    """Locally, the latest progress line of each running train job, once a minute, on this terminal
+    (cluster/progress_relay.py). Not for a cluster: there `tail -f logs/train/<run_id>.log` follows a job."""
+    if not workflow.non_local_exec and any(job.rule.name == "train" for job in workflow.dag.needrun_jobs()):
+        ftbench_progress_relay.start()
 
 
 def start_warm_process():

@@ -229,3 +229,21 @@ def test_the_train_rule_asks_for_the_estimate(representative_runs, snakemake_run
         # Locally, for the device this machine has (tests/test_resources.py above: no GPU -> the CPU's rate).
         runtime = resources.train_runtime_minutes(run, local=True)
         assert requests[run.run_id] == {"threads": 2, "gpu": gpus, "runtime": runtime, "mem_mb": mem_mb}, name
+    # --set-resources replaces the estimate of the first attempt (a retry scales it: below); locally a walltime under
+    # the scheduled minimum is the job's own affair (it stops itself), so it is not refused here.
+    given = snakemake_runner(folder, "-n", "--set-resources", "train:runtime=1", "train:mem_mb=9000")
+    assert given.returncode == 0, snakemake_failure(given)
+    assert {(r["runtime"], r["mem_mb"]) for r in train_job_requests(given.stdout + given.stderr).values()} == {(1, 9000)}
+
+
+def test_a_retry_scales_a_given_walltime_and_memory_as_it_scales_the_estimate(representative_runs):
+    """The README promises twice the walltime on a retry: a value given with --set-resources gets it too (Snakemake
+    alone would give every attempt the same number, and a job its walltime ended would end again)."""
+    _, _, runs = representative_runs
+    run = next(iter(runs.values()))
+    estimate = [resources.train_runtime_minutes(run, attempt) for attempt in (1, 2, 3)]
+    assert estimate[1] == 2 * estimate[0] and estimate[2] == 4 * estimate[0]
+    assert [resources.given_per_attempt("runtime", 5, attempt) for attempt in (1, 2, 3)] == [5, 10, 20]
+    memory = [resources.train_mem_mb(run, attempt) for attempt in (1, 2)]
+    assert memory[1] == 2 * memory[0]
+    assert [resources.given_per_attempt("mem_mb", 9000, attempt) for attempt in (1, 2, 3)] == [9000, 18000, 27000]

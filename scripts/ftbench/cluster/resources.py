@@ -3,8 +3,9 @@
 SLURM gets these through profiles/slurm; locally Snakemake only uses `threads` and, with --resources,
 mem_mb/gpu as limits. A guess that is too small costs a killed or stopped job; one too large costs queue
 time. These err on the large side and scale with `attempt`, so a job retried (profile `retries`) after
-running out of memory or time asks for more. rules/common.smk passes them to the train rule; override
-them per run of snakemake with `--set-resources train:runtime=240 train:mem_mb=64000`.
+running out of memory or time asks for more. rules/common.smk passes them to the train rule; replace the
+estimate of the first attempt per run of snakemake with `--set-resources train:runtime=240 train:mem_mb=64000`
+(a retry scales a given value as it scales the estimate: given_per_attempt).
 
 Computed while Snakemake builds the DAG, so nothing here imports torch or transformers: the model's
 size comes from its config.json alone.
@@ -141,6 +142,19 @@ def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False,
     on_gpu = run.uses_gpu and train_speed(local, environ) == "gpu"
     seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run, on_gpu)
     return max(TRAIN_RUNTIME_FLOOR_MIN, math.ceil(seconds / 60)) * 2 ** (attempt - 1)
+
+
+# Train resources a user may give for one invocation (--set-resources train:runtime=N train:mem_mb=N) that a retry
+# scales as it scales the estimate (given_per_attempt).
+GIVEN_PER_ATTEMPT = ("runtime", "mem_mb")
+
+
+def given_per_attempt(name: str, given: int, attempt: int = 1) -> int:
+    """A train resource given with --set-resources, on ``attempt``: the given value replaces the estimate of the first
+    attempt, and a retry scales it as it scales the estimate (train_runtime_minutes, train_mem_mb): the walltime
+    doubles on each retry, the memory grows by the first attempt's amount. Snakemake itself would give every retry
+    the same number: a job its walltime ended would end again at the same point."""
+    return given * 2 ** (attempt - 1) if name == "runtime" else given * attempt
 
 
 def train_speed(local: bool, environ: Mapping[str, str] = os.environ) -> str:
