@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report import CAPTIONS, GPU_TABLE, fixture_runs, write_fixture
+from test_report import CAPTIONS, DEFAULT_RECOMMEND, GPU_TABLE, build, fixture_runs, write_fixture
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -136,10 +136,10 @@ class Browser:
                     found.append(f"network request: {url}")
         return found
 
-    def open(self, path: Path) -> None:
+    def open(self, path: Path, width: int = 1400, height: int = 1000) -> None:
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.call(f"{domain}.enable")
-        self.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
         self.call("Page.navigate", url=path.resolve().as_uri())
         self.wait_for("Page.loadEventFired")
 
@@ -215,6 +215,37 @@ def test_report_in_chromium(tmp_path, browser):
     assert facts["external"] == []
     assert browser.problems() == []
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
+
+
+FIRST_SCREEN = """(() => {
+  const box = selector => { const r = document.querySelector(selector).getBoundingClientRect(); return {top: r.top, bottom: r.bottom, right: r.right}; };
+  const table = document.querySelector('#headline');
+  return {
+    firstTable: document.querySelector('table').id,
+    headline: box('#headline'), verdict: box('#verdict'), summary: box('#summary'),
+    overflows: table.scrollWidth > table.parentElement.clientWidth,
+    viewport: {width: window.innerWidth, height: window.innerHeight},
+    headers: Array.from(table.querySelectorAll('th')).map(th => th.textContent),
+    rows: table.querySelectorAll('tbody tr').length,
+  };
+})()"""
+
+
+def test_the_answer_is_on_the_first_screen_of_a_laptop(tmp_path, browser):
+    """At a laptop's 1366 x 900: the headline table (the page's first) and the recommendation sentence are on the
+    first screen, whole, with no sideways scrolling; the detailed summary starts below them."""
+    runs, _, _ = build(tmp_path, "cpu_default", **DEFAULT_RECOMMEND)
+    browser.open(tmp_path / "cpu_default" / "report.html", width=1366, height=900)
+    facts = browser.evaluate(FIRST_SCREEN)
+    shot = browser.screenshot(tmp_path / "laptop.png")
+    print(f"screenshot: {shot}")
+    assert facts["firstTable"] == "headline" and facts["rows"] == len(runs)
+    assert facts["headers"] == ["configuration", "status", "quality (95% interval)", "tokens/s", "$ per 1M tokens",
+                                "cost to target", "fits on"]
+    assert facts["headline"]["bottom"] < facts["verdict"]["top"] < facts["verdict"]["bottom"] <= facts["viewport"]["height"]
+    assert facts["headline"]["right"] <= facts["viewport"]["width"] and not facts["overflows"]
+    assert facts["summary"]["top"] > facts["verdict"]["bottom"]
+    assert browser.problems() == []
 
 
 def test_sorting_a_column_reorders_rows(tmp_path, browser):

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from ftbench.report import analysis, collect, compare, cost, figures, report_page, uncertainty
+from ftbench.report import analysis, collect, compare, cost, figures, quality_target, report_page, uncertainty
 from ftbench.measure import gpu_table
 from ftbench.report.columns import COLUMNS
 from ftbench.errors import FtbenchError
@@ -186,7 +186,42 @@ def fixture_rows(kind: str, **extra) -> list[dict]:
         rows += [make_run(120 + i, m, device_name=A100, host="a100-node", tokens_per_s=s, accuracy=a, memory_mb=mem)
                  for i, (m, s, a, mem) in enumerate([("lora", 9800, 0.86, 20000), ("qlora", 5400, 0.84, 9000)])]
         return rows
+    if kind == "cpu_default":
+        return _default_like()
     raise ValueError(kind)
+
+
+# Shaped like the default experiment on a 2-core CPU: one model, full fine-tuning, LoRA r8 and r16, QLoRA r8; 62 steps of
+# 32 reviews (about 25 tokens each); 1,000 eval rows, a base model at 0.523, the majority class at 0.575.
+DEFAULT_LIKE = [("full", 8, 1350, 0.764, 1700), ("lora", 8, 1150, 0.728, 2050), ("lora", 16, 1120, 0.757, 2100),
+                ("qlora", 8, 1090, 0.718, 2190)]
+DEFAULT_TARGET = {"metric": "eval_accuracy", "value": 0.70}
+DEFAULT_RECOMMEND = {"min_accuracy": 0.70, "max_memory_mb": 4000}
+
+
+def _default_like() -> list[dict]:
+    return [make_run(180 + i, method, lora_rank=rank, device_name=CPU_NAME, tokens_per_s=speed, accuracy=accuracy,
+                     memory_mb=rss, host="laptop", eval_samples=1000, base_eval_accuracy=0.523, eval_majority_class_rate=0.575,
+                     memory_estimate_mb=0.6 * rss, memory_estimate_ratio=0.6, measured_steps=59, warmup_steps=3, total_steps=62)
+            for i, (method, rank, speed, accuracy, rss) in enumerate(DEFAULT_LIKE)]
+
+
+def default_like_evals(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each default-like run's evaluations: before training and every 15 steps on 256 rows, the final on 1,000, rising
+    from the base 0.523 to the run's final accuracy (the full run fastest)."""
+    evals = {}
+    for index, row in runs.reset_index(drop=True).iterrows():
+        final, steps = float(row["eval_accuracy"]), [0, 15, 30, 45, 62]
+        rate = 12.0 if row["method"] == "full" else 20.0 + 4 * index
+        values = [final - (final - 0.523) * math.exp(-step / rate) for step in steps[:-1]] + [final]
+        counts = [256] * 4 + [1000]
+        bounds = [uncertainty.wilson(v, n) for v, n in zip(values, counts)]
+        evals[row["run_id"]] = pd.DataFrame({
+            "evaluation": range(5), "step": steps, "tokens": [step * 800 for step in steps], "samples": [step * 32 for step in steps],
+            "train_s": [step * 800 / float(row["tokens_per_s"]) for step in steps], "eval_s": 2.0,
+            "scope": ["subset"] * 4 + ["full"], "eval_samples": counts, "metric": "eval_accuracy", "value": values,
+            "low": [b[0] for b in bounds], "high": [b[1] for b in bounds]})
+    return evals
 
 
 def prices(settings: dict | None = None) -> cost.Prices:
@@ -205,6 +240,14 @@ def fixture_runs(kind: str) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     if kind == "tie":  # the qlora run had 9 consecutive slow steps in its window, as a compiled GPU run did
         qlora = next(run_id for run_id in steps if "-qlora-" in run_id)
         steps[qlora].loc[8:16, "step_time_s"] *= 1.6
+    if kind == "cpu_default":  # a shared CPU: every run's steps slow down a third of the way through its window
+        for run_steps in steps.values():
+            run_steps.loc[15:, "step_time_s"] *= 1.3
+        evals = default_like_evals(frame)
+        targets = [quality_target.run_to_target(evals[row["run_id"]], DEFAULT_TARGET, row) for row in frame.to_dict("records")]
+        for column in quality_target.TARGET_COLUMNS:
+            frame[column] = [target[column] for target in targets]
+        frame = collect.typed(frame)
     return frame, steps
 
 
@@ -224,9 +267,15 @@ def write_fixture(folder: Path, runs: pd.DataFrame, steps: dict[str, pd.DataFram
 def build(tmp_path: Path, kind: str, **settings):
     runs, steps = fixture_runs(kind)
     metrics, files = write_fixture(tmp_path / kind, runs, steps)
+    eval_files = []
+    if kind == "cpu_default":
+        for run_id, frame in default_like_evals(runs).items():
+            eval_files.append(tmp_path / kind / "runs" / run_id / "evals.parquet")
+            eval_files[-1].parent.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(eval_files[-1], index=False)
     page = tmp_path / kind / "report.html"
     written = report_page.build_report(metrics, files, tmp_path / kind / "figures", page, recommend_settings=settings or None,
-                                  captions=CAPTIONS, gpu_table=GPU_TABLE)
+                                  captions=CAPTIONS, gpu_table=GPU_TABLE, eval_files=eval_files)
     return runs, written, page.read_text(encoding="utf-8")
 
 
@@ -775,7 +824,9 @@ def test_the_unstable_note_gives_the_two_figures_its_steps_give(tmp_path):
     slow = write_result(tmp_path, "slow-run", [0.5] * 7 + [1.5] * 6 + [0.5] * 7)
     # ...and 6 fast ones at 0.4 s among 1.0 s steps: 20,000 / 16.4 s = 1,219.5 against 1,000 / 1.0 s: 22.0% above.
     fast = write_result(tmp_path, "fast-run", [1.0] * 7 + [0.4] * 6 + [1.0] * 7)
-    table, page = collect_and_report(tmp_path, [slow, fast])
+    # a steady run: not every run is unstable, so each unstable one gets its own note with its figures
+    steady = write_result(tmp_path, "steady-run", [0.50, 0.52, 0.49, 0.51] * 5)
+    table, page = collect_and_report(tmp_path, [slow, fast, steady])
     notes = {match["run"]: match for match in UNSTABLE_NOTE.finditer(html.unescape(page))}
     assert set(notes) == {"slow-run", "fast-run"}
     for run_id, (direction, steps) in {"slow-run": ("below", "slow"), "fast-run": ("above", "fast")}.items():
@@ -795,7 +846,7 @@ def test_the_unstable_note_gives_the_two_figures_its_steps_give(tmp_path):
 def table_cells(page: str, table_id: str) -> dict[str, dict[str, str]]:
     """{first cell: {column: shown text}} of one table of the page."""
     table = re.search(rf'<table class="sortable" id="{table_id}">.*?</table>', page, flags=re.S).group(0)
-    header = re.findall(r"<th[^>]*>(.*?)</th>", table)
+    header = re.findall(r"<th(?: [^>]*)?>(.*?)</th>", table)
     body = table.split("</thead>", 1)[1]
     rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, flags=re.S)]
     return {html.unescape(cells[0]): dict(zip(header, map(html.unescape, cells))) for cells in rows}
@@ -838,3 +889,97 @@ def test_the_table_holds_the_intervals_and_stability_the_report_shows(tmp_path):
         uncertainty.wilson(0.8, 500))
     assert table.loc["random-tokens", ["quality", "quality_low", "quality_metric"]].isna().all()  # synthetic: none
     assert table.loc["oom-run", ["tokens_per_s_low", "cost_per_1m_tokens_low", "unstable"]].isna().all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The answer first: the headline table and the recommendation in one sentence
+
+
+HEADLINE_HEADERS = ["configuration", "status", "quality (95% interval)", "tokens/s", "$ per 1M tokens", "cost to target", "fits on"]
+
+
+def verdict(page: str) -> str:
+    """The recommendation sentence's text."""
+    return html.unescape(re.sub(r"<[^>]+>", "", re.search(r'<p class="pick" id="verdict">(.*?)</p>', page, flags=re.S).group(1)))
+
+
+def test_the_report_opens_with_the_headline_table_and_the_recommendation(tmp_path):
+    """Shaped like the default experiment: the first table of the page is one row per configuration with its status,
+    quality and interval, tokens/s, $ per 1M tokens, cost to the target and the GPUs it fits; the recommendation is
+    one sentence under it, naming what the to-target section ranks first; the details come after both."""
+    runs, _, page = build(tmp_path, "cpu_default", **DEFAULT_RECOMMEND)
+    first_table = re.search(r"<table[^>]*>", page).group(0)
+    assert 'id="headline"' in first_table
+    assert page.index('id="headline"') < page.index('id="verdict"') < page.index('<h2 id="summary">') < page.index("<li>Fastest")
+    header = re.findall(r"<th(?: [^>]*)?>(.*?)</th>", re.search(r'<table class="sortable" id="headline">.*?</thead>', page, flags=re.S).group(0))
+    assert header == HEADLINE_HEADERS
+    cells = table_cells(page, "headline")
+    assert list(cells) == ["full", "lora-r16", "lora-r8", "qlora-r8"]  # cheapest to the target first
+    configs = analysis.configurations(analysis.add_step_figures(analysis.prepare(runs), pd.DataFrame()))
+    to_target = quality_target.configurations_to_target(configs, analysis.prepare(runs)).set_index("configuration")
+    for name, row in cells.items():
+        config = to_target.loc[name]
+        assert row["status"] == "ok"
+        assert row["quality (95% interval)"] == f"{config['accuracy']:.3f} ({config['accuracy_low']:.3f}\u2013{config['accuracy_high']:.3f})"
+        assert row["tokens/s"] == report_page.fmt(config["tokens_per_s"]) and row["$ per 1M tokens"] == report_page.money(config["cost_per_1m_tokens"])
+        assert row["cost to target"].startswith(report_page.money(config["cost_to_target"]) + " (")
+        assert row["fits on"] == "all 11"  # 1-1.3 GiB estimates fit every GPU of the table
+    to_target_cells = table_cells(page, "to-target")
+    assert all(to_target_cells[name]["cost_to_target"] == cells[name]["cost to target"].split(" (")[0] for name in cells)
+    sentence = verdict(page)
+    leaders = [name for name, row in to_target_cells.items() if row["within_noise"] == "yes"]
+    assert sentence.startswith("Recommended: any of ") and all(f"{name} (" in sentence for name in leaders)
+    assert "the cheapest to reach eval_accuracy 0.7, among those with accuracy \u2265 0.7 and peak memory \u2264 4,000 MiB" in sentence
+    assert re.sub(r"\d\.\d", "", sentence).count(".") == 1 and sentence.endswith(".")  # one sentence: one full stop, at its end
+
+
+def test_a_note_every_run_shares_is_said_once(tmp_path):
+    """Every run of the default-like experiment is unstable on a shared CPU: one note says so, no note per run."""
+    runs, _, page = build(tmp_path, "cpu_default", **DEFAULT_RECOMMEND)
+    text = html.unescape(page)
+    assert text.count("Every run's measured window is unstable (4 runs:") == 1
+    assert "Unstable run " not in text
+    assert text.count(report_page.WITHIN_RUN_NOTE) == 1  # the within-run interval remark: once, not per figure
+    assert "fewer than 3 repeats: the intervals bound" not in text
+    # in the runs table each run still says it, with its own reason
+    assert all(">yes<" in row for row in runs_table_rows(page))
+
+
+def test_unstable_notes_name_each_run_unless_every_run_of_a_kind_is(tmp_path):
+    frame = pd.DataFrame({"run_id": ["g1", "g2", "c1", "c2"], "device": ["cuda", "cuda", "cpu", "cpu"],
+                          "unstable": pd.array([True, False, True, True], dtype="boolean"),
+                          "unstable_reason": ["step time rose 9.0%", None, "a", "b"],
+                          "tokens_per_s": [1.0, 1.0, 1.0, 1.0], "tokens_per_s_median_based": [1.1, 1.0, 1.1, 1.1]})
+    notes = report_page.unstable_notes(frame)
+    assert len(notes) == 2 and notes[0].startswith("Every CPU run's measured window is unstable (2 runs")
+    assert notes[1].startswith("Unstable run g1: step time rose 9.0%")
+    assert report_page.unstable_notes(frame.assign(unstable=True))[0].startswith("Every run's measured window is unstable (4 runs")
+    assert [n.split(":")[0] for n in report_page.unstable_notes(frame.iloc[[0, 1]])] == ["Unstable run g1"]
+
+
+@pytest.mark.parametrize("kind, settings, expected", [
+    ("cpu", {}, r"^Recommended: full, the cheapest per 1M training tokens \(\$0\.0412, 95% interval \$0\.0402\u2013\$0\.0421\)\.$"),
+    ("normal", {"min_accuracy": 0.87, "max_memory_mb": 30000},
+     r"^Recommended: lora-r16, the cheapest per 1M training tokens \(\$[\d.]+, 95% interval [^)]+\), among those with "
+     r"accuracy \u2265 0\.87 and peak memory \u2264 30,000 MiB\.$"),
+    ("normal", {"min_accuracy": 0.99}, r"^No finished configuration has accuracy \u2265 0\.99, so none is recommended \(the best "
+                                       r"accuracy was 0\.900, the smallest peak memory 9,000 MiB\)\.$"),
+    ("all_oom", {}, r"^No configuration finished, so there is nothing to recommend"),
+    ("tie", {"min_accuracy": 0.8}, r"^Recommended: any of lora-r16 \(\$[\d.]+\), lora-r8 \(\$[\d.]+\) \u2014 the cheapest per 1M "
+                                   r"training tokens, among those with accuracy \u2265 0\.8, within noise of each other"),
+])
+def test_the_recommendation_is_one_sentence_for_every_case(tmp_path, kind, settings, expected):
+    _, _, page = build(tmp_path, kind, **settings)
+    assert re.search(expected, verdict(page)), verdict(page)
+
+
+def test_the_headline_marks_unfinished_configurations_and_puts_them_last(tmp_path):
+    _, _, page = build(tmp_path, "mixed", min_accuracy=0.8, max_memory_mb=30000)
+    cells = table_cells(page, "headline")
+    statuses = [row["status"] for row in cells.values()]
+    assert statuses[-3:] == ["oom", "diverged", "unsupported"] and statuses.count("ok (3 runs)") == 2
+    assert "cost to target" not in next(iter(cells.values()))  # no target: no column, and a line says how to get it
+    assert "Set <code>target: {metric, value}</code>" in page
+    assert re.search(r'<tr class="status-oom"><td[^>]*>full-b64-s512', page)
+    costs = [float(row["$ per 1M tokens"].lstrip("$")) for row in cells.values() if row["$ per 1M tokens"]]
+    assert costs == sorted(costs)

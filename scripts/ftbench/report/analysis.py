@@ -572,16 +572,22 @@ def recommend(configs: pd.DataFrame, min_accuracy: float | None = None, max_memo
     per_method = per_method.reindex(method_order(per_method.index)).reset_index()
     per_method["tied_with"] = [", ".join(within_noise(pick, done[done["method"] == pick["method"]])) or None
                                for _, pick in per_method.iterrows()]
-    eligible = done
-    if min_accuracy is not None:
-        eligible = eligible[eligible["accuracy"].notna() & (eligible["accuracy"] >= min_accuracy)]
-    if max_memory_mb is not None:
-        eligible = eligible[eligible["peak_memory_mb"].notna() & (eligible["peak_memory_mb"] <= max_memory_mb)]
+    eligible = meeting(done, min_accuracy, max_memory_mb)
     best = eligible.iloc[0] if not eligible.empty else None
     return {"basis": "cost" if priced else "throughput", "column": column, "per_method": per_method,
             "best": best.to_dict() if best is not None else None,
             "tied": eligible[eligible["configuration"].isin(within_noise(best, eligible))] if best is not None else eligible.iloc[:0],
             "candidates": len(done), "closest": closest}
+
+
+def meeting(configs: pd.DataFrame, min_accuracy: float | None = None, max_memory_mb: float | None = None) -> pd.DataFrame:
+    """The configurations that meet the recommendation's accuracy floor and memory ceiling (a missing figure
+    does not meet a bound that is set)."""
+    if min_accuracy is not None:
+        configs = configs[configs["accuracy"].notna() & (configs["accuracy"] >= min_accuracy)]
+    if max_memory_mb is not None:
+        configs = configs[configs["peak_memory_mb"].notna() & (configs["peak_memory_mb"] <= max_memory_mb)]
+    return configs
 
 
 def pareto_front(points: pd.DataFrame, cost: str = "cost", quality: str = "quality") -> pd.DataFrame:

@@ -81,20 +81,27 @@ class Table:
 
 
 def table(frame: pd.DataFrame, columns: list[str], table_id: str | None = None,
-          row_class: Callable[[pd.Series], str] | None = None, titles: dict[str, str] | None = None) -> Table:
-    titles = titles or {}
+          row_class: Callable[[pd.Series], str] | None = None, titles: dict[str, str] | None = None,
+          headers: dict[str, str] | None = None, sort_by: dict[str, str] | None = None) -> Table:
+    """``headers``: a column's header where it is not the column's name; ``sort_by``: the column whose value
+    sorts a column of text (a figure written with its interval sorts by the figure)."""
+    titles, headers, sort_by = titles or {}, headers or {}, sort_by or {}
     rows = []
     for _, row in frame.iterrows():
         cells = []
         for column in columns:
             value = row[column]
-            number = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
-            raw = "" if is_missing(value) else f"{float(value):.12g}" if number else str(value)
             css = "wrap" if column in WRAPPED else "text" if isinstance(value, str) else None
-            cells.append(Cell(fmt(value, column), raw, css))
+            cells.append(Cell(fmt(value, column), _raw(row[sort_by.get(column, column)]), css))
         rows.append((row_class(row) if row_class else None, cells))
-    header = [(column, titles.get(column, COLUMNS.get(column, ("", column))[1])) for column in columns]
+    header = [(headers.get(column, column), titles.get(column, COLUMNS.get(column, ("", column))[1])) for column in columns]
     return Table(table_id, header, rows)
+
+
+def _raw(value) -> str:
+    """What the sorting script compares: numbers in full precision, text as it is."""
+    number = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
+    return "" if is_missing(value) else f"{float(value):.12g}" if number else str(value)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ftbench.experiment import memory_plan
 from ftbench.measure import memory_estimate
-from ftbench.report import analysis, figures, pages, quality_target, scaling
+from ftbench.report import analysis, figures, headline, pages, quality_target, scaling
 from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
@@ -247,33 +247,35 @@ def separation(a: pd.Series, b: pd.Series, column: str) -> str:
     if "same" in need:
         return "they measured the same value"
     if "eval_rows" in need:
-        return (f"about {need['eval_rows']:,} eval rows would separate {a['configuration']} and {b['configuration']} at their "
-                "observed difference (more repeats would not: they score the same rows)")
+        return (f"about {need['eval_rows']:,} eval rows (not more repeats: they score the same rows) would separate "
+                f"{a['configuration']} and {b['configuration']}")
     if "repeats" in need:
         if need["repeats"] is None:
             return "more than 1,000 repeats each would be needed: the difference is deep inside their spread"
-        return (f"about {need['repeats']} repeats each would separate {a['configuration']} and {b['configuration']} at their "
-                "observed difference, from the spread their repeats showed")
-    return (f"with fewer than 3 repeats an interval bounds only one process's measurement noise: about "
-            f"{need['window']:.1f}x longer measured windows would separate these, and 3 or more repeats each would tell "
-            "whether the difference holds from run to run")
+        return (f"about {need['repeats']} repeats each would separate {a['configuration']} and {b['configuration']}, from "
+                "the spread their repeats showed")
+    return f"about {need['window']:.1f}x longer measured windows would separate these"
 
 
-def ranked_fact(lead: str, candidates: pd.DataFrame, column: str, higher_is_better: bool, describe) -> dict | None:
+def ranked_fact(lead: str, candidates: pd.DataFrame, column: str, higher_is_better: bool, describe,
+                context=lambda row: "") -> dict | None:
     """One summary line: the best configuration on ``column`` with its interval, or - when others'
-    intervals overlap the best's - the tie, named as such, with what would separate the first two."""
+    intervals overlap the best's - the tie, named as such, with what would separate the first two.
+    ``context``: what a figure was measured on (' on 1,000 eval rows; ...'), said once for a tie that shares it."""
     order = analysis.ranked(candidates, column, higher_is_better)
     if order.empty:
         return None
     tied = order[order["tied"]]
-    entries = [{"configuration": name_of(row), "detail": describe(row)} for _, row in tied.iterrows()]
-    fact = {"lead": lead, "configuration": entries[0]["configuration"], "detail": entries[0]["detail"], "tied": [], "separate": None}
+    contexts = [context(row) for _, row in tied.iterrows()]
+    shared = contexts[0] if len(set(contexts)) == 1 and len(contexts) > 1 else None
+    entries = [{"configuration": name_of(row), "detail": describe(row) + ("" if shared is not None else said)}
+               for (_, row), said in zip(tied.iterrows(), contexts)]
+    fact = {"lead": lead, "configuration": entries[0]["configuration"], "detail": entries[0]["detail"], "tied": [], "separate": None,
+            "context": f"all{shared}" if shared else None}
     if len(tied) > 1 and column not in analysis.INTERVALS:
-        fact.update(tied=entries, why="they measured the same")
+        fact.update(tied=entries, why="they measured the same", separate="they measured the same")
     elif len(tied) > 1:
         fact.update(tied=entries, why="their 95% intervals overlap", separate=separation(tied.iloc[0], tied.iloc[1], column))
-    elif column in analysis.INTERVALS and column != "accuracy" and order["interval_basis"].astype(str).str.startswith("within-run").any():
-        fact["separate"] = "fewer than 3 repeats: the intervals bound measurement noise, not run-to-run variation"
     return fact
 
 
@@ -290,11 +292,18 @@ def summary(runs: pd.DataFrame, configs: pd.DataFrame, warnings: list[str]) -> d
     notes = list(warnings)
     facts = summary_facts(configs, ok, measured, notes)
     notes += run_notes(runs, configs)
+    if measured["interval_basis"].astype(str).str.startswith("within-run").any():
+        notes.append(WITHIN_RUN_NOTE)
     return {
         "runs": len(runs), "configurations": len(configs), "scope": scope(runs), "facts": [f for f in facts if f],
         "notes": notes, "statuses": ", ".join(f"{count} {status}" for status, count in sorted(counts.items())),
         "nothing_finished": ok.empty, "measured_only": len(measured) if ok.empty else 0,
     }
+
+
+# Said once, for every throughput and cost interval of configurations with fewer than 3 repeats.
+WITHIN_RUN_NOTE = ("Fewer than 3 repeats: a throughput or cost interval bounds one run's measurement noise, not run-to-run "
+                   "variation; 3 or more repeats each would tell whether a difference holds from run to run.")
 
 
 def scope(runs: pd.DataFrame) -> list[tuple[str, str]]:
@@ -320,11 +329,15 @@ def _memory(row: pd.Series) -> str:
 
 
 def _quality(row: pd.Series) -> str:
+    return _with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy")
+
+
+def _quality_context(row: pd.Series) -> str:
+    """' on 1,000 eval rows; base 0.523, majority 0.575': what a quality was scored on and is read against."""
     counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
     rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
     against = read_against(row["base_accuracy"], row["majority_rate"])  # whether fine-tuning helped
-    text = _with_span(f"{row['accuracy']:.3f} {row['quality_metric']}", row, "accuracy") + rows
-    return f"{text}; {against}" if against else text
+    return f"{rows}; {against}" if against else rows
 
 
 def _budget(row: pd.Series) -> str:
@@ -347,7 +360,8 @@ def summary_facts(configs: pd.DataFrame, ok: pd.DataFrame, measured: pd.DataFram
         if scored["accuracy"].max() == 0:
             notes.append(f"Every evaluated configuration scored {metric} 0: there is no most accurate one.")
             continue
-        facts.append(ranked_fact("Most accurate" + (f" ({metric})" if len(metrics) > 1 else ""), scored, "accuracy", True, _quality))
+        facts.append(ranked_fact("Most accurate" + (f" ({metric})" if len(metrics) > 1 else ""), scored, "accuracy", True, _quality,
+                                 _quality_context))
     facts.append(ranked_fact("Smallest memory", configs, "peak_memory_mb", False, _memory))
     facts.append(ranked_fact("Cheapest training budget", measured, "projected_cost", False, _budget))
     return facts
@@ -369,12 +383,33 @@ def run_notes(runs: pd.DataFrame, configs: pd.DataFrame) -> list[str]:
     if synthetic.any():
         notes.append(f"{int(synthetic.sum())} run(s) trained on synthetic (random-token) data: no quality figure is shown "
                      "for them, since their accuracy measures nothing.")
-    for _, row in runs[runs["unstable"].eq(True).fillna(False)].iterrows():
-        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its window-mean tokens/s ({fmt(row['tokens_per_s'])}, "
-                     f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
+    notes += unstable_notes(runs)
     for _, row in configs[configs["unstable"].eq(True)].iterrows():
         notes.append(f"Unstable: {row['configuration']} varies by {row['tokens_per_s_cv']:.1%} (CV of tokens/s over "
                      f"{row['measured']} repeats, threshold {CV_THRESHOLD:.0%}); compare it with care.")
+    return notes
+
+
+def unstable_notes(runs: pd.DataFrame) -> list[str]:
+    """A note per unstable run, with its two figures; where every measured run of a device kind (every CPU run,
+    every GPU run, or every run) is unstable, one note says so for all of them instead."""
+    windowed = runs[runs["unstable"].notna()]
+    unstable = windowed["unstable"].eq(True)
+    notes, said = [], pd.Series(False, index=windowed.index)
+    devices = windowed["device"].astype("string").fillna("")
+    kinds = {"Every run's": pd.Series(True, index=windowed.index)}
+    if devices.nunique() > 1 and not unstable.all():
+        kinds = {f"Every {label} run's": devices.eq(device) for device, label in (("cpu", "CPU"), ("cuda", "GPU"))}
+    for who, of_kind in kinds.items():
+        if of_kind.sum() > 1 and unstable[of_kind].all():
+            notes.append(f"{who} measured window is unstable ({int(of_kind.sum())} runs: window-mean and "
+                         f"median-based tokens/s differ by more than {analysis.MEAN_MEDIAN_THRESHOLD:.0%}, or step time drifts "
+                         f"by more than {analysis.DRIFT_THRESHOLD:.0%} across the window; each run's reason is in the runs "
+                         "table): read their throughput and cost with care.")
+            said |= of_kind
+    for _, row in windowed[unstable & ~said].iterrows():
+        notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its window-mean tokens/s ({fmt(row['tokens_per_s'])}, "
+                     f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
     return notes
 
 
@@ -615,6 +650,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     pages.render(
         "report.html.j2", html_path,
         title=title,
+        headline=headline.section(configs, runs, peaks or [], recommend_settings or {}),
         summary=page_summary,
         recommendation=recommendation(configs, recommend_settings or {}),
         to_target=target_section,
