@@ -6,7 +6,7 @@
     python -m ftbench report ...         figures and results/report.html (rule report)
     python -m ftbench compare ...        merge result sets from several machines into one report
     python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
-    python -m ftbench plan X.yaml        each run's memory estimate: whether it fits each GPU, the largest batch that does
+    python -m ftbench plan X.yaml        before training: what fits each GPU, and each GPU's predicted speed, hours and $
     python -m ftbench projection-check M.parquet   short runs' projections of the long runs of the same configuration, vs measured
     python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
@@ -193,21 +193,37 @@ def check(argv: list[str]) -> None:
 def plan(argv: list[str]) -> None:
     """Before anything trains: each run's memory estimate (from its model's config alone), whether it fits each
     GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
-    fits there."""
+    fits there; then per GPU its predicted tokens/s, the hours and dollars of the experiment's budget (a calibrated
+    step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits."""
     from ftbench.experiment import config, memory_plan
     from ftbench.measure import gpu_table
+    from ftbench.report import cost, prediction
 
     parser = argparse.ArgumentParser(prog="python -m ftbench plan", description=plan.__doc__)
     parser.add_argument("experiment", help="experiment YAML file")
     parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table with memory_gb (default: %(default)s)")
     parser.add_argument("--data-root", default="results/data",
                         help="prepared data (packed runs read their rows' lengths there; default: %(default)s)")
+    parser.add_argument("--calibration", default=str(prediction.DEFAULT_CALIBRATION),
+                        help="the step-time model's calibration (default: %(default)s)")
+    parser.add_argument("--results", default="results/metrics.parquet",
+                        help="your measured runs, where there are some: shown as measured, and fitted over the "
+                             "calibration for the GPU models they ran on (default: %(default)s)")
     args = parser.parse_args(argv)
     gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
-    runs = matrix.expand_runs(config.load_config(args.experiment))
-    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity)")
+    experiment = config.load_config(args.experiment)
+    runs = matrix.expand_runs(experiment)
+    prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
+    calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
+    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
+          + prediction.plan_heading(calibration, prices, budget))
     for run in runs:
-        print(plan_table(run, memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)))
+        planned = memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)
+        rows = prediction.priced_table([run], gpus, calibration, prices, budget, measured, args.data_root,
+                                       {run.run_id: planned})
+        pick = prediction.cheapest(rows)
+        print("\n".join([plan_table(run, planned, rows)]
+                        + prediction.plan_footer(rows, None if pick.empty else pick.iloc[0].to_dict())))
 
 
 def _meta_model(run: RunSpec):
@@ -217,13 +233,19 @@ def _meta_model(run: RunSpec):
     return meta_model(run)
 
 
-def plan_table(run: RunSpec, planned: dict) -> str:
-    """One run's plan as text: its estimate and largest parts, then one line per GPU."""
+def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
+    """One run's plan as text: its estimate and largest parts, then one line per GPU: what fits there and, from
+    ``priced`` (report/prediction.py priced_table's rows of the run), its predicted speed and cost."""
+    from ftbench.report import prediction
+
     lines = [f"\n{run.run_id}  ({run.parallel}, {run.devices} GPU{'s' if run.devices > 1 else ''}, batch {run.batch_size})"]
     if planned.get("unsupported"):
         return "\n".join(lines + [f"  unsupported: recorded without training ({planned['unsupported']})"])
+    by_gpu = {} if priced is None else {row["gpu"]: row for row in priced.to_dict("records") if row["gpu"]}
     if planned["memory_estimate_mb"] is None:
-        return "\n".join(lines + [f"  no estimate: {planned['memory_estimate_note']}"])
+        lines.append(f"  no estimate: {planned['memory_estimate_note']}")
+        return "\n".join(lines + [f"  {'GPU':<12} {prediction.PRICED_HEADER}"]
+                         + [f"  {gpu:<12} {prediction.priced_cells(row)}" for gpu, row in by_gpu.items()] * bool(by_gpu))
     parts = sorted(planned["memory_estimate_parts_mb"].items(), key=lambda item: -item[1])
     shown = ", ".join(f"{name} {value:,.0f}" for name, value in parts if value >= 1)
     lines.append(f"  estimate {planned['memory_estimate_mb']:,.0f} MiB per GPU = peak of: {shown}")
@@ -231,9 +253,10 @@ def plan_table(run: RunSpec, planned: dict) -> str:
         lines.append(f"  host memory (offloaded states) {planned['memory_estimate_host_mb']:,.0f} MiB per process")
     if planned.get("plan_note"):
         lines.append(f"  note: {planned['plan_note']}")
-    lines.append(f"  {'GPU':<12} {'capacity':>10} {'fits':>11} {'largest batch':>14}")
+    lines.append(f"  {'GPU':<12} {'capacity':>10} {'fits':>11} {'largest batch':>14}" + (f" {prediction.PRICED_HEADER}" if by_gpu else ""))
     for row in planned["gpus"]:
-        lines.append(f"  {row['gpu']:<12} {row['capacity_mib']:>10,.0f} {row['fits']:>11} {row['largest_batch'] or 'none':>14}")
+        lines.append(f"  {row['gpu']:<12} {row['capacity_mib']:>10,.0f} {row['fits']:>11} {row['largest_batch'] or 'none':>14}"
+                     + (f" {prediction.priced_cells(by_gpu.get(row['gpu']))}" if by_gpu else ""))
     return "\n".join(lines)
 
 

@@ -504,6 +504,29 @@ def figure_throughput_ratio(devices: pd.DataFrame):
     return grid
 
 
+def figure_budget_cost(table: pd.DataFrame):
+    """The budget's dollars per configuration (rows) on each GPU of the table (columns), from
+    report/prediction.py's section table: measured where it ran there (marked *), else predicted; a GPU the
+    configuration does not fit is left blank, and the figure's note names them."""
+    cost = table["cost_of_budget_measured"].fillna(table["cost_of_budget_predicted"])
+    shown = table.assign(cost=cost.astype(float))[table["fits"].isin(["yes", "borderline"]) & cost.notna()]
+    if shown.empty:
+        return "no configuration has a budget $ on a GPU it fits (no budget, or no price for the GPUs it fits)"
+    grid = shown.pivot_table(index="configuration", columns="GPU", values="cost", aggfunc="first", sort=False)
+    marks = shown.assign(mark=shown["cost_of_budget_measured"].notna()).pivot_table(
+        index="configuration", columns="GPU", values="mark", aggfunc="first", sort=False).reindex_like(grid)
+    text = grid.map(lambda value: "" if pd.isna(value) else f"${value:,.0f}" if value >= 100
+                    else f"${value:.2f}" if value >= 1 else f"${value:.3g}")
+    text = text.where(marks.isna() | ~marks.astype("boolean").fillna(False), text + "*")
+    figure, ax = plt.subplots(figsize=(1.6 + 0.9 * grid.shape[1], _height(grid.shape[0])))
+    sns.heatmap(np.log10(grid.astype(float)), annot=text, fmt="", cmap="viridis_r", cbar=False, ax=ax,
+                linewidths=0.5, linecolor="white", annot_kws={"fontsize": 7})
+    ax.set_xlabel("GPU (blank: does not fit)")
+    ax.set_ylabel("")
+    ax.set_title("$ of the budget's training steps (* measured, others predicted)", fontsize=9)
+    return figure
+
+
 # ---------------------------------------------------------------------------------------------------
 # The list of figures, drawing and saving
 
@@ -528,6 +551,8 @@ FIGURES = [
 # Drawn from scaling.scaling_table, in the report's scaling section (only where the runs used several GPU counts).
 SCALING_PER_GPU = FigureSpec("scaling_per_gpu", "Throughput and memory per GPU", figure_scaling_per_gpu)
 THROUGHPUT_RATIO = FigureSpec("throughput_ratio", "Throughput ratio across GPUs", figure_throughput_ratio)
+# Drawn from report/prediction.py's section table, in the report's predicted speed and cost section.
+BUDGET_COST = FigureSpec("budget_cost", "Budget $ per configuration and GPU", figure_budget_cost)
 # Drawn from the runs and their evaluations (read_evals), not the steps: report_page draws it beside FIGURES.
 QUALITY_VS_COST = FigureSpec("quality_vs_cost", "Quality vs cost to reach it", figure_quality_vs_cost)
 

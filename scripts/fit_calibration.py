@@ -1,0 +1,79 @@
+"""Fit the step-time model's calibration to measured runs and write it (config/calibration.yaml is the shipped one).
+
+Reads every finished GPU run of the given results tables (results/metrics.parquet, with results/runs/<run_id>/
+metrics.json beside it for each run's spec), fits the parameters (scripts/ftbench/experiment/calibration.py: per GPU
+model its efficiencies, globally the traffic multipliers and the host terms), and prints each run's predicted /
+measured step time under the fit.
+
+    python scripts/fit_calibration.py results/metrics.parquet --out config/calibration.yaml
+    python scripts/fit_calibration.py a/metrics.parquet b/metrics.parquet --out my-calibration.yaml --combine sum
+
+How well it predicts runs it did not see: scripts/check_predictions.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from ftbench.errors import FtbenchError
+from ftbench.experiment import calibration as calibrations
+from ftbench.experiment import step_time
+from ftbench.measure import gpu_table
+from ftbench.report import prediction
+
+
+def measured_samples(tables: list[str], gpus: list[dict]) -> tuple[list[calibrations.Sample], str | None]:
+    """The fit's samples from every table, and the CPUs their runs were measured with."""
+    measured = [item for table in tables for item in prediction.read_measured(table, gpus)]
+    return prediction.samples(measured), prediction.hosts_of(measured)
+
+
+def report_fit(samples: list[calibrations.Sample], fitted: calibrations.Calibration) -> list[str]:
+    """One line per run: predicted and measured seconds per step, their ratio, busy shares; then each GPU model."""
+    lines = [f"{'run':<60} {'gpu':<10} {'predicted s':>11} {'measured s':>10} {'ratio':>6} {'busy pred/meas':>14}"]
+    for sample in samples:
+        terms = step_time.step_terms(sample.workload, sample.gpu, fitted.params_for(sample.gpu["name"]), fitted.combine)
+        measured_busy = "-" if sample.busy_share is None else f"{sample.busy_share:.2f}"
+        lines.append(f"{sample.run_id[:60]:<60} {sample.gpu['name']:<10} {terms['step_s']:>11.4f} {sample.step_s:>10.4f} "
+                     f"{terms['step_s'] / sample.step_s:>6.3f} {terms['busy_share']:>8.2f}/{measured_busy:<5}")
+    for name, entry in fitted.gpus.items():
+        lines.append(f"{name}: compute_efficiency {entry['compute_efficiency']:.3f}, memory_efficiency "
+                     f"{entry['memory_efficiency']:.3f}, {entry['runs']} runs ({entry['host_bound_runs']} host-bound), "
+                     f"residual sd GPU-bound {entry['sd_gpu_bound']:.3f}, host-bound {entry['sd_host_bound']:.3f} "
+                     f"(95%: x{math.exp(1.96 * entry['sd_gpu_bound']):.3f} / x{math.exp(1.96 * entry['sd_host_bound']):.3f})")
+    lines.append("global: " + ", ".join(f"{name} {value:.4g}" for name, value in fitted.params.items()))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tables", nargs="+", help="results/metrics.parquet files (results/runs/ beside each)")
+    parser.add_argument("--out", required=True, help="calibration file to write")
+    parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table (default: %(default)s)")
+    parser.add_argument("--start", default=None, help="calibration to start from (default: the starting values)")
+    parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth", help="how the terms make a step")
+    parser.add_argument("--transfer-sd", type=float, default=None,
+                        help="log spread of datasheet-only predictions, as check_predictions.py --transfer measured it")
+    args = parser.parse_args(argv)
+    gpus = gpu_table.load_peaks(args.gpus)
+    samples, host = measured_samples(args.tables, gpus)
+    start = calibrations.load(args.start) if args.start else calibrations.priors()
+    if args.transfer_sd is not None:
+        start = dataclasses.replace(start, transfer_sd=args.transfer_sd)
+    source = f"{len(samples)} runs of {', '.join(str(Path(table)) for table in args.tables)}"
+    fitted = calibrations.fit(samples, start, args.combine, source=source, host=host)
+    print("\n".join(report_fit(samples, fitted)))
+    calibrations.save(fitted, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except FtbenchError as exc:
+        print(f"ftbench: {exc}", file=sys.stderr)
+        sys.exit(1)

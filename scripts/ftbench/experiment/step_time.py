@@ -1,0 +1,436 @@
+"""A training step's time on a GPU, predicted before anything trains: what one step asks of a device (``Workload``,
+from the run's settings and its model's config alone) and how long a GPU of config/gpus.yaml takes for it
+(``step_terms``), given the free parameters a calibration holds (experiment/calibration.py).
+
+The terms, per device and optimizer step:
+
+- compute: the matrix multiplications' FLOPs (the convention of measure/flops.py, on every token position the GPU
+  computes, padding included, plus the forward pass gradient checkpointing recomputes) over the dense peak of the
+  run's compute dtype (``recipe.compute_dtype``) times an efficiency. Matmul efficiency rises with the width of the
+  layers (``compute_efficiency / (1 + width_half / width)``: small matmuls fill fewer of the GPU's units); fused
+  attention runs at ``attention_ratio`` of the matmuls' efficiency.
+- memory traffic: what the kernels that are not matmuls read and write, over the memory bandwidth times an
+  efficiency. Counted in bytes from the recipe (recipe.py): the optimizer update (parameters, gradients, moments in
+  their dtypes), the gradients written per micro-batch, autocast's 16-bit copies of fp32 weights, QLoRA's
+  dequantisation of each 4-bit weight per use, the LoRA branches' elementwise work; and the elementwise work on
+  activations (norms, activations, rotary, residual adds, the loss over the vocabulary) as ``traffic`` x the bytes
+  the memory estimate says a micro-batch keeps (activations and logits, measure/memory_estimate.py): eager
+  PyTorch reads and writes each kept tensor several times (an RMSNorm alone is seven kernels), Liger's fused kernels
+  fewer times, torch.compile's fewer still, so the multiplier is calibrated per kernel kind.
+- communication (ddp, fsdp, dp): gradients reduced and sharded weights gathered, over the GPU-to-GPU link
+  (``interconnect_gbs``); overlapped with the backward pass but for an exposed share (``comm_exposed``).
+- host: the launch and Python time per step, which does not scale with the GPU: ``host_step_s`` plus ``host_op_s``
+  per dispatched operation, the operations counted from the model's structure (per block, forward, backward and
+  recomputation; per adapted Linear; per optimizer tensor). torch.compile dispatches ``compiled_host_factor`` of them.
+  Batches whose shape changes from step to step cost ``shape_churn_factor`` times the host time of fixed shapes
+  (new shapes miss the caches of the allocator and the kernel selection: a plain loop on a 134M Llama took 152 ms
+  per step at one fixed length and 1.61-1.67x that when the length changed every step, H100).
+
+How they combine: kernels run one after another on the GPU, each bound by its own resource (a matmul by the
+tensor cores, an elementwise kernel by memory), so the GPU's time is compute + memory + exposed communication.
+The host enqueues kernels ahead of the GPU; the step takes the longer of the two, and where they are close each
+waits on the other at times: step = (gpu^p + host^p)^(1/p), with ``overlap_power`` p (large: the plain maximum).
+The GPU's busy share is gpu / step: the same figure NVML's utilisation measures (measure/metrics.py host_bound),
+which is how a host-bound run is told apart.
+
+Torch-free: the plan runs it for every run and GPU before anything is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ftbench.data import batch_order
+from ftbench.experiment import memory_plan
+from ftbench.measure import memory_estimate, model_shape
+from ftbench.recipe import DTYPE_BYTES, recipe_of
+from ftbench.runspec import RunSpec
+from ftbench.tasks.registry import model_family
+
+MIB = 2**20
+# Host operations per transformer block in one eager forward pass, counted from transformers' Llama (RMSNorm
+# seven, rotary twelve, the projections, attention, residual adds, the MLP) and BERT/GPT-2 layers. Liger fuses
+# the norms, rotary and SwiGLU into four Triton kernels, but a Triton launch from Python costs several ATen
+# dispatches: its blocks are counted as no cheaper, and its chunked cross-entropy as more head work (host-bound
+# 134M runs were 1-29% slower with Liger on an H100). Autograd's backward runs about BACKWARD_OPS per forward one.
+FORWARD_OPS = {("gated", "none"): 60, ("plain", "none"): 45, ("gated", "liger"): 60, ("plain", "liger"): 45}
+BACKWARD_OPS = 1.5
+HEAD_OPS = {"none": 30, "liger": 60}  # embedding, final norm, output head and loss, forward
+AUTOCAST_OPS_PER_LINEAR = 2  # input and weight casts
+LORA_OPS_PER_LINEAR = 7  # dropout, A, B, scaling, add, casts
+QLORA_OPS_PER_LINEAR = 3  # dequantise, the 4-bit matmul's own bookkeeping
+# Optimizer operations per trainable tensor: fused AdamW and foreach SGD launch one kernel for many tensors; the
+# bitsandbytes 8-bit optimizers launch per tensor.
+OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0.2, "sgd": 0.3, "adamw_8bit": 3, "paged_adamw_8bit": 3}
+STEP_OPS = 20  # zero_grad, the scheduler, the loss read, the step's own bookkeeping
+# Bytes an adapted Linear's LoRA branch reads and writes per token, per unit of its input and output width, in
+# its forward and backward passes (dropout copy and mask, A's input, B's output scaled and added, the input
+# gradient added to the base layer's).
+LORA_BYTES_IN = {True: 20, False: 10}  # with / without lora_dropout
+LORA_BYTES_OUT = 18
+DEQUANT_BYTES = 4.5  # a 4-bit weight per use: read packed (0.5), write 16-bit (2), read by the matmul (2)
+CAST_BYTES = 6  # an fp32 weight's 16-bit copy under autocast: read 4, write 2
+SAMPLED_BATCHES = 64  # micro-batches drawn from prepared data to average a run's batch shape
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One micro-batch on one device, averaged over the batches the run draws."""
+
+    tokens: float  # real tokens
+    positions: float  # token positions computed (padding included)
+    rows: float
+    real_square: float  # sum over sequences of real length squared (analytic attention)
+    computed_square: float  # sum over rows of computed row length squared (attention as the kernel runs it)
+    varying: bool = False  # the micro-batches' shapes change from step to step
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step asks of one device, before a GPU is chosen."""
+
+    tokens_per_step: float  # real tokens per optimizer step, all devices (what tokens/s counts)
+    samples_per_step: float
+    linear_flops: float  # matmul FLOPs one device computes per step (recomputation and padding included)
+    attention_flops: float
+    model_flops: float  # analytic model FLOPs per step, all devices (MFU's numerator, measure/flops.py)
+    width: int
+    activation_bytes: float  # kept activations and logits per device per step (memory estimate), recomputation included
+    fixed_bytes: float  # optimizer, gradients, weight casts, dequantisation, LoRA branches
+    comm_bytes: float  # bytes over the GPU-to-GPU link per device per step
+    host_ops: float  # operations the host dispatches per step (per process)
+    kernels: str  # eager | liger | compiled: which traffic multiplier
+    varying_shapes: bool  # batch shapes change between steps: host work per new shape (shape_churn_factor)
+    compute_dtype: str
+    devices: int
+    notes: tuple[str, ...] = field(default=())
+
+
+def full_rows(run: RunSpec, row: int) -> BatchShape:
+    """A micro-batch of full rows of ``row`` tokens (synthetic data, images, or data not prepared yet)."""
+    batch = run.batch_size
+    if run.batching == "padding_free":
+        return BatchShape(batch * row, batch * row, 1, batch * row**2, (batch * row) ** 2)
+    return BatchShape(batch * row, batch * row, batch, batch * row**2, batch * row**2)
+
+
+def drawn_rows(run: RunSpec, lengths: np.ndarray) -> BatchShape:
+    """The mean micro-batch over the first ``SAMPLED_BATCHES`` the run draws from its training rows' lengths."""
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), run.seq_len)
+    steps = max(1, min(run.planned_steps(len(lengths)), SAMPLED_BATCHES // run.grad_accum_steps + 1))
+    micro = run.batch_size
+    chunks = [chunk for batch in batch_order.run_order(run, len(lengths), steps, lengths)
+              for chunk in np.split(batch, len(batch) // micro)][:SAMPLED_BATCHES]
+    figures = np.array([_drawn_batch(run, [int(n) for n in lengths[chunk]]) for chunk in chunks], dtype=float)
+    # a row count or row length that changes between batches (column 1: positions, 2: rows)
+    varying = len({(rows, positions) for positions, rows in figures[:, 1:3]}) > 1
+    return BatchShape(*figures.mean(axis=0), varying=varying)
+
+
+def _drawn_batch(run: RunSpec, lengths: list[int]) -> tuple[float, float, float, float, float]:
+    real = sum(lengths)
+    real_square = sum(n * n for n in lengths)
+    if run.packed:
+        rows, width = batch_order.packed_shape(lengths, run.seq_len if run.batching == "pack" else None)
+        # padding_free keeps each sequence's attention to itself (variable-length kernels); pack masks a dense row
+        square = real_square if run.batching == "padding_free" else rows * width**2
+        return real, rows * width, rows, real_square, square
+    longest = max(lengths)
+    return real, len(lengths) * longest, len(lengths), real_square, len(lengths) * longest**2
+
+
+def batch_shape(run: RunSpec, data_dir, row: int) -> BatchShape:
+    """The run's mean micro-batch: from its prepared data's lengths where there are some, else full rows of
+    ``row`` tokens (with a note unless the data is synthetic, whose rows are full)."""
+    manifest = memory_plan.prepared_manifest(data_dir) if data_dir is not None else None
+    if manifest and manifest.get("splits") and row == run.seq_len:
+        return drawn_rows(run, memory_plan.train_lengths(str(data_dir)))
+    shape = full_rows(run, row)
+    if run.dataset_def.get("source", {}).get("kind") == "synthetic" or row != run.seq_len:
+        return shape
+    return BatchShape(**{**shape.__dict__, "varying": run.batching != "pack",
+                         "note": "rows taken as full (data not prepared yet: an upper bound)"})
+
+
+@dataclass(frozen=True)
+class MatmulCounts:
+    """A single-stack model's Linear weights as measure/flops.py counts them, from its config: every block's
+    Linears (adapters included), the output head (a language model's over the vocabulary, seen by every token; a
+    classifier's, seen once per sequence), input embeddings left out."""
+
+    per_token: int  # weights every token position multiplies
+    per_token_trainable: int
+    head: int  # the output head's share of per_token (over the vocabulary; 0 for a classifier)
+    pooled: int  # weights applied once per sequence (a classifier's head)
+    pooled_trainable: int
+    layers: int
+    width: int
+    adapted: tuple[tuple[int, int], ...]  # (fan_in, fan_out) of one block's adapted Linears
+    quantised_linears: int  # 4-bit Linears of the whole model (QLoRA)
+    block_linears: int  # Linears per block
+    gated: bool
+
+
+def matmul_counts(settings: dict, run: RunSpec, classifier: bool, num_labels: int) -> MatmulCounts:
+    """The run's matmul weights from its model's config (``memory_plan.config_settings``)."""
+    shape = model_shape.from_config(settings)
+    linears = model_shape.block_linears(settings)
+    layers, width = shape.attention_layers, shape.width
+    adapted = () if run.method == "full" else tuple(
+        (fan_in, fan_out) for name, fan_in, fan_out in linears if run.lora_targets == "all-linear" or name in run.lora_targets)
+    adapters = sum(run.lora_rank * (fan_in + fan_out) for fan_in, fan_out in adapted)
+    block = sum(fan_in * fan_out for _, fan_in, fan_out in linears) + adapters
+    head = 0 if classifier else (shape.vocab_size or 0) * width
+    classifier_head = num_labels * width if classifier else 0
+    # BERT's pooler is a Linear over the first token, applied once per sequence (flops.py's pooled heads)
+    pooler = width * width if classifier and settings.get("model_type") == "bert" else 0
+    full = run.method == "full"
+    return MatmulCounts(
+        per_token=layers * block + head, per_token_trainable=layers * block + head if full else layers * adapters, head=head,
+        pooled=classifier_head + pooler, pooled_trainable=classifier_head + (pooler if full else 0),
+        layers=layers, width=width, adapted=adapted,
+        quantised_linears=layers * len(linears) if run.method == "qlora" else 0, block_linears=len(linears),
+        gated=model_shape.gated(settings))
+
+
+def per_token_flops(counts: MatmulCounts, full: bool) -> int:
+    """Model FLOPs per token of the Linear layers (measure/flops.py: 6N, or 4N + 2N_trainable with adapters)."""
+    return 6 * counts.per_token if full else 4 * counts.per_token + 2 * counts.per_token_trainable
+
+
+def pooled_flops(counts: MatmulCounts, full: bool) -> int:
+    """Model FLOPs per sequence of the heads applied once per sequence."""
+    return 6 * counts.pooled if full else 4 * counts.pooled + 2 * counts.pooled_trainable
+
+
+def model_flops(counts: MatmulCounts, full: bool, tokens: float, real_square: float, sequences: float) -> float:
+    """Analytic model FLOPs of ``tokens`` real tokens in ``sequences`` sequences (measure/flops.py step_flops for a
+    single stack): Linear layers per token, 12 x layers x width x length^2 per sequence for attention."""
+    return (per_token_flops(counts, full) * tokens + 12 * counts.layers * counts.width * real_square
+            + pooled_flops(counts, full) * sequences)
+
+
+def workload(run: RunSpec, data_dir=None, measured: dict | None = None) -> tuple[Workload | None, str | None]:
+    """(what one step of the run asks of one device, or None and why there is no prediction). ``measured``: the
+    run's row of results/metrics.parquet, whose measured batches replace the ones drawn from the data
+    (``measured_shape``): how a calibration sees the runs it is fitted to."""
+    if memory_plan.needs_built_model(run):
+        return None, "a model of two stacks: its step time is not predicted from the config"
+    settings, why_not = memory_plan.config_settings(run)
+    if settings is None:
+        return None, why_not
+    if model_shape.from_config(settings).decoder_layers:
+        return None, "an encoder-decoder: its step time is not modelled (cross-attention, two stacks)"
+    family = model_family(run.model_def)
+    labels = len(run.dataset_def.get("labels") or ()) or 2
+    counts = matmul_counts(settings, run, family.takes_num_labels, labels)
+    if measured is not None:
+        shape = measured_shape(run, counts, measured)
+        if shape is None:
+            return None, "no measured window (tokens, steps and FLOPs per step)"
+    else:
+        shape = batch_shape(run, data_dir, family.tokens_per_example(run))
+    kept, why_not = kept_bytes(run, data_dir, shape)
+    if kept is None:
+        return None, why_not
+    facts, _ = memory_plan.config_facts(run)
+    return workload_of(run, counts, facts, shape, kept), None
+
+
+def kept_bytes(run: RunSpec, data_dir, shape: BatchShape) -> tuple[float | None, str | None]:
+    """Activations and logits one micro-batch keeps (bytes), from the memory estimate of the run without
+    checkpointing or compilation (what eager autograd keeps is what its elementwise kernels wrote), scaled from the
+    estimate's micro-batch (its largest) to the mean one."""
+    plain = run.replace(gradient_checkpointing=False, compile=False)
+    figures = memory_plan.run_estimate(plain, data_dir)
+    parts = figures.get("memory_estimate_parts_mb")
+    if not parts:
+        return None, f"no memory estimate, so no activation traffic: {figures.get('memory_estimate_note')}"
+    estimated_positions = run.batch_size * model_family(run.model_def).tokens_per_example(run)
+    if run.packed and memory_plan.prepared_manifest(data_dir):
+        estimated_positions = batch_order.largest_packed_batch(plain, memory_plan.train_lengths(str(data_dir)))[0]
+    scale = shape.positions / estimated_positions if estimated_positions else 1.0
+    return (parts.get("activations", 0) + parts.get("logits", 0)) * MIB * scale, None
+
+
+def measured_shape(run: RunSpec, counts: MatmulCounts, row: dict) -> BatchShape | None:
+    """The mean micro-batch a measured run trained on, from its row: real tokens per step, positions from its
+    padding fraction (or packing efficiency), the squared lengths from its analytic FLOPs per step (the attention
+    term is what the Linear layers' FLOPs leave)."""
+    steps, tokens, flops = (_number(row.get(key)) for key in ("measured_steps", "measured_tokens", "flops_per_step_analytic"))
+    if not steps or not tokens or not flops:
+        return None
+    share = steps * (_number(row.get("world_size")) or run.devices) * run.grad_accum_steps
+    tokens, flops = tokens / share, flops / share
+    packing, padding = _number(row.get("packing_efficiency")), _number(row.get("padding_fraction"))
+    positions = tokens / packing if packing else tokens / (1 - padding) if padding and padding < 1 else tokens
+    rows = max(1.0, positions / run.seq_len) if run.packed else float(run.batch_size)
+    full = run.method == "full"
+    attention = flops - per_token_flops(counts, full) * tokens - pooled_flops(counts, full) * run.batch_size
+    real_square = max(tokens, attention / (12 * counts.layers * counts.width)) if counts.layers and counts.width else tokens
+    computed = real_square if run.batching == "padding_free" else rows * (positions / rows) ** 2
+    varying = row.get("data_kind") != "synthetic" and run.batching != "pack"
+    return BatchShape(tokens, positions, rows, real_square, max(computed, real_square), varying)
+
+
+def _number(value) -> float | None:
+    """A figure of a table row as a float; None for a missing one (None, NaN, pandas' NA)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if number != number else number
+
+
+def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.ModelFacts, shape: BatchShape,
+                kept: float) -> Workload:
+    """The workload from the model's counts and facts, the mean micro-batch and the bytes it keeps."""
+    micro, devices, full = run.grad_accum_steps, run.devices, run.method == "full"
+    recompute = 1 if run.gradient_checkpointing else 0
+    linear = micro * (per_token_flops(counts, full) * shape.positions + pooled_flops(counts, full) * shape.rows
+                      + recompute * 2 * counts.per_token * shape.positions)
+    attention = micro * 12 * counts.layers * counts.width * shape.computed_square * (1 + recompute / 3)
+    modelled = devices * micro * model_flops(counts, full, shape.tokens, shape.real_square, shape.rows)
+    recipe = recipe_of(run)
+    return Workload(
+        tokens_per_step=devices * micro * shape.tokens, samples_per_step=run.examples_per_step,
+        linear_flops=linear, attention_flops=attention, model_flops=modelled, width=counts.width,
+        activation_bytes=micro * kept * (1 + recompute / 3),
+        fixed_bytes=weight_traffic(run, counts, facts, recipe) + lora_traffic(run, counts, shape.positions),
+        comm_bytes=comm_bytes(run, facts, recipe), host_ops=host_ops(run, counts, facts),
+        kernels="compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager"), varying_shapes=shape.varying,
+        compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])))
+
+
+def setup_notes(run: RunSpec) -> list[str]:
+    """What the prediction leaves out for this run's setup."""
+    notes = []
+    if run.num_nodes > 1:
+        notes.append("between nodes the link is taken as the table's within a host")
+    if run.parallel == "fsdp" and run.fsdp_cpu_offload:
+        notes.append("CPU offload's host transfers and CPU optimizer are not modelled")
+    if run.engine == "hf_trainer":
+        notes.append("engine hf_trainer predicted as ftbench's loop (the Trainer's own per-step work not modelled)")
+    return notes
+
+
+def weight_traffic(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.ModelFacts, recipe) -> float:
+    """Bytes per device and step moved for the weights outside the matmuls: the optimizer update, the gradients
+    written per micro-batch, autocast's copies of fp32 weights per forward pass, QLoRA's dequantisation per use."""
+    shards = run.devices if run.parallel == "fsdp" else 1
+    micro, recompute = run.grad_accum_steps, int(run.gradient_checkpointing)
+    trainable = facts.trainable / shards
+    param, state = recipe.trainable_bytes, DTYPE_BYTES[recipe.optimizer_state_dtype]
+    # the update reads the parameter and its gradient and writes the parameter; it reads and writes SGD's one
+    # momentum, or AdamW's two moments
+    update = trainable * (3 * param + (2 if run.optimizer == "sgd" else 4) * state)
+    if run.precision == "fp16":
+        update += trainable * 3 * param  # GradScaler: unscale (read, write) and the check for inf
+    gradients = trainable * param * (2 * micro - 1)  # written once, then read and added to per micro-batch
+    casts = 0.0
+    if recipe.autocast_dtype is not None:
+        cast = fp32_linear_weights(run, counts, recipe)
+        casts = CAST_BYTES * cast / shards * micro * (1 + recompute)
+    dequantised = facts.quantised * DEQUANT_BYTES * micro * (2 + recompute)
+    return update + gradients + casts + dequantised
+
+
+def fp32_linear_weights(run: RunSpec, counts: MatmulCounts, recipe) -> float:
+    """Linear weights kept in fp32 that a 16-bit autocast pass copies: full fine-tuning's masters, the adapters,
+    an fp32 frozen base, QLoRA's unquantised head."""
+    if run.method == "full":
+        return counts.per_token + counts.pooled
+    fp32 = counts.per_token_trainable + counts.pooled_trainable
+    if recipe.frozen_dtype == "fp32":
+        fp32 += counts.per_token - counts.per_token_trainable
+    elif recipe.frozen_dtype in ("nf4", "fp4"):
+        fp32 += counts.head
+    return fp32
+
+
+def lora_traffic(run: RunSpec, counts: MatmulCounts, positions: float) -> float:
+    """Bytes per device and step of the LoRA branches' elementwise work (LORA_BYTES_IN / _OUT)."""
+    per_token = sum(LORA_BYTES_IN[run.lora_dropout > 0] * fan_in + LORA_BYTES_OUT * fan_out for fan_in, fan_out in counts.adapted)
+    return run.grad_accum_steps * positions * counts.layers * per_token * (1 + int(run.gradient_checkpointing) / 3)
+
+
+def comm_bytes(run: RunSpec, facts: memory_estimate.ModelFacts, recipe) -> float:
+    """Bytes each device sends per step: DDP's gradient all-reduce (in its fp32 buckets, bf16 under bf16_true);
+    FSDP2's all-gathers of the 16-bit weights (forward, and again in backward when it reshards) and reduce-scatter
+    of the gradients, per micro-batch; DataParallel's copy of the weights to every GPU and the gradients back."""
+    n, micro = run.devices, run.grad_accum_steps
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n
+    if run.parallel == "ddp":
+        return 2 * share * facts.trainable * recipe.trainable_bytes
+    if run.parallel == "fsdp":
+        gathered = facts.other * DTYPE_BYTES[recipe.compute_dtype] + facts.quantised * 0.5
+        reduce_bytes = DTYPE_BYTES[run.fsdp_reduce_dtype or recipe.compute_dtype]
+        return micro * share * ((2 if run.fsdp_reshard_after_forward else 1) * gathered + facts.trainable * reduce_bytes)
+    return micro * (n - 1) * (facts.total * recipe.frozen_bytes + facts.trainable * recipe.trainable_bytes)
+
+
+def host_ops(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.ModelFacts) -> float:
+    """Operations the host dispatches per optimizer step (per process; DataParallel's one process drives every
+    replica): per block forward, backward and recomputation, per adapted or 4-bit Linear, per optimizer tensor."""
+    kernels = "liger" if run.kernels == "liger" else "none"
+    block = FORWARD_OPS[("gated" if counts.gated else "plain", kernels)] + LORA_OPS_PER_LINEAR * len(counts.adapted)
+    if recipe_of(run).autocast_dtype is not None:
+        block += AUTOCAST_OPS_PER_LINEAR * counts.block_linears
+    if run.method == "qlora":
+        block += QLORA_OPS_PER_LINEAR * counts.block_linears
+    passes = 1 + BACKWARD_OPS + int(run.gradient_checkpointing)
+    per_micro = (counts.layers * block + HEAD_OPS[kernels]) * passes
+    tensors = trainable_tensors(run, counts)
+    optimizer = OPTIMIZER_OPS_PER_TENSOR[run.optimizer] * tensors + (0.2 * tensors + 10 if run.precision == "fp16" else 0)
+    replicas = run.devices if run.parallel == "dp" else 1
+    return replicas * run.grad_accum_steps * per_micro + optimizer + STEP_OPS
+
+
+def trainable_tensors(run: RunSpec, counts: MatmulCounts) -> int:
+    """Trainable parameter tensors: every block's weights, norms (and biases of a LayerNorm stack) and the model's
+    ends in full fine-tuning; each adapter's A and B (and a classifier's head) with LoRA."""
+    if run.method == "full":
+        per_block = counts.block_linears + 2 if counts.gated else 2 * counts.block_linears + 4
+        return counts.layers * per_block + 4
+    return 2 * len(counts.adapted) * counts.layers + (2 if counts.pooled else 0)
+
+
+COMBINES = ("smooth", "sum", "roofline")  # how the terms make a step (the module's docstring); smooth is the model
+
+
+def step_terms(load: Workload, gpu: dict, params: dict, combine: str = "smooth") -> dict | None:
+    """Seconds per optimizer step and its terms for one GPU of the table under ``params`` (a calibration's,
+    calibration.Calibration.params_for); None where the table lacks the GPU's peak for the run's dtype or its
+    bandwidth. ``combine``: smooth (the model), or for comparison sum (gpu + host) and roofline (the larger of
+    compute and memory, plus host)."""
+    peak, bandwidth = gpu.get("dense_tflops", {}).get(load.compute_dtype), gpu.get("memory_bandwidth_gbs")
+    if peak is None or bandwidth is None:
+        return None
+    efficiency = params["compute_efficiency"]
+    matmul = efficiency / (1 + params["width_half"] / max(load.width, 1))
+    compute = (load.linear_flops / (peak * 1e12 * matmul)
+               + load.attention_flops / (peak * 1e12 * efficiency * params["attention_ratio"]))
+    traffic = params[f"traffic_{load.kernels}"] * load.activation_bytes + load.fixed_bytes
+    memory = traffic / (bandwidth * 1e9 * params["memory_efficiency"])
+    link = gpu.get("interconnect_gbs")
+    comm = params["comm_exposed"] * load.comm_bytes / (link * 1e9) if load.comm_bytes and link else 0.0
+    host = params["host_step_s"] + params["host_op_s"] * load.host_ops * (
+        params["compiled_host_factor"] if load.kernels == "compiled" else 1.0) * (
+        params["shape_churn_factor"] if load.varying_shapes else 1.0)
+    gpu_s = compute + memory + comm
+    if combine == "sum":
+        step = gpu_s + host
+    elif combine == "roofline":
+        gpu_s = max(compute, memory) + comm
+        step = gpu_s + host
+    else:
+        power, longer = params["overlap_power"], max(gpu_s, host)  # scaled by the longer: no underflow at large p
+        step = longer * ((gpu_s / longer) ** power + (host / longer) ** power) ** (1 / power)
+    return {"step_s": step, "compute_s": compute, "memory_s": memory, "comm_s": comm, "gpu_s": gpu_s, "host_s": host,
+            "busy_share": min(1.0, gpu_s / step), "tokens_per_s": load.tokens_per_step / step,
+            "mfu": load.model_flops / step / (peak * 1e12 * load.devices)}

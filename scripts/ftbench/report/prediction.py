@@ -1,0 +1,353 @@
+"""Predicted speed and cost beside what was measured: the priced table of `python -m ftbench plan` and of the
+report's section, the cheapest GPU that fits each configuration, and calibrations fitted to measured runs.
+
+The predictions are experiment/prediction.py's; this module adds what needs the results and the prices: a measured
+run of a configuration on a GPU model shows its measurement ("measured here") in place of the prediction, with the
+prediction beside it; the user's own GPU runs are fitted over the shipped calibration and take precedence for the
+GPU models they ran on; dollars come from the price table (report/cost.py) for the budget's hours x the run's GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ftbench.experiment import calibration as calibrations
+from ftbench.experiment import memory_plan, prediction, step_time
+from ftbench.measure import gpu_table
+from ftbench.report import cost
+from ftbench.report.analysis import is_missing
+from ftbench.runspec import RunSpec
+
+DEFAULT_CALIBRATION = Path("config/calibration.yaml")
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A finished GPU run of the results: its spec, its row of metrics.parquet, its GPU's table entry."""
+
+    run: RunSpec
+    row: dict
+    gpu: dict
+
+
+def read_measured(metrics_path: str | Path, gpus: list[dict]) -> list[MeasuredRun]:
+    """The finished runs of a results table on a GPU of ``gpus``, each with its spec from the metrics.json the
+    table was collected from (results/runs/<run_id>/metrics.json beside it). A run whose spec this version cannot
+    read (an older spec) is left out with a warning."""
+    metrics_path = Path(metrics_path)
+    frame = pd.read_parquet(metrics_path)
+    finished = frame[(frame["status"] == "ok") & (frame["device"] == "cuda") & (frame["measured_steps"].fillna(0) > 1)]
+    measured = []
+    for row in finished.to_dict("records"):
+        gpu = gpu_table.entry_for(row.get("device_name") or "", gpus)
+        spec = _spec(metrics_path.parent / "runs" / str(row["run_id"]) / "metrics.json")
+        if gpu is None or spec is None:
+            continue
+        clean = {key: (None if is_missing(value) else value) for key, value in row.items()}
+        measured.append(MeasuredRun(spec, clean, {**gpu, "device_name": row.get("device_name")}))
+    return measured
+
+
+def _spec(path: Path) -> RunSpec | None:
+    try:
+        return RunSpec.from_dict(json.loads(path.read_text(encoding="utf-8"))["spec"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"{path}: its run spec is not readable here ({exc}); left out of the calibration", stacklevel=2)
+        return None
+
+
+def samples(measured: list[MeasuredRun]) -> list[calibrations.Sample]:
+    """The fit's samples: each measured run's workload (its measured batches) and seconds per step."""
+    out = []
+    for item in measured:
+        load, _ = step_time.workload(item.run, measured=item.row)
+        if load is None:
+            continue
+        step_s = item.row["measured_time_s"] / item.row["measured_steps"]
+        busy = item.row.get("gpu_busy_share")
+        out.append(calibrations.Sample(item.run.run_id, load, item.gpu, step_s, busy))
+    return out
+
+
+def own_calibration(metrics_path: str | Path | None, gpus: list[dict],
+                    shipped: calibrations.Calibration) -> tuple[calibrations.Calibration, list[MeasuredRun]]:
+    """(the shipped calibration with the user's own GPU runs fitted over it, those taking precedence for the GPU
+    models they ran on; the measured runs). No results, or none on a GPU: the shipped calibration as it is."""
+    if metrics_path is None or not Path(metrics_path).is_file():
+        return shipped, []
+    measured = read_measured(metrics_path, gpus)
+    fitted = samples(measured)
+    if not fitted:
+        return shipped, measured
+    own = calibrations.fit(fitted, shipped, source=f"your runs in {metrics_path}", host=hosts_of(measured))
+    return own.over(shipped), measured
+
+
+def hosts_of(measured: list[MeasuredRun]) -> str | None:
+    """The CPUs the runs were measured with (the host terms are theirs)."""
+    cpus = sorted({str(item.row.get("cpu")) for item in measured if item.row.get("cpu")})
+    return ", ".join(cpus) or None
+
+
+def load_calibration(path: str | Path | None) -> calibrations.Calibration:
+    """The calibration at ``path`` (the shipped config/calibration.yaml by default)."""
+    return calibrations.load(path or DEFAULT_CALIBRATION)
+
+
+# --- the priced table -----------------------------------------------------------------------------------------
+
+PRICED_COLUMNS = ["run_id", "config_id", "gpu", "fits", "largest_batch", "basis", "tokens_per_s", "tokens_per_s_low",
+                  "tokens_per_s_high", "predicted_tokens_per_s", "predicted_tokens_per_s_low",
+                  "predicted_tokens_per_s_high", "busy_share", "host_bound", "budget_tokens",
+                  "budget_hours", "budget_hours_low", "budget_hours_high", "devices", "price_per_device_hour",
+                  "budget_cost", "budget_cost_low", "budget_cost_high", "note"]
+
+
+def price_of(gpu: dict, prices: cost.Prices) -> float | None:
+    """$ per device-hour of a GPU of the table: the price table's model matched by the GPU's name and memory
+    ("A100 80GB", as a device name reads), under the experiment's provider and pricing; None where unpriced."""
+    name = f"{gpu['name']} {gpu['memory_gb']:g}GB" if gpu.get("memory_gb") else gpu["name"]
+    model = prices.model_for("cuda", name)
+    return prices.per_device_hour.get(model) if model else None
+
+
+def measured_index(measured: list[MeasuredRun]) -> dict[tuple[str, str], list[MeasuredRun]]:
+    """The measured runs by (configuration for speed, GPU model): what "measured here" looks up."""
+    index: dict[tuple[str, str], list[MeasuredRun]] = {}
+    for item in measured:
+        index.setdefault((prediction.speed_key(item.run), item.gpu["name"]), []).append(item)
+    return index
+
+
+def run_rows(run: RunSpec, gpus: list[dict], calibration: calibrations.Calibration, prices: cost.Prices,
+             budget: dict | None, planned: dict, measured: dict, data_root=None) -> list[dict]:
+    """One row per GPU of the table for a run: what fits there (``planned``: memory_plan.plan_run's), the
+    predicted or measured tokens/s with its interval and basis, the budget's hours and dollars."""
+    if planned.get("unsupported"):
+        return []
+    fits = {row["gpu"]: row for row in planned.get("gpus", [])}
+    predicted = prediction.predict_run(run, gpus, calibration, data_root, budget)
+    if not predicted["gpus"]:
+        why = predicted["note"] or "no GPU of the table has a peak and a bandwidth for its compute dtype"
+        return [{**dict.fromkeys(PRICED_COLUMNS), "run_id": run.run_id, "config_id": run.config_id,
+                 "note": f"no prediction: {why}"}]
+    rows = []
+    for figures in predicted["gpus"]:
+        gpu = figures["gpu"]
+        row = {"run_id": run.run_id, "config_id": run.config_id, "gpu": gpu, "fits": fits.get(gpu, {}).get("fits"),
+               "largest_batch": fits.get(gpu, {}).get("largest_batch"), "basis": prediction.BASES[figures["basis"]],
+               "tokens_per_s": figures["tokens_per_s"], "tokens_per_s_low": figures["tokens_per_s_low"],
+               "tokens_per_s_high": figures["tokens_per_s_high"], "predicted_tokens_per_s": figures["tokens_per_s"],
+               "predicted_tokens_per_s_low": figures["tokens_per_s_low"],
+               "predicted_tokens_per_s_high": figures["tokens_per_s_high"],
+               "busy_share": figures["busy_share"], "host_bound": figures["host_bound"],
+               "budget_tokens": figures.get("budget_tokens"), "devices": run.devices, "note": predicted["note"]}
+        row.update(_measured_figures(measured.get((prediction.speed_key(run), gpu), [])))
+        rows.append(_priced(row, price_of(next(g for g in gpus if g["name"] == gpu), prices)))
+    return rows
+
+
+def _measured_figures(items: list[MeasuredRun]) -> dict:
+    """A configuration's measured figures on one GPU model (the median of its repeats; the interval from the
+    lowest low end to the highest high end): these replace the prediction's, which stays beside them."""
+    if not items:
+        return {}
+    rates = pd.Series([item.row["tokens_per_s"] for item in items], dtype=float)
+    lows = [item.row.get("tokens_per_s_low") or item.row["tokens_per_s"] for item in items]
+    highs = [item.row.get("tokens_per_s_high") or item.row["tokens_per_s"] for item in items]
+    busy = [item.row["gpu_busy_share"] for item in items if item.row.get("gpu_busy_share") is not None]
+    share = float(pd.Series(busy).median()) if busy else None
+    return {"basis": prediction.BASES["measured"], "tokens_per_s": float(rates.median()), "tokens_per_s_low": min(lows),
+            "tokens_per_s_high": max(highs), "busy_share": share,
+            "host_bound": None if share is None else share < calibrations.HOST_BOUND}
+
+
+def _priced(row: dict, price: float | None) -> dict:
+    """The budget's hours and dollars at the row's tokens/s and its interval (training steps only)."""
+    tokens = row.get("budget_tokens")
+    row["price_per_device_hour"] = price
+    for suffix, rate in (("", "tokens_per_s"), ("_low", "tokens_per_s_high"), ("_high", "tokens_per_s_low")):
+        hours = tokens / row[rate] / 3600 if tokens and row.get(rate) else None
+        row[f"budget_hours{suffix}"] = hours
+        row[f"budget_cost{suffix}"] = hours * row["devices"] * price if hours is not None and price is not None else None
+    return row
+
+
+def priced_table(runs: list[RunSpec], gpus: list[dict], calibration: calibrations.Calibration,
+                 prices: cost.Prices, budget: dict | None, measured: list[MeasuredRun] | None = None,
+                 data_root=None, plans: dict | None = None, build=None) -> pd.DataFrame:
+    """Every run on every GPU of the table (``PRICED_COLUMNS``). ``plans``: memory_plan.plan_run's result by
+    run_id where the caller has it already (else made here, with ``build`` for models of two stacks)."""
+    index = measured_index(measured or [])
+    rows = []
+    for run in runs:
+        planned = (plans or {}).get(run.run_id) or memory_plan.plan_run(run, gpus, data_root, build=build)
+        rows += run_rows(run, gpus, calibration, prices, budget, planned, index, data_root)
+    return pd.DataFrame(rows, columns=PRICED_COLUMNS)
+
+
+def cheapest(table: pd.DataFrame) -> pd.DataFrame:
+    """Per run: the GPU of the table with the lowest budget cost among those it fits ("yes"; "borderline" where
+    nothing fits surely), with that cost's interval and basis."""
+    picks = []
+    for run_id, rows in table.groupby("run_id", sort=False):
+        priced = rows[rows["budget_cost"].notna()]
+        for verdict in ("yes", "borderline"):
+            fitting = priced[priced["fits"] == verdict]
+            if not fitting.empty:
+                best = fitting.loc[fitting["budget_cost"].idxmin()]
+                picks.append({"run_id": run_id, "gpu": best["gpu"], "fits": verdict, "budget_cost": best["budget_cost"],
+                              "budget_cost_low": best["budget_cost_low"], "budget_cost_high": best["budget_cost_high"],
+                              "budget_hours": best["budget_hours"], "basis": best["basis"]})
+                break
+    return pd.DataFrame(picks, columns=["run_id", "gpu", "fits", "budget_cost", "budget_cost_low", "budget_cost_high",
+                                        "budget_hours", "basis"])
+
+
+# --- as text (the plan) ---------------------------------------------------------------------------------------
+
+def _span(value, low, high, unit: str = "", digits: str = ",.0f") -> str:
+    if is_missing(value):
+        return "-"
+    text = f"{unit}{value:{digits}}"
+    return text if is_missing(low) or is_missing(high) else f"{text} [{unit}{low:{digits}}-{unit}{high:{digits}}]"
+
+
+def _hours(value, low, high) -> str:
+    digits = ",.0f" if not is_missing(value) and value >= 100 else ".3g"
+    return _span(value, low, high, digits=digits)
+
+
+PRICED_HEADER = f"{'tokens/s [95%]':>26} {'busy':>5} {'hours [95%]':>20} {'$ [95%]':>22}  basis"
+
+
+def priced_cells(row: dict | None) -> str:
+    """One GPU's prediction as the plan prints it beside the GPU's memory verdict ('' where there is none)."""
+    if row is None or is_missing(row.get("gpu")):
+        return ""
+    busy = "-" if is_missing(row["busy_share"]) else f"{row['busy_share']:.2f}"
+    flag = " (host-bound)" if row["host_bound"] is True else ""
+    return (f"{_span(row['tokens_per_s'], row['tokens_per_s_low'], row['tokens_per_s_high']):>26} {busy:>5} "
+            f"{_hours(row['budget_hours'], row['budget_hours_low'], row['budget_hours_high']):>20} "
+            f"{_span(row['budget_cost'], row['budget_cost_low'], row['budget_cost_high'], '$'):>22}  {row['basis']}{flag}")
+
+
+def plan_footer(rows: pd.DataFrame, pick: dict | None) -> list[str]:
+    """Under a run's GPU lines: why it has no prediction, the prediction's notes, the cheapest GPU that fits."""
+    if rows.empty:
+        return []
+    lines = [f"  note: {note}" for note in rows["note"].dropna().unique()]
+    if pick:
+        lines.append(f"  cheapest that fits: {pick['gpu']} ({pick['fits']}), "
+                     f"{_span(pick['budget_cost'], pick['budget_cost_low'], pick['budget_cost_high'], '$')} "
+                     f"for the budget ({pick['basis']})")
+    elif rows["budget_cost"].notna().any():
+        lines.append("  cheapest that fits: none of the table's GPUs fits it")
+    return lines
+
+
+def plan_heading(calibration: calibrations.Calibration, prices: cost.Prices, budget: dict | None) -> str:
+    """What the plan's prices rest on: the budget, the prices, the calibration and its GPU models."""
+    calibrated = ", ".join(sorted(calibration.gpus)) or "none"
+    what = ("no budget: hours and $ left out" if not budget else
+            f"budget {budget.get('tokens') or budget.get('samples'):,} {'tokens' if budget.get('tokens') else 'samples'}"
+            f" x {budget.get('epochs') or 1} epochs")
+    return (f"speed and cost per GPU ({what}; training steps only, no evaluation or start-up; prices {prices.label} "
+            f"from {prices.table_path}; calibration {calibration.source}, calibrated on: {calibrated}; "
+            f"[95%]: the calibration's residual spread)")
+
+
+# --- the report's section -------------------------------------------------------------------------------------
+
+def result_configurations(frame: pd.DataFrame, metrics_path: str | Path) -> list[tuple[RunSpec, dict | None]]:
+    """One (spec, budget) per configuration of a results table (its first run with a readable spec; runs recorded
+    unsupported left out), the budget as the run's own projected_tokens (collect's, from the experiment's budget)."""
+    chosen: dict[str, tuple[RunSpec, dict | None]] = {}
+    for row in frame[frame["status"] != "unsupported"].to_dict("records"):
+        if row["config_id"] in chosen:
+            continue
+        spec = _spec(Path(metrics_path).parent / "runs" / str(row["run_id"]) / "metrics.json")
+        if spec is not None:
+            tokens = row.get("projected_tokens")
+            chosen[row["config_id"]] = (spec, None if is_missing(tokens) else {"tokens": float(tokens)})
+    return list(chosen.values())
+
+
+def results_table(metrics_path: str | Path, gpus: list[dict], calibration: calibrations.Calibration,
+                  prices: cost.Prices) -> tuple[pd.DataFrame, calibrations.Calibration]:
+    """The priced table of a results set's configurations on every GPU of the table (the measured ones as measured),
+    and the calibration it used (the user's runs fitted over ``calibration``)."""
+    frame = pd.read_parquet(metrics_path)
+    own, measured = own_calibration(metrics_path, gpus, calibration)
+    data_root = Path(metrics_path).parent / "data"
+    parts = [priced_table([run], gpus, own, prices, budget, measured, data_root)
+             for run, budget in result_configurations(frame, metrics_path)]
+    parts = [part for part in parts if not part.empty]
+    table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=PRICED_COLUMNS)
+    return table, own
+
+
+# The section's table: its columns and what each header's tooltip says. Measured and predicted figures are kept in
+# columns of their own, so a predicted number is never read as a measured one.
+SECTION_COLUMNS = {
+    "configuration": "the configuration (as the Configurations table names it)",
+    "GPU": "a GPU of the GPU table (config/gpus.yaml)",
+    "fits": "memory estimate against the GPU: yes / borderline / no (What fits)",
+    "rests on": "measured here: a run of it on this GPU model is in these results | calibrated on this GPU model | "
+                "datasheet only (uncalibrated): the datasheet's peak and bandwidth, with the calibrated GPUs' efficiencies",
+    "measured tokens/s": "measured real tokens per second (median of its repeats), where it ran on this GPU model",
+    "predicted tokens/s": "the step-time model's tokens per second before training (compute, memory traffic, host)",
+    "predicted 95%": "95% interval of the prediction: the calibration's residual spread for this GPU model and kind of run",
+    "measured / predicted": "how the prediction fared where it was measured",
+    "GPU busy": "share of the step the GPU runs kernels: measured (NVML) where measured, else predicted",
+    "host-bound": "GPU busy below 0.8: the host's launches set the speed, so on a faster host or with compile this "
+                  "ordering may change",
+    "cost_of_budget_measured": "$ of the budget's training steps at the measured tokens/s (GPUs x $/GPU-hour)",
+    "cost_of_budget_predicted": "$ of the budget's training steps at the predicted tokens/s",
+    "predicted $ 95%": "the predicted cost's 95% interval",
+}
+
+
+def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
+    """The priced table as the report shows it (SECTION_COLUMNS), one row per configuration and GPU."""
+    shown = table[table["gpu"].notna()]
+    measured = shown["basis"] == prediction.BASES["measured"]
+    predicted_cost = shown["budget_tokens"] / shown["predicted_tokens_per_s"] / 3600 * shown["devices"] * shown["price_per_device_hour"]
+    cost_low = shown["budget_tokens"] / shown["predicted_tokens_per_s_high"] / 3600 * shown["devices"] * shown["price_per_device_hour"]
+    cost_high = shown["budget_tokens"] / shown["predicted_tokens_per_s_low"] / 3600 * shown["devices"] * shown["price_per_device_hour"]
+    frame = pd.DataFrame({
+        "configuration": shown["config_id"].map(lambda key: (labels or {}).get(key, key)),
+        "GPU": shown["gpu"], "fits": shown["fits"].fillna("?"), "rests on": shown["basis"],
+        "measured tokens/s": shown["tokens_per_s"].where(measured),
+        "predicted tokens/s": shown["predicted_tokens_per_s"],
+        "predicted 95%": [_range(low, high) for low, high in zip(shown["predicted_tokens_per_s_low"], shown["predicted_tokens_per_s_high"])],
+        "measured / predicted": (shown["tokens_per_s"] / shown["predicted_tokens_per_s"]).where(measured),
+        "GPU busy": shown["busy_share"], "host-bound": shown["host_bound"],
+        "cost_of_budget_measured": shown["budget_cost"].where(measured), "cost_of_budget_predicted": predicted_cost,
+        "predicted $ 95%": [_range(low, high, money=True) for low, high in zip(cost_low, cost_high)],
+    })
+    return frame.astype({"measured tokens/s": "Float64", "measured / predicted": "Float64", "GPU busy": "Float64",
+                         "cost_of_budget_measured": "Float64", "cost_of_budget_predicted": "Float64"})
+
+
+def _range(low, high, money: bool = False) -> str:
+    if is_missing(low) or is_missing(high):
+        return ""
+    return f"${low:,.2f}-${high:,.2f}" if money else f"{low:,.0f}-{high:,.0f}"
+
+
+def cheapest_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
+    """Per configuration: the cheapest GPU of the table that fits it and the budget's $ there."""
+    picks = cheapest(table)
+    config_of = dict(zip(table["run_id"], table["config_id"]))
+    return pd.DataFrame({
+        "configuration": [(labels or {}).get(config_of[run_id], config_of[run_id]) for run_id in picks["run_id"]],
+        "cheapest GPU that fits": picks["gpu"], "fits": picks["fits"], "rests on": picks["basis"],
+        "cost_of_budget": picks["budget_cost"],
+        "95%": [_range(low, high, money=True) for low, high in zip(picks["budget_cost_low"], picks["budget_cost_high"])],
+        "budget hours": picks["budget_hours"]})

@@ -1,0 +1,69 @@
+"""The report's section on predicted speed and cost: every configuration of the results on every GPU of the table
+(report/prediction.py's priced table), measured figures and predicted ones in columns of their own, the cheapest
+GPU that fits each configuration, the host-bound runs named, and the budget-cost figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from markupsafe import Markup
+
+from ftbench.experiment import calibration as calibrations
+from ftbench.experiment.prediction import BASES
+from ftbench.measure.metrics import HOST_BOUND_BUSY_SHARE
+from ftbench.report import cost, figures, pages, prediction
+from ftbench.report.analysis import is_missing
+
+TEMPLATE = "prediction.html.j2"
+
+
+def host_bound_notes(runs: pd.DataFrame) -> list[str]:
+    """One line per measured host-bound run: its busy share and what that means for its ranking."""
+    if "host_bound" not in runs:
+        return []
+    flagged = runs[runs["host_bound"].fillna(False).astype(bool)]
+    return [f"{row['run_id']}: GPU busy {row['gpu_busy_share']:.0%} of its measured window (below "
+            f"{HOST_BOUND_BUSY_SHARE:.0%}): host-bound, its speed is the host's kernel launches; on a faster host or "
+            "with compile this ordering may change" for row in flagged.to_dict("records")]
+
+
+def calibration_notes(calibration: calibrations.Calibration) -> list[str]:
+    """What the predictions rest on."""
+    calibrated = ", ".join(f"{name} ({entry.get('runs', '?')} runs)" for name, entry in sorted(calibration.gpus.items()))
+    return [f"Calibration: {calibration.source}; calibrated GPU models: {calibrated or 'none'}. Other GPU models are "
+            f"datasheet only: their interval is wider (x{pow(2.718281828, 1.96 * calibration.transfer_sd):.2f} either way).",
+            "Predicted hours and dollars cover the budget's training steps only (no evaluation or job start-up)."]
+
+
+def section(metrics_path: str | Path, gpus: list[dict], figures_dir: str | Path, captions: dict[str, str] | None = None,
+            labels: dict | None = None, calibration_path: str | Path | None = None,
+            prices: cost.Prices | None = None) -> tuple[Markup | None, dict]:
+    """(the section's HTML, the figure drawn: name -> PNG path or the note why not). None where no configuration
+    has a prediction. ``labels``: config_id -> the configuration's label in the report."""
+    prices = prices or cost.resolve({})
+    table, calibration = prediction.results_table(metrics_path, [g for g in gpus if g.get("memory_gb")],
+                                                  prediction.load_calibration(calibration_path), prices)
+    shown = prediction.section_frame(table, labels)
+    if shown.empty:
+        return None, {}
+    written = figures.save({figures.BUDGET_COST.name: figures.draw(figures.BUDGET_COST, shown)}, figures_dir)
+    left_out = shown[~shown["fits"].isin(["yes", "borderline"])]
+    note = (f"left out where the configuration does not fit: {len(left_out)} of {len(shown)} (configuration, GPU) pairs"
+            if not left_out.empty else None)
+    block = pages.figure_block(figures.BUDGET_COST.name, figures.BUDGET_COST.title, written[figures.BUDGET_COST.name],
+                               captions or {}, note)
+    runs = pd.read_parquet(metrics_path)
+    no_prediction = [f"{row['run_id']}: {row['note']}" for row in table[table["gpu"].isna()].to_dict("records")
+                     if not is_missing(row["note"])]
+    html = pages.TEMPLATES.get_template(TEMPLATE).render(
+        table=pages.table(shown, list(prediction.SECTION_COLUMNS), table_id="prediction-table",
+                          row_class=_row_class, titles=prediction.SECTION_COLUMNS),
+        cheapest=pages.table(prediction.cheapest_frame(table, labels), list(prediction.cheapest_frame(table, labels).columns),
+                             table_id="cheapest-table"),
+        figure=block, host_bound=host_bound_notes(runs), notes=calibration_notes(calibration) + no_prediction)
+    return Markup(html), written
+
+
+def _row_class(row: pd.Series) -> str:
+    return "measured" if row["rests on"] == BASES["measured"] else "predicted"
