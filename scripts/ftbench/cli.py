@@ -233,6 +233,9 @@ def _meta_model(run: RunSpec):
     return meta_model(run)
 
 
+NO_PEAK = "no peak or bandwidth for the run's compute dtype in the GPU table: not predicted"
+
+
 def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
     """One run's plan as text: its estimate and largest parts, then one line per GPU: what fits there and, from
     ``priced`` (report/prediction.py priced_table's rows of the run), its predicted speed and cost."""
@@ -244,8 +247,10 @@ def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
     by_gpu = {} if priced is None else {row["gpu"]: row for row in priced.to_dict("records") if row["gpu"]}
     if planned["memory_estimate_mb"] is None:
         lines.append(f"  no estimate: {planned['memory_estimate_note']}")
-        return "\n".join(lines + [f"  {'GPU':<12} {prediction.PRICED_HEADER}"]
-                         + [f"  {gpu:<12} {prediction.priced_cells(row)}" for gpu, row in by_gpu.items()] * bool(by_gpu))
+        if by_gpu:
+            lines.append(f"  {'GPU':<12} {prediction.PRICED_HEADER}")
+            lines += [f"  {gpu:<12} {prediction.priced_cells(row)}" for gpu, row in by_gpu.items()]
+        return "\n".join(lines)
     parts = sorted(planned["memory_estimate_parts_mb"].items(), key=lambda item: -item[1])
     shown = ", ".join(f"{name} {value:,.0f}" for name, value in parts if value >= 1)
     lines.append(f"  estimate {planned['memory_estimate_mb']:,.0f} MiB per GPU = peak of: {shown}")
@@ -256,7 +261,7 @@ def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
     lines.append(f"  {'GPU':<12} {'capacity':>10} {'fits':>11} {'largest batch':>14}" + (f" {prediction.PRICED_HEADER}" if by_gpu else ""))
     for row in planned["gpus"]:
         lines.append(f"  {row['gpu']:<12} {row['capacity_mib']:>10,.0f} {row['fits']:>11} {row['largest_batch'] or 'none':>14}"
-                     + (f" {prediction.priced_cells(by_gpu.get(row['gpu']))}" if by_gpu else ""))
+                     + (f" {prediction.priced_cells(by_gpu.get(row['gpu'])) or NO_PEAK:>26}" if by_gpu else ""))
     return "\n".join(lines)
 
 
