@@ -867,6 +867,11 @@ def test_a_refusal_names_what_is_allowed_never_a_regular_expression(tiny_config_
      "20 is not below the 20 rows of the eval split, which is scored whole anyway"),
     (lambda c: c["defaults"].update(eval_every=2, eval_subset=64), "defaults.eval_subset",
      "64 is not below the 20 eval rows the run scores, so each evaluation during training scores them all"),
+    (lambda c: c["defaults"].update(lr_warmup_steps=8), "defaults.lr_warmup_steps",
+     "8 is not below the run's 6 steps, so the learning rate never reaches learning_rate (at most 75% of it)"),
+    (lambda c: c["defaults"].update(num_gpus=0, gpu_sample_interval_s=0.1), "defaults.gpu_sample_interval_s",
+     "it paces the GPU sampling (NVML), and the run is on the CPU"),
+    (lambda c: c["defaults"].update(device="cpu", confirm_oom=True), "defaults.confirm_oom", "on the CPU, where nothing is predicted"),
     (lambda c: c.update(report={"repeat_scoring": "trimmed_mean"}, repeats=2), "report.repeat_scoring",
      "trimmed_mean drops the fastest and the slowest repeat, which needs at least 3 repeats; with repeats 2"),
 ])
@@ -878,13 +883,14 @@ def test_a_setting_the_run_is_too_short_or_too_small_for_is_warned_about_naming_
     ftbench_config.validate_config(config)
     messages = [m for m in ftbench_config.experiment_warnings(config) if m.startswith(f"config key {key}:")]
     assert len(messages) == 1 and words in messages[0], ftbench_config.experiment_warnings(config)
-    assert "it changes nothing" in messages[0] or key.startswith("report.")
+    assert messages[0].startswith(f"config key {key}: cannot take effect in run") or key.startswith("report.")
 
 
 def test_settings_that_take_effect_are_not_warned_about(tiny_config_factory):
     config = tiny_config_factory(report={"repeat_scoring": "trimmed_mean"}, repeats=3)
     config["datasets"]["tiny"].update(train_size=80, eval_size=20)
-    config["defaults"].update(eval_every=5, stop_at_target=False, max_eval_samples=19, eval_subset=10)
+    config["defaults"].update(eval_every=5, stop_at_target=False, max_eval_samples=19, eval_subset=10, lr_warmup_steps=5,
+                              gpu_sample_interval_s=0.1, confirm_oom=True, device="cuda")
     assert ftbench_config.experiment_warnings(config) == []
     config["defaults"].update(eval_every=2, warmup_steps=3, stop_at_target=True)  # evaluates at step 4, in the window
     assert ftbench_config.experiment_warnings({**config, "target": {"metric": "eval_accuracy", "value": 0.6}}) == []

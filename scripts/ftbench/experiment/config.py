@@ -368,12 +368,13 @@ def ineffective_settings(config: dict, runs: list[RunSpec]) -> list[str]:
     per key, naming the runs and what the setting would need."""
     by_key: dict[tuple[str, str], list[str]] = {}  # (key, why) -> run ids
     given = {name for _, block in _settings_blocks(config) for name in block}
+    defaults = RunSpec()
     for run in runs:
         for name, value, why in _run_ineffective(run):
-            if name not in given:  # a default the user did not write (eval_subset 256 over a smaller split)
+            if name not in given or value == getattr(defaults, name):  # a default (eval_subset 256 over a smaller split)
                 continue
             by_key.setdefault((_setting_key(config, name, value), why), []).append(run.run_id)
-    messages = [f"config key {key}: {why} in {_runs_named(ids)}; it changes nothing there" for (key, why), ids in by_key.items()]
+    messages = [f"config key {key}: cannot take effect in {_runs_named(ids)}: {why}" for (key, why), ids in by_key.items()]
     return messages + _report_ineffective(config, runs)
 
 
@@ -383,10 +384,18 @@ def _runs_named(run_ids: list[str]) -> str:
 
 
 def _run_ineffective(run: RunSpec) -> list[tuple[str, Any, str]]:
-    """(setting, value, why it cannot apply) of one run: evaluation cadences the run is too short for, evaluation
-    sizes its eval split is too small for."""
+    """(setting, value, why it cannot apply) of one run: schedules the run is too short for, evaluation sizes its
+    eval split is too small for, GPU settings of a run on the CPU."""
+    return _too_short(run, _planned_steps(run)) + _too_small(run) + _off_the_gpu(run)
+
+
+def _too_short(run: RunSpec, steps: int | None) -> list[tuple[str, Any, str]]:
+    """Evaluation cadences and learning-rate warmups not below the run's steps."""
     found = []
-    steps = _planned_steps(run)
+    if steps is not None and run.lr_warmup_steps >= steps:
+        found.append(("lr_warmup_steps", run.lr_warmup_steps, f"{run.lr_warmup_steps} is not below the run's {steps} steps, "
+                      f"so the learning rate never reaches learning_rate (at most {steps / run.lr_warmup_steps:.0%} of it) "
+                      f"and never decays; expected lr_warmup_steps < {steps}"))
     if run.eval_every is not None and steps is not None:
         if run.eval_every >= steps:
             found.append(("eval_every", run.eval_every, f"{run.eval_every} is not below the run's {steps} steps, so no "
@@ -399,14 +408,35 @@ def _run_ineffective(run: RunSpec) -> list[tuple[str, Any, str]]:
                           f"{steps}) comes before the measured window begins after {run.warmup_steps} warmup steps, and a "
                           "run stops at the target only in that window; expected "
                           f"{f'eval_every <= {room} or ' if room >= 1 else ''}fewer warmup_steps"))
+    return found
+
+
+def _too_small(run: RunSpec) -> list[tuple[str, Any, str]]:
+    """Evaluation sizes not below the eval rows there are."""
+    found = []
     rows = _eval_rows(run)
     if rows is not None and run.max_eval_samples is not None and run.max_eval_samples >= rows:
         found.append(("max_eval_samples", run.max_eval_samples, f"{run.max_eval_samples} is not below the {rows} rows of "
-                      "the eval split, which is scored whole anyway"))
+                      "the eval split, which is scored whole anyway; expected fewer, or max_eval_samples null"))
     scored = min(rows, run.max_eval_samples or rows) if rows is not None else None
     if run.eval_every is not None and run.eval_subset is not None and scored is not None and run.eval_subset >= scored:
         found.append(("eval_subset", run.eval_subset, f"{run.eval_subset} is not below the {scored} eval rows the run "
                       "scores, so each evaluation during training scores them all (as eval_subset null)"))
+    return found
+
+
+def _off_the_gpu(run: RunSpec) -> list[tuple[str, Any, str]]:
+    """Settings only a GPU run reads, given to a run on the CPU (device cpu or num_gpus 0), and confirm_oom where
+    no prediction can refuse the run."""
+    found = []
+    on_cpu = run.device == "cpu" or run.num_gpus == 0
+    if on_cpu:
+        found.append(("gpu_sample_interval_s", run.gpu_sample_interval_s, "it paces the GPU sampling (NVML), and the "
+                      "run is on the CPU (device cpu or num_gpus 0)"))
+    if run.confirm_oom and (on_cpu or run.auto_batch_size):
+        found.append(("confirm_oom", True, "it launches a GPU run the memory estimate predicts not to fit, and the run is "
+                      + ("on the CPU, where nothing is predicted" if on_cpu else "searched with auto_batch_size, which finds "
+                         "a batch that fits instead")))
     return found
 
 
