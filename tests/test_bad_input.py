@@ -844,6 +844,7 @@ def test_every_pattern_of_the_schema_is_said_in_words():
     (lambda c: c["models"].update({"-base": c["models"]["tiny"]}),
      r"^config key models: name '-base' is not allowed; expected a name of letters, digits, '_' and '\.' that starts"),
     (lambda c: c["datasets"].update({"my data": c["datasets"]["tiny"]}), r"^config key datasets: name 'my data' is not allowed; expected a name"),
+    (lambda c: c.update(target={"metric": "", "value": 0.7}), r"^config key target\.metric: '' is empty; expected at least 1 character"),
     (lambda c: c["datasets"]["tiny"].update(caption_template="a photo"),
      r"^config key datasets\.tiny\.caption_template: 'a photo' is not allowed; expected text containing \{label\}, where each"),
 ])
