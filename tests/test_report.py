@@ -983,3 +983,17 @@ def test_the_headline_marks_unfinished_configurations_and_puts_them_last(tmp_pat
     assert re.search(r'<tr class="status-oom"><td[^>]*>full-b64-s512', page)
     costs = [float(row["$ per 1M tokens"].lstrip("$")) for row in cells.values() if row["$ per 1M tokens"]]
     assert costs == sorted(costs)
+
+
+def test_where_no_configuration_reached_the_target_the_sentence_says_so_and_ranks_by_cost(tmp_path):
+    from ftbench.report import headline
+
+    runs, steps = fixture_runs("cpu_default")
+    runs = runs.assign(target_reached=False, tokens_to_target=None, cost_to_target=None, cost_to_target_low=None,
+                       cost_to_target_high=None, gpu_hours_to_target=None, hours_to_target=None, train_s_to_target=None)
+    runs = analysis.add_step_figures(analysis.prepare(collect.typed(runs)), analysis.read_steps([]))
+    configs = analysis.configurations(runs)
+    text = "".join(part for part, _ in headline.sentence(configs, runs, {}, DEFAULT_TARGET))
+    assert text == "Recommended: full, the cheapest per 1M training tokens ($0.0412); no configuration reached the target eval_accuracy 0.7."
+    section = headline.section(configs, runs, gpu_table.load_peaks(GPU_TABLE), {})
+    assert [cells[5].text for _, cells in section["table"].rows] == ["not reached"] * 4

@@ -153,7 +153,7 @@ def sentence(configs: pd.DataFrame, runs: pd.DataFrame, settings: dict, target: 
         if not ranked.empty:
             return _named(ranked[ranked["tied"]], f"the cheapest to reach {target['metric']} {target['value']:g}",
                           _to_target_figure, suffix)
-        suffix += f"; none of them reached the target {target['metric']} {target['value']:g}"
+        suffix += f"; {'none of them' if among else 'no configuration'} reached the target {target['metric']} {target['value']:g}"
     if eligible["cost_per_1m_tokens"].notna().any():
         order = analysis.ranked(eligible, "cost_per_1m_tokens", False)
         return _named(order[order["tied"]], "the cheapest per 1M training tokens",
