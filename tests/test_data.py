@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -142,17 +143,20 @@ def test_manifest_rows_and_checksums(prepared_data):
 def test_stored_tokens_are_unpadded_and_match_the_tokenizer(prepared_data, tiny_csv, tokenizer):
     folder, manifest = prepared_data
     train_frame, eval_frame = prepared.load_raw_splits(tiny_dataset_def(tiny_csv), "tiny")
+    label_ids = {name: index for index, name in enumerate(manifest["label_names"])}
     for split, frame in (("train", train_frame), ("eval", eval_frame)):
         loaded = registry.load_split(folder, split, manifest)
         lengths = [len(ids) for ids in loaded.input_ids]
+        # stored in the split's seeded stratified order (prepared.stored_order), not the frame's
+        order = prepared.fair_order(frame["label"].map(label_ids).to_numpy(), len(frame), (0, zlib.crc32(split.encode())))
+        frame = frame.iloc[order].reset_index(drop=True)
         expected = tokenizer(frame["text"].tolist(), truncation=True, max_length=TINY_SEQ_LEN)["input_ids"]
-        assert [list(ids) for ids in loaded.input_ids] == expected  # same order, same ids, no padding
+        assert [list(ids) for ids in loaded.input_ids] == expected  # same ids, no padding
         assert tokenizer.pad_token_id not in {int(token) for ids in loaded.input_ids for token in ids}
         assert len(set(lengths)) > 3  # varied lengths: nothing was padded to a common size
         assert max(lengths) == TINY_SEQ_LEN  # long texts are truncated to seq_len
         assert all(ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id for ids in loaded.input_ids)
         assert manifest["splits"][split]["tokens"] == sum(lengths)
-        label_ids = {name: index for index, name in enumerate(manifest["label_names"])}
         assert loaded.labels.tolist() == [label_ids[label] for label in frame["label"]]
 
 

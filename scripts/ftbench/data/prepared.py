@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,14 @@ from ftbench.data import sources
 from ftbench.errors import ConfigError, ManifestError, SourceError
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+# 2: every split stored in a seeded, stratified order (fair_order), so that any prefix of it is a fair sample of it.
+# Data of an earlier version (1: rows in label order) is prepared again.
+MANIFEST_VERSION = 2
 SPLITS = ("train", "eval")
 ROW_GROUP_ROWS = 1024
+# Columns of class ids a split's stored order is stratified by (the first of them a table has): a classifier's label,
+# a retrieval pair's caption id. A split without one (token sequences, vision-language answers) is shuffled.
+STRATA_COLUMNS = ("label", "caption_id")
 # Shard size when none is given (the config's default is experiment.matrix.DEFAULT_SHARD_SIZE_MB, one layer up).
 DEFAULT_SHARD_SIZE_MB = 128
 
@@ -302,16 +308,54 @@ def manifest_head(task: str, dataset_name: str, dataset_def: dict, model_name: s
 
 
 def write_prepared(manifest: dict, tables: dict[str, pa.Table], out_dir: Path, split_figures) -> dict:
-    """Each split's table as Parquet shards, ``split_figures(table)`` (rows, tokens, ...) and its shards in
-    the manifest's ``splits``; the manifest written last, so a folder with a manifest is complete."""
+    """Each split's table as Parquet shards, in a seeded stratified order (``stored_order``), ``split_figures(table)``
+    (rows, tokens, ...) and its shards in the manifest's ``splits``; the manifest written last, so a folder with a
+    manifest is complete."""
     for split_name, table in tables.items():
+        table, row_order = stored_order(table, split_name, manifest)
         manifest["splits"][split_name] = {
             **split_figures(table),
             **majority_class(table, manifest),
+            "row_order": row_order,
             "shards": write_shards(table, out_dir, split_name, manifest["shard_size_mb"]),
         }
     atomic.write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
+
+
+def stored_order(table: pa.Table, split_name: str, manifest: dict) -> tuple[pa.Table, dict]:
+    """(the split's rows in the order they are stored, how that order was made). Sources and splits often come
+    sorted (by label, by length, by date): stored so, the first rows of a split would be one class, and anything
+    that takes part of a split by position (an evaluation cut short) would score a biased sample. Stored in
+    fair_order, stratified by the table's class column (STRATA_COLUMNS) where it has one and seeded by the
+    dataset's split_seed, any prefix of a split is a fair sample of it: each class in its share, lengths alike."""
+    column = next((name for name in STRATA_COLUMNS if name in table.column_names
+                   and pa.types.is_integer(table.schema.field(name).type)), None)
+    seed = int(((manifest.get("preparation") or {}).get("dataset_def") or {}).get("split_seed", 0))
+    strata = table[column].to_numpy() if column is not None else None
+    order = fair_order(strata, table.num_rows, (seed, zlib.crc32(split_name.encode())))
+    return table.take(pa.array(order)), {"stratified_by": column, "seed": seed}
+
+
+def fair_order(strata: np.ndarray | None, rows: int, seed) -> np.ndarray:
+    """A seeded order of ``rows`` rows any prefix of which is a fair sample of them. With ``strata`` (a class per
+    row) the classes are interleaved: the i-th of a class's n rows (in a seeded shuffle of them) sits at
+    (i + u) / n, u uniform in [0, 1), and the rows are taken by that key, so the first k rows hold each class's
+    share of k to within about one row per class. Without, a seeded shuffle (its prefixes are fair in
+    expectation: lengths, targets)."""
+    rng = np.random.default_rng(seed)
+    shuffled = rng.permutation(rows)
+    if strata is None:
+        return shuffled
+    classes = np.asarray(strata)[shuffled]
+    grouped = np.argsort(classes, kind="stable")  # each class's rows together, in shuffled order within it
+    ordered = classes[grouped]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if rows else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.r_[starts, rows])
+    rank = np.arange(rows) - np.repeat(starts, sizes)
+    keys = np.empty(rows)
+    keys[grouped] = (rank + rng.random(rows)) / np.repeat(sizes, sizes)
+    return shuffled[np.argsort(keys, kind="stable")]
 
 
 def majority_class(table: pa.Table, manifest: dict) -> dict:
@@ -358,7 +402,9 @@ def read_manifest(data_dir: str | Path) -> dict:
         raise ManifestError(f"{path}: manifest missing; run prepare_data for this dataset")
     manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise ManifestError(f"{path}: manifest version {manifest.get('manifest_version')} != {MANIFEST_VERSION}; prepare the data again")
+        raise ManifestError(f"{path}: manifest version {manifest.get('manifest_version')} != {MANIFEST_VERSION} (prepared by "
+                            f"another ftbench version); delete {Path(data_dir)} and run snakemake again to prepare it anew "
+                            "(the runs on it train again)")
     return manifest
 
 

@@ -127,9 +127,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
-    "eval_majority_class_rate": ("Float64", "classification: share of the eval split's most common class, the accuracy of always "
-                                           "answering it (what eval_accuracy is read against; the whole eval split, "
-                                           "also with max_eval_samples); null for other tasks and synthetic data"),
+    "eval_majority_class_rate": ("Float64", "classification: share of the most common class among the eval rows the final "
+                                           "evaluation scored (the whole eval split, or the seeded stratified sample "
+                                           "max_eval_samples or a time limit left), the accuracy of always answering it: what "
+                                           "eval_accuracy is read against; null for other tasks and synthetic data"),
     # eval_before_training: the same figures of the model as built, scored before the first step on the final
     # evaluation's examples (train/evaluation.py), so each eval_* above has its starting point beside it
     **{f"base_{figure}": ("Float64", f"eval_before_training: {figure} of the model before training (the same eval "

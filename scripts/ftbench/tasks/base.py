@@ -199,6 +199,16 @@ class TaskFamily:
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         raise NotImplementedError
 
+    def row_classes(self, split) -> np.ndarray | None:
+        """The class id of every row of a loaded split (the majority-class rate of the rows an evaluation scored is
+        read from them); None for a family without classes."""
+        return None
+
+    def row_strata(self, split) -> np.ndarray | None:
+        """What a partial evaluation's rows are stratified by (train/evaluation.py): the rows' classes, where the
+        family has them; None: a seeded sample."""
+        return self.row_classes(split)
+
     # -- measuring --------------------------------------------------------------------------------------
 
     def eval_accumulator(self):

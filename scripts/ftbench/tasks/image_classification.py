@@ -217,6 +217,9 @@ class ImageClassification(TaskFamily):
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         return collate_images(split, indices)
 
+    def row_classes(self, split) -> np.ndarray:
+        return np.asarray(split.labels)
+
     def eval_accumulator(self):
         return ClassAccumulator()
 

@@ -471,6 +471,10 @@ class ImageTextRetrieval(TaskFamily):
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         return collate(split, indices)
 
+    def row_strata(self, split) -> np.ndarray:
+        """Caption ids: a partial evaluation keeps each caption's share (class captions: each class's)."""
+        return np.asarray(split.caption_ids)
+
     def eval_accumulator(self):
         return RecallAccumulator()
 

@@ -50,6 +50,9 @@ class TextClassification(TextFamily):
 
         inputs["labels"] = torch.from_numpy(np.asarray(rows.labels))
 
+    def row_classes(self, split) -> np.ndarray:
+        return np.asarray(split.labels)
+
     def eval_accumulator(self):
         return ClassAccumulator()
 

@@ -18,9 +18,17 @@ time, with the memory peaks of training and evaluation kept apart.
   evals.parquet with eval_every, in place of that step's subset evaluation), its time is base_eval_time_s, and
   the memory peaks are reset after it: a forward pass at eval_batch_size must not become training's peak.
 
+- Which rows (``score``): every evaluation that scores part of the eval split (max_eval_samples, eval_subset,
+  one cut short by the job's time limit) scores a seeded stratified sample of it, never its first rows by
+  position: the rows are taken in ``eval_order`` (prepared.fair_order over the family's classes, the same for
+  every run), whose every prefix holds each class in its share. max_eval_samples is its first rows, eval_subset
+  the first of those; the rows planned are scored in rounds of ROUND_BATCHES batches (longest first within a
+  round, for little padding), and a time limit ends an evaluation only between rounds, so the rows scored are
+  again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
+
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
-  evaluation scores batches while another one fits in what is left of it, keeping WRITE_RESERVE for
+  evaluation scores rounds while another one fits in what is left of it, keeping WRITE_RESERVE for
   writing the results, and ``eval_samples`` says how many examples were scored.
 - Evaluation has a memory peak of its own (its batch size, no optimizer), so it must not raise the
   training figure: peak_rss_mb / the CUDA peaks are read when training ends, then the peaks are reset
@@ -36,17 +44,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ftbench.data import prepared
 from ftbench.measure.intervals import wilson
 from ftbench.tasks import registry
 from ftbench.tasks.base import is_proportion, reaches
-from ftbench.train.devices import local_gpus, synchronize
+from ftbench.train import batching
+from ftbench.train.devices import autocast_args, local_gpus, synchronize
 
 # Statuses whose model is evaluated: trained to its end, or to the job's time limit.
 EVALUATED = ("ok", "timeout")
 # Share of the job's evaluation margin kept for writing the results after the last eval batch.
 WRITE_RESERVE = 0.25
-# The eval subset's seed: fixed, not the run's, so every run and repeat scores the same examples.
-SUBSET_SEED = 0
+# The seed of eval_order: fixed, not the run's, so every run and repeat scores the same examples.
+EVAL_ORDER_SEED = 0
+# Batches of one round of an evaluation a time limit may end (between rounds): sorted by length within a round of
+# 4 batches, batches pad about as little as sorted over the whole split.
+ROUND_BATCHES = 4
 
 
 def peak_rss_mb() -> float | None:
@@ -79,6 +92,7 @@ class EvalBudget:
         self.last = None
 
     def another_batch_fits(self) -> bool:
+        """Whether another part (score's rounds) fits, expected to take as long as the slowest part so far."""
         now = self.clock()
         if self.last is not None:
             self.slowest = max(self.slowest, now - self.last)
@@ -101,8 +115,10 @@ def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, step
     budget = EvalBudget(stop.limit, WRITE_RESERVE * stop.margin if stop.limit else 0.0)
     started = time.perf_counter()
     figures = evaluate(run.model, run.eval_split, run.spec, run.task, run.device, run.pad_id,
-                       another_batch_fits=budget.another_batch_fits if may_stop_early else lambda: True)
+                       another_batch_fits=budget.another_batch_fits if may_stop_early else None)
     figures["eval_time_s"] = time.perf_counter() - started
+    if run.spec.dataset_def["source"]["kind"] == "synthetic":
+        figures["eval_majority_class_rate"] = None  # random labels: no majority class to read a score against
     if local_gpus:
         figures["eval_peak_memory_mb"] = max(torch.cuda.max_memory_allocated(i) for i in local_gpus) / 2**20
     elif rss_reset:
@@ -113,17 +129,65 @@ def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, step
                                                          steps_done, "full", figures["eval_time_s"]))
     planned = figures.pop("eval_samples_planned")
     if figures["eval_samples"] < planned:
-        note = f"evaluated on {figures['eval_samples']} of {planned} eval samples (the job's time limit)"
+        note = (f"evaluated on a seeded stratified {figures['eval_samples']} of {planned} eval samples (the job's "
+                "time limit)")
         metrics["status_reason"] = f"{metrics['status_reason']}; {note}" if metrics.get("status_reason") else note
     metrics.update(figures)
 
 
-def subset_indices(size: int, subset: int | None) -> np.ndarray:
-    """The eval rows an evaluation during training scores: a fixed seeded sample of ``subset`` of the split's
-    ``size`` rows (SUBSET_SEED: the same rows for every run), in row order; all rows when subset is None or larger."""
+def eval_order(split, task: str) -> np.ndarray:
+    """Every row of an eval split in the order partial evaluations take them: a seeded order (EVAL_ORDER_SEED, the
+    same for every run) stratified by the family's classes (prepared.fair_order), so that its first k rows are a
+    seeded stratified sample of the split, whatever order the split itself is in."""
+    return prepared.fair_order(registry.family(task).row_strata(split), len(split), EVAL_ORDER_SEED)
+
+
+def subset_indices(size: int, subset: int | None, strata: np.ndarray | None = None) -> np.ndarray:
+    """The eval rows an evaluation during training scores (eval_subset): the first ``subset`` of the split's ``size``
+    rows in eval_order (``strata``: the family's row_strata), so a seeded stratified sample, the same rows for every
+    run and the first of those max_eval_samples takes; in row order; all rows when subset is None or larger."""
     if subset is None or subset >= size:
         return np.arange(size)
-    return np.sort(np.random.default_rng(SUBSET_SEED).choice(size, subset, replace=False))
+    return np.sort(prepared.fair_order(strata, size, EVAL_ORDER_SEED)[:subset])
+
+
+@torch.no_grad()
+def score(model, split, spec, task: str, device, pad_id: int, another_round_fits=None,
+          indices: np.ndarray | None = None) -> dict:
+    """Scores of ``model`` on the eval split's rows at ``indices`` (default: its first max_eval_samples rows of
+    eval_order) and the majority-class rate of the rows scored. ``another_round_fits`` (a time limit's, asked before
+    each round of ROUND_BATCHES batches) may end it between rounds: the rows scored are then the first rounds'
+    (a prefix of the rows planned, in eval_order: a stratified sample too); None: every row is scored, as one
+    round. Rows are scored longest first within a round (no score depends on the order)."""
+    family = registry.family(task)
+    planned = eval_order(split, task)[: spec.max_eval_samples] if indices is None else np.asarray(indices)
+    lengths = batching.lengths_of(split)
+    round_rows = len(planned) if another_round_fits is None else ROUND_BATCHES * spec.eval_batch_size
+    scores, scored = family.eval_accumulator(), []
+    model.eval()
+    for start in range(0, len(planned), max(round_rows, 1)):
+        if another_round_fits is not None and not another_round_fits():
+            break
+        rows = planned[start : start + round_rows]
+        rows = rows[np.argsort(-lengths[rows], kind="stable")]
+        for first in range(0, len(rows), spec.eval_batch_size):
+            batch = family.collate(split, rows[first : first + spec.eval_batch_size], pad_id).to(device)
+            with torch.autocast(**autocast_args(device, spec.precision)):
+                output = model(**batch.inputs)
+            scores.add(output, batch)
+        scored.append(rows)
+    model.train()
+    scored_rows = np.concatenate(scored) if scored else np.zeros(0, dtype=np.int64)
+    return {"eval_samples": len(scored_rows), "eval_samples_planned": len(planned), **scores.result(),
+            "eval_majority_class_rate": majority_rate(family.row_classes(split), scored_rows)}
+
+
+def majority_rate(classes: np.ndarray | None, rows: np.ndarray) -> float | None:
+    """The share of the most common class among ``rows`` (the accuracy of always answering it: what an accuracy
+    on those rows is read against); None without classes or rows."""
+    if classes is None or len(rows) == 0:
+        return None
+    return float(np.unique(np.asarray(classes)[rows], return_counts=True)[1].max() / len(rows))
 
 
 def eval_rows(metrics: tuple[str, ...], scores: dict, evaluation: int, step: int, scope: str, eval_s: float) -> list[dict]:
@@ -153,7 +217,7 @@ class DuringTraining:
         self.run, self.evaluate, self.agree = run, evaluate, agree
         self.every = spec.eval_every
         self.target = spec.target if spec.stop_at_target else None
-        self.indices = subset_indices(len(run.eval_split), spec.eval_subset) if self.every else None
+        self._indices = None  # the eval_subset rows (subset_indices), chosen at the first evaluation during training
         self.metrics = registry.family(run.task).eval_metrics()
         self.before_training = spec.eval_before_training
         self.rows: list[dict] = []
@@ -230,6 +294,7 @@ class DuringTraining:
             self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
         if scores:
             scores.pop("eval_samples_planned")
+            scores.pop("eval_majority_class_rate", None)  # the final evaluation's rows' (the same rows) is the row's
             self.base_figures = {f"base_{name}": value for name, value in scores.items()}
             self.base_figures["base_eval_time_s"] = self.base_pause[1] - self.base_pause[0]
 
@@ -238,7 +303,7 @@ class DuringTraining:
         only at the job's training deadline (base_eval_samples then says how many were scored), and never under
         fsdp, whose ranks must score the same batches (each forward all-gathers from all)."""
         run = self.run
-        fits = (lambda: True) if sharded else EvalBudget(run.stop.deadline, 0.0).another_batch_fits
+        fits = None if sharded else EvalBudget(run.stop.deadline, 0.0).another_batch_fits
         with training_layout_kept(run.model), peaks_reset_after(run.device, local_gpus(run.spec, run.device)) as peak:
             scores = self.evaluate(run.model, run.eval_split, run.spec, run.task, run.device, run.pad_id,
                                    another_batch_fits=fits)
@@ -273,8 +338,12 @@ class DuringTraining:
         # Batches no larger than a training batch: a forward without gradients then stays under a training
         # step's memory, so the run's training peaks are not raised by it.
         spec = run.spec.replace(eval_batch_size=min(run.spec.eval_batch_size, run.spec.batch_size))
+        if self._indices is None:
+            size, subset = len(run.eval_split), run.spec.eval_subset
+            strata = registry.family(run.task).row_strata(run.eval_split) if subset is not None and subset < size else None
+            self._indices = subset_indices(size, subset, strata)
         with training_layout_kept(run.model):
-            return self.evaluate(run.model, run.eval_split, spec, run.task, run.device, run.pad_id, indices=self.indices)
+            return self.evaluate(run.model, run.eval_split, spec, run.task, run.device, run.pad_id, indices=self._indices)
 
     def paused_within(self, start: float | None, end: float | None) -> float:
         """Seconds of the evaluations between ``start`` and ``end`` (the measured window's ends)."""

@@ -537,27 +537,8 @@ def _flop_check(run: Run, shape: flops.ModelShape, batch: Batch, counted: int, c
 
 @torch.no_grad()
 def evaluate(model, split: TokenisedSplit, spec: RunSpec, task: str, device: torch.device, pad_id: int,
-             another_batch_fits=lambda: True, indices: np.ndarray | None = None) -> dict:
-    """Scores on the eval split (its first max_eval_samples rows, or the rows at ``indices``: an evaluation
-    during training's subset); ``another_batch_fits`` (asked before each batch) may end it early, and
+             another_batch_fits=None, indices: np.ndarray | None = None) -> dict:
+    """Scores on the eval split (evaluation.score: a seeded stratified sample of it when not all of it is scored:
+    max_eval_samples, the rows at ``indices``, or an evaluation a time limit's ``another_batch_fits`` ends early);
     eval_samples counts the examples scored."""
-    model.eval()
-    if indices is None:
-        count = len(split) if spec.max_eval_samples is None else min(len(split), spec.max_eval_samples)
-        order = batching.eval_order(split, count)
-    else:  # the same longest-first order, over the given rows
-        count = len(indices)
-        order = np.asarray(indices)[np.argsort(-batching.lengths_of(split)[indices], kind="stable")]
-    scores = registry.family(task).eval_accumulator()
-    scored = 0
-    for start in range(0, count, spec.eval_batch_size):
-        if not another_batch_fits():
-            break
-        indices = order[start : start + spec.eval_batch_size]
-        scored += len(indices)
-        batch = registry.family(task).collate(split, indices, pad_id).to(device)
-        with torch.autocast(**autocast_args(device, spec.precision)):
-            output = model(**batch.inputs)
-        scores.add(output, batch)
-    model.train()
-    return {"eval_samples": scored, "eval_samples_planned": count, **scores.result()}
+    return evaluation.score(model, split, spec, task, device, pad_id, another_batch_fits, indices)
