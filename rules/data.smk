@@ -1,3 +1,24 @@
+from ftbench.data import prepared as ftbench_prepared
+
+
+def say_stale_data():
+    """One line per prepared data folder of an earlier layout (its manifest version): its prepare_data job runs
+    again (the version is one of its params), and so do the runs trained on it. Not inside a cluster job."""
+    if workflow.remote_exec:
+        return
+    for data_id in DATA_PREPARATIONS:
+        manifest = Path("results", "data", data_id, ftbench_prepared.MANIFEST_NAME)
+        with contextlib.suppress(OSError, ValueError):
+            version = json.loads(manifest.read_text(encoding="utf-8")).get("manifest_version")
+            if version != ftbench_prepared.MANIFEST_VERSION:
+                sys.stderr.write(f"ftbench: note: results/data/{data_id} was prepared by an earlier ftbench (data version "
+                                 f"{version}; now {ftbench_prepared.MANIFEST_VERSION}: each split stored in a seeded "
+                                 "stratified order): it is prepared again, and the runs on it train again\n")
+
+
+say_stale_data()
+
+
 rule prepare_data:
     """Tokenise one dataset for one tokenizer and sequence length into Parquet shards + manifest.
 
@@ -12,6 +33,8 @@ rule prepare_data:
     params:
         preparation=get_data_preparation_json,
         shard_size_mb=SHARD_SIZE_MB,
+        # Not passed to the job: a new layout of prepared data changes it, so Snakemake prepares older data again.
+        data_version=ftbench_prepared.MANIFEST_VERSION,
     threads: 1
     # Tokenising is single-threaded here; the memory holds the source table and its token ids (a few
     # GB for millions of rows). Raise runtime for very large hub datasets (download + tokenise).
