@@ -54,6 +54,8 @@ def read_measured(metrics_path: str | Path, gpus: list[dict]) -> list[MeasuredRu
 
 
 def _spec(path: Path) -> RunSpec | None:
+    if not path.is_file():  # a table without its runs' folders (copied alone): nothing to predict from
+        return None
     try:
         return RunSpec.from_dict(json.loads(path.read_text(encoding="utf-8"))["spec"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -65,7 +67,12 @@ def samples(measured: list[MeasuredRun]) -> list[calibrations.Sample]:
     """The fit's samples: each measured run's workload (its measured batches) and seconds per step."""
     out = []
     for item in measured:
-        load, _ = step_time.workload(item.run, measured=item.row)
+        try:
+            load, _ = step_time.workload(item.run, measured=item.row)
+        except Exception as exc:  # noqa: BLE001 - a prediction advises: a run it cannot model is left out, said once
+            warnings.warn(f"run {item.run.run_id}: no step-time workload ({type(exc).__name__}: {exc}); left out of the "
+                          "calibration", stacklevel=2)
+            continue
         if load is None:
             continue
         step_s = item.row["measured_time_s"] / item.row["measured_steps"]
@@ -278,6 +285,17 @@ def result_configurations(frame: pd.DataFrame, metrics_path: str | Path) -> list
     return list(chosen.values())
 
 
+def _priced_or_note(run: RunSpec, gpus, calibration, prices, budget, measured, data_root) -> pd.DataFrame:
+    """priced_table of one run; a run the models cannot read (a spec from another version) is a note, so the
+    report is written whatever one configuration holds."""
+    try:
+        return priced_table([run], gpus, calibration, prices, budget, measured, data_root)
+    except Exception as exc:  # noqa: BLE001 - the section advises: a run it cannot price is said, not fatal
+        note = f"no prediction: {type(exc).__name__}: {exc}"[:300]
+        return pd.DataFrame([{**dict.fromkeys(PRICED_COLUMNS), "run_id": run.run_id, "config_id": run.config_id,
+                              "note": note}], columns=PRICED_COLUMNS)
+
+
 def results_table(metrics_path: str | Path, gpus: list[dict], calibration: calibrations.Calibration,
                   prices: cost.Prices) -> tuple[pd.DataFrame, calibrations.Calibration]:
     """The priced table of a results set's configurations on every GPU of the table (the measured ones as measured),
@@ -285,7 +303,7 @@ def results_table(metrics_path: str | Path, gpus: list[dict], calibration: calib
     frame = pd.read_parquet(metrics_path)
     own, measured = own_calibration(metrics_path, gpus, calibration)
     data_root = Path(metrics_path).parent / "data"
-    parts = [priced_table([run], gpus, own, prices, budget, measured, data_root)
+    parts = [_priced_or_note(run, gpus, own, prices, budget, measured, data_root)
              for run, budget in result_configurations(frame, metrics_path)]
     parts = [part for part in parts if not part.empty]
     table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=PRICED_COLUMNS)

@@ -37,13 +37,16 @@ def calibration_notes(calibration: calibrations.Calibration) -> list[str]:
 
 
 def section(metrics_path: str | Path, gpus: list[dict], figures_dir: str | Path, captions: dict[str, str] | None = None,
-            labels: dict | None = None, calibration_path: str | Path | None = None,
+            labels: dict | None = None, config_dir: str | Path | None = None,
             prices: cost.Prices | None = None) -> tuple[Markup | None, dict]:
     """(the section's HTML, the figure drawn: name -> PNG path or the note why not). None where no configuration
-    has a prediction. ``labels``: config_id -> the configuration's label in the report."""
-    prices = prices or cost.resolve({})
-    table, calibration = prediction.results_table(metrics_path, [g for g in gpus if g.get("memory_gb")],
-                                                  prediction.load_calibration(calibration_path), prices)
+    has a prediction. ``labels``: config_id -> the configuration's label in the report. ``config_dir``: the folder of
+    calibration.yaml and prices.yaml (the GPU table's); without one, the starting values and the default prices."""
+    config_dir = Path(config_dir) if config_dir is not None else Path("config")
+    calibration_path = config_dir / "calibration.yaml"
+    shipped = calibrations.load(calibration_path) if calibration_path.is_file() else calibrations.priors()
+    prices = prices or cost.resolve({}, default_table=config_dir / "prices.yaml")
+    table, calibration = prediction.results_table(metrics_path, [g for g in gpus if g.get("memory_gb")], shipped, prices)
     shown = prediction.section_frame(table, labels)
     if shown.empty:
         return None, {}

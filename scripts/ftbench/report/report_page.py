@@ -12,7 +12,7 @@ import pandas as pd
 
 from ftbench.experiment import memory_plan
 from ftbench.measure import memory_estimate
-from ftbench.report import analysis, figures, headline, pages, quality_target, scaling
+from ftbench.report import analysis, figures, headline, pages, prediction_section, quality_target, scaling
 from ftbench.report import summary as summary_text
 from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
@@ -647,6 +647,11 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     page_summary["notes"] += target_notes(target_section)
     shown = with_display_columns(runs)
     config_rows = configuration_rows(configs)
+    # every configuration's predicted speed and cost on every GPU of the table (calibration.yaml and prices.yaml
+    # read beside the GPU table)
+    labels = dict(zip(runs["config_id"], runs["config_label"])) if "config_label" in runs else None
+    predicted, predicted_figure = prediction_section.section(
+        metrics_path, peaks or [], figures_dir, captions, labels, Path(gpu_table).parent if gpu_table else None)
     pages.render(
         "report.html.j2", html_path,
         title=title,
@@ -660,6 +665,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
                                    table_id="configurations-table", titles=config_titles(repeat_scoring)),
         runs=runs_table(shown, shown_columns(shown, TABLE_COLUMNS, ALWAYS_SHOWN)),
         fits=what_fits(runs, peaks or []),
+        prediction=predicted,
         error_band=memory_estimate.ERROR_BAND,
         scaling=scaling_section(scaling_points, runs, figure_blocks(in_section, captions or {})[0]) if scaling_points is not None else None,
         figures=figure_blocks(written, captions or {}, throughput_notes(runs)),
@@ -667,4 +673,4 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
         data=summary_text.dropped_rows(runs),
         conventions=CONVENTIONS,
     )
-    return {**written, **in_section}
+    return {**written, **in_section, **predicted_figure}
