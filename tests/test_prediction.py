@@ -306,7 +306,7 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
                                            cost.resolve({}), {"tokens": 1e9})
     fitting = table[(table["fits"] == "yes") & table["budget_cost"].notna()]
     best = fitting.loc[fitting["budget_cost"].idxmin()]
-    assert f"cheapest that fits: {best['gpu']} (yes), ${best['budget_cost']:,.0f}" in out
+    assert f"cheapest that fits: {best['gpu']} (yes), {report_prediction.pages_money(best['budget_cost'])} [" in out
     # hours at the predicted rate, dollars at the table's price per GPU-hour
     h200 = table.set_index("gpu").loc["H200"]
     assert h200["budget_hours"] == pytest.approx(1e9 / h200["tokens_per_s"] / 3600)

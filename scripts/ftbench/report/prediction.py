@@ -219,10 +219,17 @@ def cheapest(table: pd.DataFrame) -> pd.DataFrame:
 # --- as text (the plan) ---------------------------------------------------------------------------------------
 
 def _span(value, low, high, unit: str = "", digits: str = ",.0f") -> str:
+    """A figure and its interval as text; dollars (``unit`` "$") as pages.money writes them (cents below $100)."""
     if is_missing(value):
         return "-"
-    text = f"{unit}{value:{digits}}"
-    return text if is_missing(low) or is_missing(high) else f"{text} [{unit}{low:{digits}}-{unit}{high:{digits}}]"
+    write = pages_money if unit == "$" else (lambda number: f"{number:{digits}}")
+    text = write(value)
+    return text if is_missing(low) or is_missing(high) else f"{text} [{write(low)}-{write(high)}]"
+
+
+def pages_money(value: float) -> str:
+    """Dollars: whole from $100 up, cents from $1, three significant digits below (report/pages.py's money)."""
+    return f"${value:,.0f}" if value >= 100 else f"${value:.2f}" if value >= 1 else f"${value:.3g}"
 
 
 def _hours(value, low, high) -> str:
