@@ -57,7 +57,7 @@ GLOBAL = {
     "traffic_compiled": Param(4.0, 0.8, "log", "the same under torch.compile"),
     "attention_ratio": Param(0.8, 0.5, "log", "fused attention's efficiency relative to the matmuls'"),
     "width_half": Param(110.0, 0.7, "log", "layer width at which matmuls reach half their large-width efficiency"),
-    "host_op_s": Param(20e-6, 0.8, "log", "host seconds per dispatched operation"),
+    "host_op_s": Param(25e-6, 0.8, "log", "host seconds per dispatched operation"),
     "host_step_s": Param(3e-3, 1.0, "log", "host seconds per step outside the model (loop, loader, scheduler)"),
     "shape_churn_factor": Param(1.6, 0.4, "log", "host time of batches whose shape changes per step, over fixed shapes"),
     "compiled_host_factor": Param(0.25, 0.8, "log", "share of operations a compiled model still dispatches"),

@@ -22,7 +22,8 @@ The terms, per device and optimizer step:
 - host: the launch and Python time per step, which does not scale with the GPU: ``host_step_s`` plus ``host_op_s``
   per dispatched operation, the operations counted from the model's structure (per block, forward, backward and
   recomputation; per adapted Linear; per optimizer tensor). torch.compile dispatches ``compiled_host_factor`` of them.
-  Batches whose shape changes from step to step cost ``shape_churn_factor`` times the host time of fixed shapes
+  Batches whose shape changes from step to step cost ``shape_churn_factor`` times the host time of fixed shapes, in
+  proportion to the share of steps whose shape changes (drawn from the data, or read from a measured run's steps)
   (new shapes miss the caches of the allocator and the kernel selection: a plain loop on a 134M Llama took 152 ms
   per step at one fixed length and 1.61-1.67x that when the length changed every step, H100).
 
@@ -72,7 +73,10 @@ LORA_BYTES_IN = {True: 20, False: 10}  # with / without lora_dropout
 LORA_BYTES_OUT = 18
 DEQUANT_BYTES = 4.5  # a 4-bit weight per use: read packed (0.5), write 16-bit (2), read by the matmul (2)
 CAST_BYTES = 6  # an fp32 weight's 16-bit copy under autocast: read 4, write 2
-SAMPLED_BATCHES = 64  # micro-batches drawn from prepared data to average a run's batch shape
+SAMPLED_BATCHES = 256  # micro-batches drawn from prepared data to average a run's batch shape
+# Before the data is prepared: the share of steps whose shape changes, by batching (a padded or grouped batch is as
+# long as its longest row, padding_free one row of all: new shapes nearly every step; pack fills rows of seq_len).
+FULL_ROW_CHANGES = {"pad": 1.0, "group_by_length": 1.0, "padding_free": 1.0, "pack": 0.5}
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class BatchShape:
     rows: float
     real_square: float  # sum over sequences of real length squared (analytic attention)
     computed_square: float  # sum over rows of computed row length squared (attention as the kernel runs it)
-    varying: bool = False  # the micro-batches' shapes change from step to step
+    changes: float = 0.0  # share of micro-batches whose shape differs from the one before
     note: str | None = None
 
 
@@ -103,7 +107,7 @@ class Workload:
     comm_bytes: float  # bytes over the GPU-to-GPU link per device per step
     host_ops: float  # operations the host dispatches per step (per process)
     kernels: str  # eager | liger | compiled: which traffic multiplier
-    varying_shapes: bool  # batch shapes change between steps: host work per new shape (shape_churn_factor)
+    shape_changes: float  # share of steps whose batch shape differs from the step before (shape_churn_factor)
     compute_dtype: str
     devices: int
     notes: tuple[str, ...] = field(default=())
@@ -126,8 +130,9 @@ def drawn_rows(run: RunSpec, lengths: np.ndarray) -> BatchShape:
               for chunk in np.split(batch, len(batch) // micro)][:SAMPLED_BATCHES]
     figures = np.array([_drawn_batch(run, [int(n) for n in lengths[chunk]]) for chunk in chunks], dtype=float)
     # a row count or row length that changes between batches (column 1: positions, 2: rows)
-    varying = len({(rows, positions) for positions, rows in figures[:, 1:3]}) > 1
-    return BatchShape(*figures.mean(axis=0), varying=varying)
+    shapes = [tuple(row) for row in figures[:, 1:3]]  # (positions, rows): the tensors' shape
+    changes = sum(a != b for a, b in zip(shapes, shapes[1:])) / max(1, len(shapes) - 1)
+    return BatchShape(*figures.mean(axis=0), changes=changes)
 
 
 def _drawn_batch(run: RunSpec, lengths: list[int]) -> tuple[float, float, float, float, float]:
@@ -151,7 +156,7 @@ def batch_shape(run: RunSpec, data_dir, row: int) -> BatchShape:
     shape = full_rows(run, row)
     if run.dataset_def.get("source", {}).get("kind") == "synthetic" or row != run.seq_len:
         return shape
-    return BatchShape(**{**shape.__dict__, "varying": run.batching != "pack",
+    return BatchShape(**{**shape.__dict__, "changes": FULL_ROW_CHANGES[run.batching],
                          "note": "rows taken as full (data not prepared yet: an upper bound)"})
 
 
@@ -272,8 +277,10 @@ def measured_shape(run: RunSpec, counts: MatmulCounts, row: dict) -> BatchShape 
     attention = flops - per_token_flops(counts, full) * tokens - pooled_flops(counts, full) * run.batch_size
     real_square = max(tokens, attention / (12 * counts.layers * counts.width)) if counts.layers and counts.width else tokens
     computed = real_square if run.batching == "padding_free" else rows * (positions / rows) ** 2
-    varying = row.get("data_kind") != "synthetic" and run.batching != "pack"
-    return BatchShape(tokens, positions, rows, real_square, max(computed, real_square), varying)
+    changes = _number(row.get("shape_change_share"))
+    if changes is None:
+        changes = 0.0 if row.get("data_kind") == "synthetic" else FULL_ROW_CHANGES[run.batching]
+    return BatchShape(tokens, positions, rows, real_square, max(computed, real_square), changes)
 
 
 def _number(value) -> float | None:
@@ -301,7 +308,7 @@ def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.Model
         activation_bytes=micro * kept * (1 + recompute / 3),
         fixed_bytes=weight_traffic(run, counts, facts, recipe) + lora_traffic(run, counts, shape.positions),
         comm_bytes=comm_bytes(run, facts, recipe), host_ops=host_ops(run, counts, facts),
-        kernels="compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager"), varying_shapes=shape.varying,
+        kernels="compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager"), shape_changes=shape.changes,
         compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])))
 
 
@@ -421,7 +428,7 @@ def step_terms(load: Workload, gpu: dict, params: dict, combine: str = "smooth")
     comm = params["comm_exposed"] * load.comm_bytes / (link * 1e9) if load.comm_bytes and link else 0.0
     host = params["host_step_s"] + params["host_op_s"] * load.host_ops * (
         params["compiled_host_factor"] if load.kernels == "compiled" else 1.0) * (
-        params["shape_churn_factor"] if load.varying_shapes else 1.0)
+        1 + (params["shape_churn_factor"] - 1) * load.shape_changes)
     gpu_s = compute + memory + comm
     if combine == "sum":
         step = gpu_s + host

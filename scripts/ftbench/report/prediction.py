@@ -37,8 +37,8 @@ class MeasuredRun:
 
 def read_measured(metrics_path: str | Path, gpus: list[dict]) -> list[MeasuredRun]:
     """The finished runs of a results table on a GPU of ``gpus``, each with its spec from the metrics.json the
-    table was collected from (results/runs/<run_id>/metrics.json beside it). A run whose spec this version cannot
-    read (an older spec) is left out with a warning."""
+    table was collected from (results/runs/<run_id>/metrics.json beside it) and how often its batches' shape
+    changed (its steps.parquet). A run whose spec this version cannot read (an older spec) is left out with a warning."""
     metrics_path = Path(metrics_path)
     frame = pd.read_parquet(metrics_path)
     finished = frame[(frame["status"] == "ok") & (frame["device"] == "cuda") & (frame["measured_steps"].fillna(0) > 1)]
@@ -49,8 +49,20 @@ def read_measured(metrics_path: str | Path, gpus: list[dict]) -> list[MeasuredRu
         if gpu is None or spec is None:
             continue
         clean = {key: (None if is_missing(value) else value) for key, value in row.items()}
+        clean["shape_change_share"] = shape_changes(metrics_path.parent / "runs" / str(row["run_id"]) / "steps.parquet")
         measured.append(MeasuredRun(spec, clean, {**gpu, "device_name": row.get("device_name")}))
     return measured
+
+
+def shape_changes(steps_path: Path) -> float | None:
+    """Share of a run's measured steps whose padded positions differ from the step before (its batches' shapes
+    changed), from its steps.parquet; None without one."""
+    try:
+        steps = pd.read_parquet(steps_path, columns=["measured", "padded_tokens"])
+    except (OSError, ValueError, KeyError):
+        return None
+    padded = steps.loc[steps["measured"].astype(bool), "padded_tokens"].to_numpy()
+    return float((padded[1:] != padded[:-1]).mean()) if len(padded) > 1 else None
 
 
 def _spec(path: Path) -> RunSpec | None:
