@@ -387,3 +387,48 @@ def test_check_predictions_meets_its_targets_on_runs_made_by_the_model_with_nois
         met, total = line.split("target met ")[1].split(",")[0].split("/")
         assert met == total, line
     assert "datasheet only (from H200), GPU-bound" in result.stdout
+
+
+def test_batch_shapes_from_the_data_and_from_a_measured_runs_steps(tmp_path):
+    """Padded batches of variable lengths: positions are the longest row's, the shape changes from step to step
+    (the host's churn); a measured run's shape changes come from its steps.parquet."""
+    models = {"m": llama(256, 2, 512, 4, 2, 1000)}
+    (run,) = runs_of(experiment(tmp_path, models, {"method": ["full"]}, {"batch_size": 4, "seq_len": 64}))
+    lengths = np.array([10, 64, 20, 30] * 50)
+    shape = step_time.drawn_rows(run, lengths)
+    assert shape.tokens == pytest.approx(lengths.mean() * 4, rel=0.25) and shape.positions <= 4 * 64
+    assert shape.positions >= shape.tokens and 0 < shape.changes <= 1
+    assert step_time.drawn_rows(run, np.full(200, 64)).changes == 0  # one length: one shape
+    steps = pd.DataFrame({"measured": [False, True, True, True, True], "padded_tokens": [9, 100, 100, 120, 100]})
+    steps.to_parquet(tmp_path / "steps.parquet")
+    assert report_prediction.shape_changes(tmp_path / "steps.parquet") == pytest.approx(2 / 3)
+    assert report_prediction.shape_changes(tmp_path / "none.parquet") is None
+
+
+def test_a_measured_rows_batches_are_read_back_from_its_figures(tmp_path):
+    """From a measured row: real tokens per micro-batch, positions from the padding fraction, and the squared
+    lengths from the analytic FLOPs per step (what the Linear layers' FLOPs leave is attention)."""
+    models = {"m": llama(256, 2, 512, 4, 2, 1000)}
+    (run,) = runs_of(experiment(tmp_path, models, {"method": ["full"]}, {"batch_size": 4, "seq_len": 64}))
+    load, _ = step_time.workload(run)
+    row = {"measured_steps": 10, "measured_tokens": 10 * 200, "world_size": 1, "padding_fraction": 0.2,
+           "flops_per_step_analytic": 0.0, "data_kind": "path"}
+    counts_flops = load.model_flops - 12 * 2 * 256 * 4 * 64**2  # the Linear layers' share at 256 tokens
+    per_token = counts_flops / 256
+    row["flops_per_step_analytic"] = per_token * 200 + 12 * 2 * 256 * 4 * 50**2  # four rows of 50 tokens
+    measured, _ = step_time.workload(run, measured=row)
+    assert measured.tokens_per_step == pytest.approx(200)
+    assert measured.model_flops == pytest.approx(row["flops_per_step_analytic"])
+    assert measured.shape_changes == 1.0  # real data, padded batches, no steps.parquet: taken as changing every step
+
+
+def test_a_synthetic_runs_measured_workload_is_its_planned_one(tmp_path):
+    """What the fit sees of a measured run (its row) is what the plan predicted from its settings."""
+    models = {"m": llama(1024, 4, 2816, 16, 4, 32000)}
+    runs = runs_of(experiment(tmp_path, models, {"method": ["full", "lora"]}, {"batch_size": 4, "seq_len": 1024}))
+    metrics_path = write_results(tmp_path / "results", runs, H200, true_calibration())
+    for item in report_prediction.read_measured(metrics_path, GPUS):
+        planned, _ = step_time.workload(item.run)
+        measured, _ = step_time.workload(item.run, measured=item.row)
+        for field in ("tokens_per_step", "linear_flops", "attention_flops", "model_flops", "activation_bytes", "fixed_bytes"):
+            assert getattr(measured, field) == pytest.approx(getattr(planned, field), rel=1e-6), field

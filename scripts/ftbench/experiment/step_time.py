@@ -268,8 +268,9 @@ def measured_shape(run: RunSpec, counts: MatmulCounts, row: dict) -> BatchShape 
     steps, tokens, flops = (_number(row.get(key)) for key in ("measured_steps", "measured_tokens", "flops_per_step_analytic"))
     if not steps or not tokens or not flops:
         return None
-    share = steps * (_number(row.get("world_size")) or run.devices) * run.grad_accum_steps
-    tokens, flops = tokens / share, flops / share
+    # measured_tokens counts the whole window, flops_per_step_analytic one step: both over every device and micro-batch
+    micro_batches = (_number(row.get("world_size")) or run.devices) * run.grad_accum_steps
+    tokens, flops = tokens / steps / micro_batches, flops / micro_batches
     packing, padding = _number(row.get("packing_efficiency")), _number(row.get("padding_fraction"))
     positions = tokens / packing if packing else tokens / (1 - padding) if padding and padding < 1 else tokens
     rows = max(1.0, positions / run.seq_len) if run.packed else float(run.batch_size)
