@@ -116,7 +116,8 @@ def summary(outcomes: list[dict]) -> list[str]:
     for (kind, bound), rows in sorted(groups.items()):
         errors = np.abs(np.array([1 / row["ratio"] for row in rows]) - 1)
         met = [row["meets"] for row in rows if row["meets"] is not None]
-        lines.append(f"{kind}, {bound}: {len(rows)} runs, target met {sum(met)}/{len(met)}, |pred/meas - 1| median "
+        verdict = f"target met {sum(met)}/{len(met)}" if met else "no target"
+        lines.append(f"{kind}, {bound}: {len(rows)} runs, {verdict}, |pred/meas - 1| median "
                      f"{np.median(errors):.3f}, max {errors.max():.3f}, log sd {np.sqrt(np.mean(np.log(1 / np.array([r['ratio'] for r in rows])) ** 2)):.3f}")
     return lines
 
