@@ -331,3 +331,22 @@ def run(command, argv: list[str] | None = None) -> None:
         sys.stdout.flush()  # what the command printed first stays before this line in the log
         print(f"ftbench: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def base_eval(argv: list[str] | None = None) -> None:
+    """The evaluation before training shared by the runs that start from the same weights (rule base_eval)."""
+    parser = argparse.ArgumentParser(description=base_eval.__doc__)
+    parser.add_argument("--spec-file", required=True, help="file holding the JSON spec of a run with these weights")
+    parser.add_argument("--data", required=True, help="prepared data folder")
+    parser.add_argument("--out", required=True, help="the JSON result to write")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--time-limit-s", type=float, default=None, help="the job's wall-clock limit")
+    args = parser.parse_args(argv)
+    from ftbench.train import base_eval_job  # torch deferred, as for train
+
+    spec = RunSpec.from_json(Path(args.spec_file).read_text(encoding="utf-8"))
+    result = base_eval_job.run_job(spec, args.data, Path(args.out), args.threads, args.time_limit_s)
+    print(f"{result['base_eval_id']}: {result['status']} {result.get('reason') or result.get('figures')}")
+
+
+COMMANDS["base-eval"] = base_eval
