@@ -49,6 +49,10 @@ GPU_TABLE = str(Path(workflow.basedir) / "config" / "gpus.yaml")
 # The repository, for the conda environments' post-deploy scripts (envs/*.post-deploy.sh), which run
 # from copies under .snakemake/conda/ and install ftbench from here (`--use-conda`).
 os.environ.update(FTBENCH_ROOT=str(workflow.basedir))
+# Inside a job a cluster executor submitted (SLURM: the rule's job), the train job counts its walltime from the
+# scheduler's start of the job (cluster/job_clock.py); a workflow run locally inside an allocation does not.
+if workflow.remote_exec:
+    os.environ[ftbench_job_clock.SCHEDULED_ENV] = "1"
 
 # --set-resources train:runtime=N (and mem_mb) replaces the train rule's estimate; Snakemake would give every
 # retry that same number, so a job its walltime ended would end again at the same point. A given value is made a

@@ -58,19 +58,25 @@ class Scontrol:
         return subprocess.CompletedProcess(command, self.returncode, self.stdout, "")
 
 
+SCHEDULED = {job_clock.SCHEDULED_ENV: "1", "SLURM_JOB_ID": "7"}
+
+
 def test_the_start_comes_from_the_job_then_slurm_then_scontrol():
     scontrol = Scontrol("JobId=7 JobName=x JobState=RUNNING StartTime=1764400000 EndTime=1764400120")
     assert job_clock.scheduler_start({}, scontrol) is None and not scontrol.calls  # not a SLURM job: no scontrol
-    assert job_clock.scheduler_start({job_clock.STARTED_AT_ENV: "123.5", "SLURM_JOB_ID": "7"}, scontrol) == (123.5, job_clock.STARTED_AT_ENV)
-    assert job_clock.scheduler_start({"SLURM_JOB_START_TIME": "1764399999", "SLURM_JOB_ID": "7"}, scontrol) == (
+    # A workflow run locally inside an allocation (salloc): its jobs are not the allocation, and start now.
+    assert job_clock.scheduler_start({"SLURM_JOB_ID": "7", "SLURM_JOB_START_TIME": "1764399999"}, scontrol) is None
+    assert not scontrol.calls
+    assert job_clock.scheduler_start({job_clock.STARTED_AT_ENV: "123.5", **SCHEDULED}, scontrol) == (123.5, job_clock.STARTED_AT_ENV)
+    assert job_clock.scheduler_start({"SLURM_JOB_START_TIME": "1764399999", **SCHEDULED}, scontrol) == (
         1764399999.0, "SLURM_JOB_START_TIME")
-    assert job_clock.scheduler_start({"SLURM_JOB_ID": "7"}, scontrol) == (1764400000.0, "scontrol")
+    assert job_clock.scheduler_start(SCHEDULED, scontrol) == (1764400000.0, "scontrol")
     (command, time_format), = scontrol.calls
     assert command == ["scontrol", "-o", "show", "job", "7"] and time_format == "%s"  # seconds since the epoch
 
 
 def test_a_start_time_in_slurms_own_format_is_local_time():
-    started = job_clock.scheduler_start({"SLURM_JOB_ID": "7"}, Scontrol("JobId=7 StartTime=2026-11-29T10:00:03 EndTime=x"))
+    started = job_clock.scheduler_start(SCHEDULED, Scontrol("JobId=7 StartTime=2026-11-29T10:00:03 EndTime=x"))
     assert started == (time.mktime(time.strptime("2026-11-29T10:00:03", "%Y-%m-%dT%H:%M:%S")), "scontrol")
 
 
@@ -109,19 +115,25 @@ def test_a_walltime_too_short_for_a_row_is_refused_naming_the_key_and_the_minimu
 def test_a_sigterm_is_the_time_limits_when_slurm_says_so_or_when_it_comes_at_the_limit():
     times = job_clock.job_times(120, started_at=1000.0, scheduled=True)
     slurm = {"SLURM_JOB_ID": "7"}
-    assert job_clock.termination_cause(times, 1050.0, slurm, Scontrol("JobId=7 JobState=TIMEOUT Reason=TimeLimit")) == "time limit"
-    assert job_clock.termination_cause(times, 1119.5, slurm, Scontrol("JobId=7 JobState=CANCELLED Reason=None")) == "cancelled"
+    # What SLURM 22.05 shows while the job ends (seen on the test cluster): COMPLETING, and the reason.
+    # The limit SLURM held it to (shortened from 2 minutes to 1 by `scontrol update`): what its line names.
+    shown = "JobId=7 JobState=COMPLETING Reason=TimeLimit RunTime=00:01:13 TimeLimit=00:01:00"
+    assert job_clock.termination_cause(times, 1050.0, slurm, Scontrol(shown)) == ("time limit", 60.0)
+    assert job_clock.termination_cause(times, 1050.0, slurm, Scontrol("JobId=7 JobState=TIMEOUT Reason=TimeLimit")) == ("time limit", None)
+    cancelled = "JobId=7 JobState=COMPLETING Reason=None TimeLimit=1-02:00:00"
+    assert job_clock.termination_cause(times, 1119.5, slurm, Scontrol(cancelled)) == ("cancelled", 26 * 3600.0)
     unanswered = Scontrol(returncode=1)
-    assert job_clock.termination_cause(times, 1116.0, slurm, unanswered) == "time limit"
-    assert job_clock.termination_cause(times, 1050.0, slurm, unanswered) == "cancelled"
-    assert job_clock.termination_cause(None, None, {}, unanswered) == "cancelled"
+    assert job_clock.termination_cause(times, 1116.0, slurm, unanswered) == ("time limit", None)
+    assert job_clock.termination_cause(times, 1050.0, slurm, unanswered) == ("cancelled", None)
+    assert job_clock.termination_cause(None, None, {}, unanswered) == ("cancelled", None)
+    assert [job_clock.slurm_duration_s(t) for t in ("10:00", "02:00:00", "UNLIMITED")] == [600.0, 7200.0, None]
 
 
 def test_the_job_counts_its_limit_from_the_schedulers_start(capfd, keep_sigterm):
     """stop_signal in a SLURM job started 30 s ago with 2 minutes: the deadline and the end of evaluation are
     where job_times puts them from that start, on the monotonic clock."""
     started = time.time() - 30
-    environ = {"SLURM_JOB_ID": "7", "SLURM_JOB_START_TIME": repr(started)}
+    environ = {**SCHEDULED, "SLURM_JOB_START_TIME": repr(started)}
     stop = job.stop_signal(120, environ)
     expected = job_clock.job_times(120, started, scheduled=True)
     assert stop.times == expected and stop.walltime_s == 120

@@ -96,7 +96,8 @@ def test_a_run_the_time_limit_ends_keeps_a_timeout_row_for_the_next_job(tmp_path
     out = tmp_path / "runs" / spec.run_id / "metrics.json"
     monkeypatch.setenv("SLURM_JOB_START_TIME", repr(time.time() - 118))  # 2 minutes, 2 s left
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setattr(job_clock, "_scontrol_field", lambda *a: None)  # no scontrol here: the time says it
+    monkeypatch.setenv(job_clock.SCHEDULED_ENV, "1")  # a job the workflow's SLURM executor submitted
+    monkeypatch.setattr(job_clock, "_scontrol_fields", lambda *a: {})  # no scontrol here: the time says it
 
     def stopped_by_the_limit(run_spec, data_dir, stop):
         stop.terminate()
@@ -109,7 +110,8 @@ def test_a_run_the_time_limit_ends_keeps_a_timeout_row_for_the_next_job(tmp_path
         job.run_job(spec, str(tmp_path), out=out, time_limit_s=120)
     line = str(ended.value)
     assert f"run {spec.run_id} reached its time limit (2 min) before it stopped itself" in line
-    assert "give it more time: --set-resources train:runtime=4" in line and "(3 steps, not evaluated)" in line
+    assert "before it stopped itself: give it more time: --set-resources train:runtime=4;" in line
+    assert "(3 steps, not evaluated)" in line
     assert not out.exists()
     kept = json.loads((kept_rows.kept_dir(out) / "metrics.json").read_text())["metrics"]
     assert kept["status"] == "timeout" and kept["status_reason"].startswith("the scheduler's time limit (2 min) ended its job after 3 of 50 steps")

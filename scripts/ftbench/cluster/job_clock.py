@@ -37,6 +37,10 @@ from ftbench.measure import environment
 # The scheduler's start of the job (seconds since the epoch), handed by the job to its DDP ranks (and settable by
 # hand); read before anything else.
 STARTED_AT_ENV = "FTBENCH_JOB_STARTED_AT"
+# Set ("1") by the workflow inside a job a cluster executor submitted for one rule (rules/common.smk): its walltime
+# is the rule's runtime, counted from the job's start. A workflow run locally inside an allocation (salloc, an
+# sbatch script running `snakemake --cores N`) is not that: its jobs count their limit from their own start.
+SCHEDULED_ENV = "FTBENCH_SCHEDULED_JOB"
 # The shortest walltime (minutes) a scheduled train job may have: about a minute for the job to start (the job's
 # Snakemake twice, imports, a small model's load) and the rest to stop, evaluate what it trained and write its row
 # before the limit. A shorter one is refused when the workflow is planned (check_walltime).
@@ -117,17 +121,25 @@ def more_time_minutes(limit_min: float) -> int:
 # -- where the start comes from -------------------------------------------------------------------------------
 
 
+def scheduled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is a job a cluster executor submitted for its rule, in a SLURM job (SCHEDULED_ENV)."""
+    return environ.get(SCHEDULED_ENV) == "1" and bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
+
+
 def scheduler_start(environ: Mapping[str, str] = os.environ, run: Callable = subprocess.run) -> tuple[float, str] | None:
-    """(when the scheduler started this job, in seconds since the epoch; where that came from), or None outside a
-    SLURM job. In order: STARTED_AT_ENV (the job's own, handed to its ranks), SLURM_JOB_START_TIME (SLURM 23.02 and
-    later), the job's StartTime from scontrol, the start of the oldest process of this job step."""
-    for name in (STARTED_AT_ENV, "SLURM_JOB_START_TIME"):
-        value = _seconds(environ.get(name))
-        if value is not None:
-            return value, name
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    if not job_id:
+    """(when this job started, in seconds since the epoch; where that came from), or None: not known. In order:
+    STARTED_AT_ENV (the job's own, handed to its ranks); then for a scheduled job only (``scheduled``):
+    SLURM_JOB_START_TIME (SLURM 23.02 and later), the job's StartTime from scontrol, the start of the oldest process
+    of this job step."""
+    value = _seconds(environ.get(STARTED_AT_ENV))
+    if value is not None:
+        return value, STARTED_AT_ENV
+    if not scheduled(environ):
         return None
+    value = _seconds(environ.get("SLURM_JOB_START_TIME"))
+    if value is not None:
+        return value, "SLURM_JOB_START_TIME"
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     started = _scontrol_field(job_id, "StartTime", run)
     value = _seconds(started) if started else None
     if value is None and started:
@@ -153,17 +165,22 @@ def _local_time(text: str) -> float | None:
         return None
 
 
-def _scontrol_field(job_id: str, field: str, run: Callable) -> str | None:
-    """One field of `scontrol show job` (times in seconds since the epoch: SLURM_TIME_FORMAT=%s), or None."""
+def _scontrol_fields(job_id: str, run: Callable) -> dict[str, str]:
+    """`scontrol show job` as {field: value} (times in seconds since the epoch: SLURM_TIME_FORMAT=%s); {} where it
+    cannot be asked."""
     try:
         out = run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=10,
                   env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
     except (OSError, subprocess.SubprocessError):
-        return None
+        return {}
     if out.returncode != 0:
-        return None
-    match = re.search(rf"\b{field}=(\S+)", out.stdout)
-    return match.group(1) if match and match.group(1) not in ("Unknown", "None", "(null)") else None
+        return {}
+    return {key: value for key, value in re.findall(r"(\w+)=(\S*)", out.stdout)
+            if value not in ("Unknown", "None", "(null)", "")}
+
+
+def _scontrol_field(job_id: str, field: str, run: Callable) -> str | None:
+    return _scontrol_fields(job_id, run).get(field)
 
 
 def first_process_start(pid: int | None = None, proc: Path = Path("/proc")) -> float | None:
@@ -203,14 +220,27 @@ def _name(pid: int, proc: Path) -> str:
 
 
 def termination_cause(times: JobTimes | None, terminated_at: float | None, environ: Mapping[str, str] = os.environ,
-                      run: Callable = subprocess.run) -> str:
-    """Why a SIGTERM came: "time limit" (the scheduler's walltime ended), else "cancelled" (scancel, preemption,
-    Ctrl-C, a node drained). SLURM says so itself (its job state: TIMEOUT); where it cannot be asked, a SIGTERM at
-    the limit (AT_LIMIT_S before it or later) is the limit's."""
+                      run: Callable = subprocess.run) -> tuple[str, float | None]:
+    """Why a SIGTERM came, and the walltime the scheduler held the job to (seconds; None where not known):
+    "time limit" (the scheduler's walltime ended), else "cancelled" (scancel, preemption, Ctrl-C, a node drained).
+    SLURM says so itself: while the job ends its state is COMPLETING with Reason=TimeLimit (TIMEOUT once ended), a
+    scancelled job's reason is None; its TimeLimit may be shorter than the job was given (an administrator's
+    `scontrol update`). Where it cannot be asked, a SIGTERM at the limit (AT_LIMIT_S before it or later: SLURM checks
+    limits every few tens of seconds) is the limit's."""
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    state = _scontrol_field(job_id, "JobState", run) if job_id else None
-    if state:
-        return "time limit" if state.startswith("TIMEOUT") else "cancelled"
+    fields = _scontrol_fields(job_id, run) if job_id else {}
+    if fields.get("JobState"):
+        limited = fields["JobState"].startswith("TIMEOUT") or fields.get("Reason") == "TimeLimit"
+        return ("time limit" if limited else "cancelled"), slurm_duration_s(fields.get("TimeLimit", ""))
     if times is not None and terminated_at is not None and terminated_at >= times.killed_at - AT_LIMIT_S:
-        return "time limit"
-    return "cancelled"
+        return "time limit", None
+    return "cancelled", None
+
+
+def slurm_duration_s(text: str) -> float | None:
+    """SLURM's [days-]hours:minutes:seconds (or minutes:seconds) in seconds; None for anything else (UNLIMITED)."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text or "")
+    if not match:
+        return None
+    days, hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)

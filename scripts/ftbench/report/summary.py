@@ -120,6 +120,8 @@ NOT_AN_ENDING = ("ftbench: warning", "ftbench: FTBENCH_INJECT_FAULT")
 # How long the end of an invocation waits for a failed job's line still being written (Snakemake may report a
 # cancelled job before the job has written it): until no such log has changed for SETTLE_S, at most WAIT_S.
 SETTLE_S, WAIT_S = 2.0, 10.0
+# Characters of a failed job's line shown: ftbench's own lines say what to do at their end (the walltime to ask for).
+JOB_LINE_CHARS = 500
 
 
 def job_ending(log: Path) -> tuple[str, str]:
@@ -164,7 +166,7 @@ def failed_jobs_lines(started: float) -> list[str]:
     """This invocation's failed jobs, each with its own last line, and what each kind needs: only a named error is
     one to fix; a cancelled or preempted run is not; a run its walltime ended gets the walltime to ask for."""
     jobs = failed_jobs(started)
-    lines = [f"  {kind} {log}: {' '.join(line.split())[:REASON_CHARS] or '(empty log)'}" for log, kind, line in jobs[:MAX_LISTED]]
+    lines = [f"  {kind} {log}: {' '.join(line.split())[:JOB_LINE_CHARS] or '(empty log)'}" for log, kind, line in jobs[:MAX_LISTED]]
     if len(jobs) > MAX_LISTED:
         lines.append(f"  ... and {len(jobs) - MAX_LISTED} more failed jobs")
     kinds = [kind for _, kind, _ in jobs]

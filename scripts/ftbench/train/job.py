@@ -61,7 +61,7 @@ def stop_signal(time_limit_s: float | None, environ=os.environ) -> StopSignal:
     stop = StopSignal()
     if time_limit_s:
         found = job_clock.scheduler_start(environ)
-        scheduled = bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
+        scheduled = job_clock.scheduled(environ)
         times = job_clock.job_times(time_limit_s, found[0] if found else time.time(), scheduled)
         stop.times, stop.walltime_s, stop.margin = times, time_limit_s, times.margin
         stop.limit, stop.deadline = times.monotonic(times.ends_at), times.monotonic(times.deadline)
@@ -154,23 +154,22 @@ def terminated_where(metrics: dict) -> str:
     return f"terminated (SIGTERM) after its training steps ({step + 1} done), before its results were written"
 
 
-def ended_at_time_limit(spec: RunSpec, out: Path, metrics: dict, steps: list[dict], stop: StopSignal) -> str:
-    """A run the scheduler's time limit ended before it stopped itself: its steps kept as a `timeout` row
-    (not evaluated: no time is left) where Snakemake does not delete it, for the next job of the run to keep;
+def ended_at_time_limit(spec: RunSpec, out: Path, metrics: dict, steps: list[dict], limit_s: float) -> str:
+    """A run the scheduler's time limit (``limit_s``) ended before it stopped itself: its steps kept as a `timeout`
+    row (not evaluated: no time is left) where Snakemake does not delete it, for the next job of the run to keep;
     the job's line, naming the walltime to ask for."""
-    limit_min = (stop.walltime_s or 0) / 60
-    more = f"give it more time: --set-resources train:runtime={job_clock.more_time_minutes(limit_min)}"
-    head = f"run {spec.run_id} {job_clock.TIME_LIMIT_WORDS} ({job_clock.minutes_words(stop.walltime_s or 0)})"
+    limit = job_clock.minutes_words(limit_s)
+    more = f"give it more time: --set-resources train:runtime={job_clock.more_time_minutes(limit_s / 60)}"
+    head = f"run {spec.run_id} {job_clock.TIME_LIMIT_WORDS} ({limit})"
     if not steps:
         return f"{head} before its first training step: no row; {more} (after the targets)"
-    done = len(steps)
     row = {**metrics, "status": "timeout",
-           "status_reason": f"the scheduler's time limit ({job_clock.minutes_words(stop.walltime_s or 0)}) ended its job "
-                            f"after {done} of {metrics.get('total_steps', '?')} steps, before it stopped itself; not evaluated"}
+           "status_reason": f"the scheduler's time limit ({limit}) ended its job after {len(steps)} of "
+                            f"{metrics.get('total_steps', '?')} steps, before it stopped itself; not evaluated"}
     write_row(kept_rows.kept_dir(out), spec, row, steps)
-    return (f"{head} before it stopped itself: its timeout row ({done} steps, not evaluated) is kept in "
-            f"{kept_rows.kept_dir(out)}, and the next job of this run keeps it instead of training; for the whole run "
-            f"delete {out.parent}/ and {more}")
+    return (f"{head} before it stopped itself: {more}; its timeout row ({len(steps)} steps, not evaluated) is kept in "
+            f"{kept_rows.kept_dir(out)} and a rerun keeps it instead of training (delete {out.parent}/ to train the "
+            "run again)")
 
 
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
@@ -196,8 +195,9 @@ def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_
         # "terminated" (never a row's status: the run has no result), and a time limit's steps in kept/.
         measured = {**metrics, "status": "terminated"}
         print(f"{spec.run_id} measured before it was terminated: {json.dumps(measured, default=str)}", flush=True)
-        if job_clock.termination_cause(stop.times, stop.terminated_at) == "time limit":
-            raise TerminatedError(ended_at_time_limit(spec, out, metrics, steps, stop))
+        cause, scheduler_limit_s = job_clock.termination_cause(stop.times, stop.terminated_at)
+        if cause == "time limit":
+            raise TerminatedError(ended_at_time_limit(spec, out, metrics, steps, scheduler_limit_s or stop.walltime_s or 0))
         raise TerminatedError(f"run {spec.run_id} was {terminated_where(metrics)} ({job_clock.CANCELLED_WORDS}: nothing "
                               "to fix): no result written; Snakemake submits it again if it has retries left "
                               "(profiles/slurm: retries), else the next invocation trains it again")

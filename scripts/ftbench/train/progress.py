@@ -60,8 +60,9 @@ class Progress:
         self.next_at = self.started  # the first line after the first step: the job is training
         self.tokens = 0
 
-    def step_done(self, step: int, tokens: int, losses: LaggedLosses | None = None) -> None:
-        """After optimizer step ``step`` (from 0) with this process's ``tokens``: a line when one is due."""
+    def step_done(self, step: int, tokens: int, losses: LaggedLosses | None = None, loss: float | None = None) -> None:
+        """After optimizer step ``step`` (from 0) with this process's ``tokens``: a line when one is due, with the
+        newest loss of ``losses`` already on the host, or ``loss`` (an engine that has read it anyway)."""
         self.tokens += tokens
         if not self.enabled:
             return
@@ -69,7 +70,7 @@ class Progress:
         if now < self.next_at:
             return
         self.next_at = now + self.every_s
-        loss = ready_loss(losses, step) if losses is not None else None
+        loss = ready_loss(losses, step) if losses is not None else loss
         print(PREFIX + self.line(step + 1, now, loss), file=self.out or sys.stdout, flush=True)
 
     def line(self, done: int, now: float, loss: float | None) -> str:
