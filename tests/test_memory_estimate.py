@@ -376,16 +376,17 @@ def test_plan_command_runs_without_torch():
 def test_quick_gelu_keeps_its_sigmoid_in_fp32_under_qlora():
     """QLoRA's 4-bit layers return fp32 (their input's dtype after k-bit preparation), so a plain MLP's fc1
     output (QLORA_MLP_BYTES) and CLIP's quick_gelu sigmoid are fp32: 2 + 2 more bytes per MLP element than LoRA
-    keeps (batch 8 x 64 positions x 2 layers x MLP width 128). Seen on an H100: CLIP ViT-B/32's QLoRA
-    estimate was 0.896 of the peak without the sigmoid's."""
+    keeps over an fp32 base, as QLoRA's unquantised layers are (batch 8 x 64 positions x 2 layers x MLP width
+    128). Seen on an H100: CLIP ViT-B/32's QLoRA estimate was 0.896 of the peak without the sigmoid's."""
     facts = me.ModelFacts(quantised=0, other=PARAMS, trainable=1_000, shape=SHAPE, norm="layer", mlp="plain",
                           quick_gelu=True, adapted_inputs=(64,) * 4)
-    lora = part(me.estimate(facts, spec(method="lora"), None), "activations")
+    fp32_base_lora = spec(method="lora", lora_base_dtype="fp32")
+    lora = part(me.estimate(facts, fp32_base_lora, None), "activations")
     qlora = part(me.estimate(facts, spec(method="qlora"), None), "activations")
     assert qlora - lora == 8 * 64 * 2 * (2 + 2) * 128
     plain = me.ModelFacts(**{**facts.__dict__, "quick_gelu": False})
     assert part(me.estimate(plain, spec(method="qlora"), None), "activations") - \
-        part(me.estimate(plain, spec(method="lora"), None), "activations") == 8 * 64 * 2 * 2 * 128
+        part(me.estimate(plain, fp32_base_lora, None), "activations") == 8 * 64 * 2 * 2 * 128
 
 
 # --- precision bf16_true ----------------------------------------------------------------------------------------

@@ -355,7 +355,7 @@ def test_other_retrieval_refusals_name_their_key(caption_folder):
         (experiment(SYNTHETIC, parallel="ddp", num_gpus=2, device="auto"), r"defaults\.parallel.*'ddp' is not implemented"),
         (experiment(SYNTHETIC, engine="hf_trainer"), r"defaults\.engine.*hf_trainer"),
         (experiment(SYNTHETIC, batching="pack"), r"defaults\.batching.*dual encoder"),
-        (experiment({**DIGITS_DEF, "caption_template": "a digit"}), r"datasets\.pairs\.caption_template.*must match"),
+        (experiment({**DIGITS_DEF, "caption_template": "a digit"}), r"datasets\.pairs\.caption_template: 'a digit' is not allowed; expected text containing \{label\}"),
     ]
     for config, message in checks:
         with pytest.raises(ConfigError, match=message):

@@ -241,7 +241,7 @@ class RunSpec:
         _nullable({"type": "integer", "minimum": 1}), "Int64")
     eval_subset: int | None = setting(
         256, "with eval_every: examples of the fixed seeded eval subset each evaluation during training scores (the same "
-        "examples for every run; null: the whole eval split); the final evaluation scores the whole split as before",
+        "examples for every run; null: the whole eval split); the final evaluation scores the whole eval split",
         _nullable({"type": "integer", "minimum": 1}), "Int64", applies=_evaluates_during_training)
     stop_at_target: bool = setting(
         False, "with eval_every and the experiment's target: stop once an evaluation during the measured window reaches the "
