@@ -186,3 +186,18 @@ def test_the_recipe_columns_are_documented_columns_of_every_row():
     for name, meaning in RECIPE_COLUMNS.items():
         assert name in COLUMNS and COLUMNS[name][1] == meaning
     assert set(recipe_of(RunSpec(model="m", dataset="d")).columns()) == set(RECIPE_COLUMNS)
+
+
+def test_plan_and_the_report_name_each_runs_recipe():
+    from ftbench import cli
+    from ftbench.report import report_page
+    import pandas as pd
+
+    spec = llama_spec(method="lora", precision="bf16")
+    text = cli.plan_table(spec, {"unsupported": "for this test"})
+    assert "  recipe: base bf16, trains fp32 (masters), autocast bf16, optimizer state fp32" in text.splitlines()
+    rows = pd.DataFrame([recipe_of(spec).columns(), recipe_of(llama_spec(method="full", precision="bf16_true")).columns(),
+                         dict.fromkeys(RECIPE_COLUMNS)])
+    assert report_page.recipes_of(rows).fillna("-").tolist() == [
+        "base bf16, trains fp32 (masters), autocast bf16, optimizer state fp32",
+        "trains bf16, no autocast, optimizer state bf16", "-"]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ftbench.errors import FtbenchError
 from ftbench.experiment import matrix
+from ftbench.recipe import recipe_of
 from ftbench.runspec import RunSpec
 
 # Each command imports its own stage when it runs (torch for train, matplotlib for report, pandas for
@@ -241,7 +242,8 @@ def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
     ``priced`` (report/prediction.py priced_table's rows of the run), its predicted speed and cost."""
     from ftbench.report import prediction
 
-    lines = [f"\n{run.run_id}  ({run.parallel}, {run.devices} GPU{'s' if run.devices > 1 else ''}, batch {run.batch_size})"]
+    lines = [f"\n{run.run_id}  ({run.parallel}, {run.devices} GPU{'s' if run.devices > 1 else ''}, batch {run.batch_size})",
+             f"  recipe: {recipe_of(run).text()}"]
     if planned.get("unsupported"):
         return "\n".join(lines + [f"  unsupported: recorded without training ({planned['unsupported']})"])
     by_gpu = {} if priced is None else {row["gpu"]: row for row in priced.to_dict("records") if row["gpu"]}

@@ -69,6 +69,11 @@ class Recipe:
         embeddings' output (so the residual stream) is 16-bit."""
         return self.frozen_dtype in ("bf16", "fp16")
 
+    def text(self) -> str:
+        """The recipe in one line (recipe_text)."""
+        return recipe_text(self.frozen_dtype, self.trainable_dtype, self.autocast_dtype, self.master_weights,
+                           self.optimizer_state_dtype)
+
     def columns(self) -> dict:
         """The row's recipe columns (report/columns.py documents them)."""
         return {f"recipe_{key}": value for key, value in asdict(self).items()}
@@ -97,6 +102,18 @@ def recipe_of(spec: RunSpec) -> Recipe:
     else:
         frozen = spec.precision if lora_base_in_compute_dtype(spec) else "fp32"
     return Recipe(frozen, "fp32", autocast, autocast is not None, state, compute)
+
+
+def recipe_text(frozen: str | None, trainable: str | None, autocast: str | None, master_weights, state: str | None) -> str | None:
+    """One line a reader can hold against their own training script: "base bf16, trains fp32 (masters), autocast bf16,
+    AdamW state fp32". None when nothing is known (a row from before recipes were recorded)."""
+    if not trainable:
+        return None
+    parts = ([f"base {frozen}"] if frozen else []) + [f"trains {trainable}" + (" (masters)" if master_weights is True else "")]
+    parts.append(f"autocast {autocast}" if autocast else "no autocast")
+    if state:
+        parts.append(f"optimizer state {state}")
+    return ", ".join(parts)
 
 
 # What each recipe column means, for report/columns.py and config/README.md.

@@ -18,10 +18,11 @@ from ftbench.measure import gpu_table as gpu_tables
 from ftbench.report.analysis import CV_THRESHOLD, is_missing
 from ftbench.report.collect import typed
 from ftbench.report.pages import fmt, money
+from ftbench.recipe import RECIPE_COLUMNS, recipe_text
 
 # The runs table: these columns when the table has data in them (status and its reason always).
 TABLE_COLUMNS = [
-    "run_id", "status", "status_reason", "method", "precision", "batch_size", "seq_len", "lora_rank",
+    "run_id", "status", "status_reason", "method", "precision", "recipe", "batch_size", "seq_len", "lora_rank",
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
@@ -36,6 +37,8 @@ ALWAYS_SHOWN = {"run_id", "status", "status_reason"}
 # The runs table's interval text of each cost figure (analysis.RUN_PER_THROUGHPUT), as the configurations table names it.
 RUN_INTERVAL_TEXT = {"cost_per_1m_tokens": "cost_ci95", "projected_cost": "projected_cost_ci95"}
 RUN_TITLES = {
+    "recipe": "which dtype each kind of tensor was kept in (the row's recipe_* columns): the frozen base, the trained "
+              "parameters (fp32 masters under mixed precision), autocast, the optimizer's state",
     "steps": "optimizer steps: the measured window (timed) + the warmup before it (not timed), and the planned total "
              "when the run stopped early",
     "tokens_per_s_ci95": "95% interval of tokens/s from the step-time spread of this run's measured window (ratio "
@@ -55,7 +58,7 @@ RUN_TITLES = {
     "cost_ci95": "95% interval of the run's $ per 1M tokens: its within-run throughput interval's ends (cost = price / throughput)",
     "projected_cost_ci95": "95% interval of the run's training-budget cost, from its within-run throughput interval",
 }
-CONFIG_TABLE_COLUMNS = ["configuration", "method", "runs", "ok", "measured", "tokens_per_s", "tokens_per_s_ci95", "interval_basis",
+CONFIG_TABLE_COLUMNS = ["configuration", "method", "recipe", "runs", "ok", "measured", "tokens_per_s", "tokens_per_s_ci95", "interval_basis",
                         "tokens_per_s_cv", "unstable", "unstable_runs", "cost_per_1m_tokens", "cost_ci95", "QUALITY", "quality_ci95",
                         "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb",
                         "projected_hours", "projected_cost", "projected_cost_ci95"]
@@ -181,11 +184,23 @@ def steps_text(row: pd.Series) -> str | None:
     return text if is_missing(total) or measured + warmup == total else f"{text} of {total} planned"
 
 
+def recipes_of(runs: pd.DataFrame) -> pd.Series:
+    """Each run's recipe in one line (recipe.recipe_text), from its recipe columns; null where a row has none."""
+    def value(row, name):
+        found = row.get(name)
+        return None if is_missing(found) else found
+
+    names = list(RECIPE_COLUMNS)
+    texts = [recipe_text(*(value(row, name) for name in names[:5])) for _, row in runs.iterrows()]
+    return pd.Series(pd.array(texts, dtype="string"), index=runs.index)
+
+
 def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs (add_step_figures) with the runs table's text columns: steps, intervals, the memory
     estimate over its like, and the quality interval."""
     runs = runs.copy()
     runs["steps"] = pd.array([steps_text(row) for _, row in runs.iterrows()], dtype="string")
+    runs["recipe"] = recipes_of(runs)
     runs["tokens_per_s_ci95"] = [span(low, high, "tokens_per_s")
                                  for low, high in zip(runs["tokens_per_s_low"], runs["tokens_per_s_high"])]
     runs["quality_ci95"] = [span(low, high, "quality") for low, high in zip(runs["quality_low"], runs["quality_high"])]
@@ -647,6 +662,8 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     page_summary["notes"] += target_notes(target_section)
     shown = with_display_columns(runs)
     config_rows = configuration_rows(configs)
+    if "config_key" in shown and "config_key" in config_rows:  # a configuration's runs share its recipe
+        config_rows["recipe"] = config_rows["config_key"].map(shown.groupby("config_key")["recipe"].first())
     # every configuration's predicted speed and cost on every GPU of the table (calibration.yaml and prices.yaml
     # read beside the GPU table)
     labels = dict(zip(runs["config_id"], runs["config_label"])) if "config_label" in runs else None
