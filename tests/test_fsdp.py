@@ -235,6 +235,34 @@ def test_a_config_built_model_is_initialised_shard_by_shard(method, llama_data, 
     assert metrics["total_steps"] == len(ranks[0]["steps"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_16_bit_lora_base_trains_over_two_ranks(parallel, llama_data, tmp_path):
+    """LoRA's recipe under both multi-process modes: the frozen base in bf16 beside fp32 adapters (FSDP2 shards both
+    kinds in one unit: its uniform-dtype check looks at trainable parameters only), every rank's row saying so, and
+    a first loss where a freshly built model starts."""
+    spec = llama_spec(method="lora", precision="bf16", batch_size=4, parallel=parallel, num_gpus=2)
+    assert fsdp.mixes_frozen_dtypes()  # this torch's FSDP2 takes the mix; an older one is refused by name (next test)
+    metrics, ranks = train(spec, llama_data, tmp_path)
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    assert len(ranks) == 2
+    for result in [metrics] + [rank["metrics"] for rank in ranks]:
+        assert (result["recipe_frozen_dtype"], result["recipe_trainable_dtype"], result["recipe_autocast_dtype"]) == \
+            ("bf16", "fp32", "bf16")
+    first = [rank["steps"][0]["loss"] for rank in ranks]
+    assert all(abs(loss - math.log(LLAMA_OVERRIDES["vocab_size"])) < 0.3 for loss in first), first
+
+
+def test_a_torch_whose_fsdp2_cannot_mix_frozen_dtypes_refuses_a_16_bit_lora_base(monkeypatch):
+    monkeypatch.setattr(fsdp, "mixes_frozen_dtypes", lambda: False)
+    spec = llama_spec(method="lora", precision="bf16", parallel="fsdp", num_gpus=2)
+    with pytest.raises(UnsupportedConfiguration, match="lora_base_dtype: fp32"):
+        modeling.check_supported(spec, torch.device("cpu"), importing=False)
+    # an fp32 base (one dtype in every unit) and ddp are not refused
+    modeling.check_supported(spec.replace(lora_base_dtype="fp32"), torch.device("cpu"), importing=False)
+    modeling.check_supported(spec.replace(parallel="ddp"), torch.device("cpu"), importing=False)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Multi-node: two local "nodes" (torchrun node ranks 0 and 1) meeting at a localhost rendezvous
 
