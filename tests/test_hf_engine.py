@@ -61,14 +61,20 @@ def test_tiny_llama_sees_the_same_tokens_and_steps_in_both_engines(llama_data): 
 
 @pytest.mark.slow
 def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_factory, prepared_data):
-    """Padded text (real lengths differ): the counted tokens are the unpadded ones, in both engines."""
+    """Padded text (real lengths differ): the counted tokens are the unpadded ones, in both engines. Under bf16 both
+    train LoRA's recipe: the frozen base in bf16 (not TrainingArguments' fp32 default), fp32 adapters and head."""
     config = tiny_config_factory(defaults={"method": "lora", "lora_targets": ["query", "value"], "batch_size": 4,
-                                           "seq_len": 32, "max_steps": 4, "warmup_steps": 1, "lora_rank": 4},
+                                           "seq_len": 32, "max_steps": 4, "warmup_steps": 1, "lora_rank": 4,
+                                           "precision": "bf16"},
                                  matrix={"model": ["tiny"], "dataset": ["tiny"]})
     (spec,) = matrix.expand_runs(config)
     results = both_engines(spec, prepared_data[0])
     assert_same_run(results)
     assert results["hf_trainer"][0]["padding_fraction"] > 0  # the batches were padded, and padding not counted
+    for engine in ("loop", "hf_trainer"):
+        metrics = results[engine][0]
+        assert (metrics["recipe_frozen_dtype"], metrics["recipe_trainable_dtype"], metrics["recipe_autocast_dtype"]) == \
+            ("bf16", "fp32", "bf16"), engine
 
 
 @pytest.mark.slow
