@@ -38,6 +38,7 @@ from ftbench.report import summary as ftbench_summary
 # Checks the experiment (rules/common.smk) before anything else is read.
 include: "rules/common.smk"
 include: "rules/data.smk"
+include: "rules/base_eval.smk"
 include: "rules/train.smk"
 include: "rules/collect.smk"
 include: "rules/report.smk"

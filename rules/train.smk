@@ -2,6 +2,9 @@ rule train:
     """Train and measure one configuration; writes metrics.json (with a status), per-step records and its evaluations."""
     input:
         data=get_run_data,
+        # The evaluation before training shared by the runs of the same weights (rules/base_eval.smk); none for a
+        # run that scores its own.
+        base_eval=get_run_base_eval,
     output:
         metrics="results/runs/{run_id}/metrics.json",
         steps="results/runs/{run_id}/steps.parquet",
@@ -33,7 +36,8 @@ rule train:
     # The job keeps its own margin inside it: training stops early enough to evaluate and write its results
     # with status=timeout instead of being killed with nothing.
     # --watch-pid $PPID: this shell's parent is Snakemake; locally the job ends when it dies (lifeline.py).
+    # FTBENCH_BASE_EVAL: the shared evaluation before training the job takes instead of scoring (empty: it scores).
     shell:
-        "python -m ftbench train --spec-file {params.spec_file:q} --data {input.data}"
+        "FTBENCH_BASE_EVAL={input.base_eval:q} python -m ftbench train --spec-file {params.spec_file:q} --data {input.data}"
         " --out {output.metrics} --threads {threads} --time-limit-s $(( {resources.runtime} * 60 ))"
         " --watch-pid $PPID > {log} 2>&1"

@@ -23,7 +23,8 @@ from ftbench.data import prepared
 from ftbench.measure import gpu_monitor
 from ftbench.experiment import matrix
 from ftbench.tasks import registry
-from ftbench.train import ddp, evaluation, modeling, trainer
+from ftbench.experiment import base_evaluation
+from ftbench.train import base_eval_job, ddp, evaluation, modeling, trainer
 
 from test_families import _two_threads, bert_spec, llama_spec, prepare_for  # noqa: F401 - fixtures
 from test_quality_target import measured_time
@@ -212,3 +213,117 @@ def test_ddp_ranks_agree_on_rank_0_s_base_evaluation(bert_spec, prepared_data, t
         assert rank["metrics"]["window_s"] == pytest.approx(measured_time(rank["steps"]), rel=1e-6)
     accuracy = evals[evals["metric"] == "eval_accuracy"]
     assert accuracy["step"].tolist() == [0, 2, 4, 6] and accuracy["scope"].tolist() == ["full", "subset", "subset", "full"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One evaluation before training for every run that starts from the same weights (rule base_eval)
+
+
+def shared_id(bert_spec, **settings) -> str:
+    return base_evaluation.base_eval_id(bert_spec(eval_before_training=True, **settings))
+
+
+def test_runs_that_start_from_the_same_weights_share_one_key_and_others_do_not(bert_spec):
+    full = shared_id(bert_spec, method="full", learning_rate=0.0001)
+    # LoRA's B matrices start at zero: any rank, any learning rate, the fp32 model as built is the base model.
+    assert shared_id(bert_spec, method="lora", lora_rank=4) == shared_id(bert_spec, method="lora", lora_rank=8,
+                                                                        learning_rate=0.01) == full
+    assert shared_id(bert_spec, method="qlora") != full  # a 4-bit base
+    assert shared_id(bert_spec, method="qlora", qlora_double_quant=False) != shared_id(bert_spec, method="qlora")
+    # A LoRA run's frozen base in its 16-bit compute dtype is another model than the fp32 one, and than full
+    # fine-tuning's fp32 masters under the same autocast; with lora_base_dtype fp32 it is full's.
+    bf16_lora, bf16_full = shared_id(bert_spec, method="lora", precision="bf16"), shared_id(bert_spec, method="full",
+                                                                                            precision="bf16")
+    assert len({bf16_lora, bf16_full, full}) == 3
+    assert shared_id(bert_spec, method="lora", precision="bf16", lora_base_dtype="fp32") == bf16_full
+    # A new head's initialisation (the seed), the rows scored and the eval batches are part of it.
+    assert full not in {shared_id(bert_spec, method="full", seed=1), shared_id(bert_spec, method="full", max_eval_samples=10),
+                        shared_id(bert_spec, method="full", eval_batch_size=8)}
+    assert not base_evaluation.shares_base_evaluation(bert_spec(eval_before_training=False))
+    assert base_evaluation.shares_base_evaluation(bert_spec(eval_before_training=True))
+
+
+BASE_SETTINGS = {"eval_before_training": True, "eval_every": 2, "eval_subset": 16, "max_steps": 4, "warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def shared_base(bert_spec, prepared_data, tmp_path_factory):
+    """The shared evaluation of the fp32 weights, computed by the job from a LoRA run standing for them."""
+    spec = base_evaluation.evaluation_spec(bert_spec(method="lora", lora_rank=8, **BASE_SETTINGS))
+    path = tmp_path_factory.mktemp("base-eval") / "shared.json"
+    result = base_eval_job.run_job(spec, prepared_data[0], path, threads=2)
+    assert result["status"] == "ok", result["reason"]
+    return path, result
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_shared_evaluation_equals_what_each_run_computed_alone(method, bert_spec, prepared_data, shared_base):
+    _, result = shared_base
+    settings = {"method": method, **BASE_SETTINGS, **({"learning_rate": 0.0001} if method == "full" else {"lora_rank": 4})}
+    alone, _ = trainer.train_run(bert_spec(**settings), prepared_data[0])
+    assert alone["status"] == "ok", alone["status_reason"]
+    assert base_evaluation.base_eval_key(bert_spec(**settings)) == result["key"]
+    assert alone["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
+    assert alone["base_eval_samples"] == result["figures"]["eval_samples"]
+    assert alone["base_eval_loss"] == pytest.approx(result["figures"]["eval_loss"], rel=1e-6)
+
+
+def test_a_run_given_the_shared_evaluation_takes_its_figures_and_scores_nothing_before_training(
+        bert_spec, prepared_data, shared_base, monkeypatch, sampler_calls):
+    path, result = shared_base
+    monkeypatch.setenv(evaluation.SHARED_BASE_ENV, str(path))
+    metrics, steps = trainer.train_run(bert_spec(method="lora", lora_rank=16, **BASE_SETTINGS), prepared_data[0])
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
+    assert metrics["base_eval_loss"] == result["figures"]["eval_loss"]
+    assert metrics["base_eval_time_s"] == result["eval_time_s"]
+    # The step-0 row of evals.parquet is the shared evaluation's; the model was scored during and after training only.
+    rows = pd.DataFrame(metrics["evals"])
+    accuracy = rows[rows["metric"] == "eval_accuracy"]
+    assert accuracy["step"].tolist() == [0, 2, 4] and accuracy["scope"].tolist() == ["full", "subset", "full"]
+    assert accuracy["value"].iloc[0] == result["figures"]["eval_accuracy"]
+    assert sampler_calls.count("evaluate") == 2
+
+
+def test_a_shared_evaluation_of_other_weights_or_one_that_failed_is_not_taken(bert_spec, prepared_data, shared_base,
+                                                                              tmp_path, monkeypatch, capsys):
+    path, result = shared_base
+    spec = bert_spec(method="lora", seed=1, **BASE_SETTINGS)  # another seed: another head, another key
+    monkeypatch.setenv(evaluation.SHARED_BASE_ENV, str(path))
+    assert evaluation.read_shared_base(spec) is None
+    assert "it scored other weights" in capsys.readouterr().out
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({**result, "status": "not_evaluated", "reason": "OutOfMemoryError: no room"}))
+    monkeypatch.setenv(evaluation.SHARED_BASE_ENV, str(failed))
+    same_key = bert_spec(method="lora", **BASE_SETTINGS)
+    assert evaluation.read_shared_base(same_key) is None and "no room" in capsys.readouterr().out
+    monkeypatch.setenv(evaluation.SHARED_BASE_ENV, "")
+    assert evaluation.read_shared_base(same_key) is None
+
+
+def test_a_model_the_shared_job_cannot_build_leaves_a_result_saying_why(bert_spec, prepared_data, tmp_path):
+    """fp16 on a CPU: the job's result says so; the train jobs then meet it themselves (an unsupported row each)."""
+    spec = bert_spec(method="full", precision="fp16", eval_before_training=True)
+    result = base_eval_job.run_job(spec, prepared_data[0], tmp_path / "fp16.json")
+    assert result["status"] == "not_evaluated" and "fp16" in result["reason"]
+    assert json.loads((tmp_path / "fp16.json").read_text())["status"] == "not_evaluated"
+
+
+@pytest.mark.slow
+def test_the_shared_evaluation_of_a_4_bit_base_equals_what_the_qlora_run_computed_alone(bert_spec, prepared_data, tmp_path):
+    spec = bert_spec(method="qlora", **BASE_SETTINGS)
+    result = base_eval_job.run_job(base_evaluation.evaluation_spec(spec), prepared_data[0], tmp_path / "q.json", threads=2)
+    alone, _ = trainer.train_run(spec, prepared_data[0])
+    assert result["status"] == "ok" and alone["status"] == "ok", (result["reason"], alone["status_reason"])
+    assert alone["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
+    assert alone["base_eval_loss"] == pytest.approx(result["figures"]["eval_loss"], rel=1e-5)
+
+
+def test_no_evaluation_during_training_within_half_a_cadence_of_the_final_one():
+    """The final evaluation (the whole split) is the curve's point there: a subset evaluation 2 steps before it is
+    left out (the default experiment: steps 15, 30 and 45 of 62, not 60)."""
+    assert [s for s in range(63) if during(True, every=15).due(s, 62)] == [0, 15, 30, 45]
+    assert [s for s in range(63) if during(False, every=15).due(s, 62)] == [0, 15, 30, 45]
+    assert [s for s in range(61) if during(False, every=15).due(s, 60)] == [0, 15, 30, 45]
+    assert [s for s in range(69) if during(False, every=15).due(s, 68)] == [0, 15, 30, 45, 60]
+    assert [s for s in range(5) if during(False, every=15).due(s, 4)] == [0]  # the curve's start stays

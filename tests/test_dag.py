@@ -7,13 +7,14 @@ config work on a copy of its folder.
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pandas as pd
 import pytest
 
 from conftest import copy_workflow, job_counts, snakemake_failure, train_run_ids, write_config
-from ftbench.experiment import matrix
+from ftbench.experiment import base_evaluation, matrix
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +144,9 @@ def test_changing_the_dataset_prepares_again_and_retrains_its_runs(snakemake_run
 
 
 def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
-    """The default experiment's DAG: one preparation shared by every run, then collect and report."""
+    """The default experiment's DAG: one preparation shared by every run, one evaluation before training for the
+    fp32 base model (full fine-tuning and both LoRA runs start from it) and one for QLoRA's 4-bit base, then
+    collect and report."""
     from conftest import ROOT
     from ftbench.experiment import config as ftbench_config
 
@@ -151,8 +154,33 @@ def test_dry_run_of_the_shipped_default_experiment(tmp_path, snakemake_runner):
     configfile.write_text((ROOT / "config" / "config.yaml").read_text())
     runs = matrix.expand_runs(ftbench_config.load_config(configfile))
     process = dry_run(snakemake_runner, tmp_path)
-    assert job_counts(process) == {"prepare_data": 1, "train": len(runs), "collect": 1, "report": 1, "all": 1}
+    assert job_counts(process) == {"prepare_data": 1, "base_eval": 2, "train": len(runs), "collect": 1, "report": 1, "all": 1}
     assert train_run_ids(process) == {run.run_id for run in runs}
+    assert len(base_evaluation.shared_evaluations(runs)) == 2 and {run.method for run in runs} == {"full", "lora", "qlora"}
+
+
+def test_a_second_experiment_from_the_same_weights_reuses_the_shared_evaluation(tmp_path, tiny_config_factory,
+                                                                               snakemake_runner):
+    """The evaluation before training is a step of its own, shared across experiments of the folder: a second
+    experiment whose run starts from the first's weights (another LoRA rank and learning rate) trains its run and
+    scores no base model again; its row carries the shared figures, as the first's runs do."""
+    defaults = {**tiny_config_factory()["defaults"], "eval_before_training": True}
+    first = tiny_config_factory(defaults=defaults)  # full and lora
+    second = tiny_config_factory(defaults={**defaults, "lora_rank": 8, "learning_rate": 0.002},
+                                 matrix={"model": ["tiny"], "dataset": ["tiny"], "method": ["lora"]})
+    first_file, second_file = write_config(tmp_path, first, "first.yaml"), write_config(tmp_path, second, "second.yaml")
+    process = snakemake_runner(tmp_path, configfile=first_file)
+    assert process.returncode == 0, snakemake_failure(process)
+    assert job_counts(process)["base_eval"] == 1  # full and LoRA: one base model
+    planned = snakemake_runner(tmp_path, "-n", configfile=second_file)
+    assert planned.returncode == 0, snakemake_failure(planned)
+    assert job_counts(planned) == {"train": 1, "collect": 1, "report": 1, "all": 1}  # no base_eval, no prepare_data
+    process = snakemake_runner(tmp_path, configfile=second_file)
+    assert process.returncode == 0, snakemake_failure(process)
+    (shared,) = (tmp_path / "results" / "base_eval").glob("*.json")
+    figures = json.loads(shared.read_text())["figures"]
+    rows = [json.loads(path.read_text())["metrics"] for path in (tmp_path / "results" / "runs").glob("*/metrics.json")]
+    assert len(rows) == 3 and {row["base_eval_accuracy"] for row in rows} == {figures["eval_accuracy"]}
 
 
 def test_two_experiments_sharing_data_in_one_folder_rerun_nothing(tmp_path, tiny_config_factory, tiny_model_dir,

@@ -17,6 +17,9 @@ time, with the memory peaks of training and evaluation kept apart.
   the weights. It is a pause like those above (engines, ranks and the clock alike; it is the step-0 row of
   evals.parquet with eval_every, in place of that step's subset evaluation), its time is base_eval_time_s, and
   the memory peaks are reset after it: a forward pass at eval_batch_size must not become training's peak.
+  Where the workflow computed it once for every run that starts from the same weights (rule base_eval,
+  train/base_eval_job.py), the job names that result in FTBENCH_BASE_EVAL and the run takes its figures
+  (``read_shared_base``) instead of scoring; base_eval_time_s is then the shared evaluation's time.
 
 - Which rows (``score``): every evaluation that scores part of the eval split (max_eval_samples, eval_subset,
   one cut short by the job's time limit) scores a seeded stratified sample of it, never its first rows by
@@ -38,6 +41,8 @@ time, with the memory peaks of training and evaluation kept apart.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +50,7 @@ import numpy as np
 import torch
 
 from ftbench.data import prepared
+from ftbench.experiment import base_evaluation
 from ftbench.measure.intervals import wilson
 from ftbench.tasks import registry
 from ftbench.tasks.base import is_proportion, reaches
@@ -57,6 +63,8 @@ EVALUATED = ("ok", "timeout")
 WRITE_RESERVE = 0.25
 # The seed of eval_order: fixed, not the run's, so every run and repeat scores the same examples.
 EVAL_ORDER_SEED = 0
+# The shared evaluation before training a train job reads (rule base_eval's output), where the workflow made one.
+SHARED_BASE_ENV = "FTBENCH_BASE_EVAL"
 # Batches of one round of an evaluation a time limit may end (between rounds): sorted by length within a round of
 # 4 batches, batches pad about as little as sorted over the whole split.
 ROUND_BATCHES = 4
@@ -142,6 +150,26 @@ def eval_order(split, task: str) -> np.ndarray:
     return prepared.fair_order(registry.family(task).row_strata(split), len(split), EVAL_ORDER_SEED)
 
 
+def read_shared_base(spec) -> dict | None:
+    """The shared evaluation before training this job was given (SHARED_BASE_ENV), if it scored these weights
+    (its key is the run's) and succeeded; None otherwise, saying why where one was given: the run then scores
+    its model itself."""
+    path = os.environ.get(SHARED_BASE_ENV)
+    if not path:
+        return None
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        result = {"status": "unreadable", "reason": str(exc)}
+    key = json.loads(json.dumps(base_evaluation.base_eval_key(spec), sort_keys=True, default=str))
+    if result.get("status") == "ok" and result.get("key") == key:
+        return result
+    why = result.get("reason") if result.get("status") != "ok" else "it scored other weights (another key)"
+    print(f"ftbench: the shared evaluation before training {path} is not this run's ({why}): evaluating before "
+          "training in this job", flush=True)
+    return None
+
+
 def subset_indices(size: int, subset: int | None, strata: np.ndarray | None = None) -> np.ndarray:
     """The eval rows an evaluation during training scores (eval_subset): the first ``subset`` of the split's ``size``
     rows in eval_order (``strata``: the family's row_strata), so a seeded stratified sample, the same rows for every
@@ -220,6 +248,7 @@ class DuringTraining:
         self._indices = None  # the eval_subset rows (subset_indices), chosen at the first evaluation during training
         self.metrics = registry.family(run.task).eval_metrics()
         self.before_training = spec.eval_before_training
+        self.shared_base = read_shared_base(spec) if self.before_training else None
         self.rows: list[dict] = []
         self.pauses: list[tuple[float, float]] = []  # (start, end) of each subset evaluation, time.perf_counter()
         self.base_pause: tuple[float, float] | None = None  # the same of the evaluation before training
@@ -236,17 +265,23 @@ class DuringTraining:
 
     def due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to evaluate before the next step: before the first with eval_before_training, and every
-        eval_every steps from the first (the final evaluation follows the last step)."""
+        eval_every steps from the first, except where the final evaluation (after the last step, on the whole
+        split) follows within half an eval_every: it is the curve's point there (a subset evaluation two steps
+        before it would add a noisier copy of it, at the cost of a quarter of a full evaluation)."""
         if steps_done == 0 and self.before_training:
             return True
-        return self.every is not None and steps_done < total_steps and steps_done % self.every == 0
+        return (self.every is not None and steps_done % self.every == 0
+                and (steps_done == 0 or total_steps - steps_done >= self.every / 2) and steps_done < total_steps)
 
     def pause(self, steps_done: int, may_stop: bool, since: float | None = None) -> bool:
         """Evaluate now with the clock paused (from ``since``, the last step's end, so no moment between steps
         is lost to either); whether the run stops here, having reached the target (only when ``may_stop``: the
         measured window has begun, so the run has a throughput)."""
         if steps_done == 0 and self.before_training:
-            self._pause_for_base(since)
+            if self.shared_base is not None:
+                self._take_shared_base(since)
+            else:
+                self._pause_for_base(since)
             return False  # nothing was trained to reach a target yet
         run = self.run
         last = self.pauses[-1][1] - self.pauses[-1][0] if self.pauses else 0.0
@@ -297,6 +332,21 @@ class DuringTraining:
             scores.pop("eval_majority_class_rate", None)  # the final evaluation's rows' (the same rows) is the row's
             self.base_figures = {f"base_{name}": value for name, value in scores.items()}
             self.base_figures["base_eval_time_s"] = self.base_pause[1] - self.base_pause[0]
+
+    def _take_shared_base(self, since: float | None) -> None:
+        """The evaluation before training computed once for every run of these weights (``shared_base``): its
+        figures and step-0 row, no scoring here. The ranks still meet once, as after the evaluation scored here."""
+        with self._clock_paused(since, lambda span: setattr(self, "base_pause", span)):
+            scores = dict(self.shared_base["figures"])
+            if self.run.dist.rank == 0 and self.every is not None:
+                self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full",
+                                           self.shared_base["eval_time_s"]))
+            self.agree(False)
+        if self.run.dist.rank == 0:
+            scores.pop("eval_samples_planned", None)
+            scores.pop("eval_majority_class_rate", None)
+            self.base_figures = {f"base_{name}": value for name, value in scores.items()}
+            self.base_figures["base_eval_time_s"] = self.shared_base["eval_time_s"]
 
     def _score_base(self, sharded: bool) -> dict:
         """The model as built, scored like the final evaluation: the same examples, eval_batch_size. It ends early
