@@ -138,3 +138,24 @@ def test_a_timed_out_run_is_told_the_walltime_its_steps_need():
     unknown = {**row, "train_time_s": None}
     assert summary.more_time(pd.Series(unknown)) == 4  # twice what it had
     assert summary.more_time(pd.Series({**row, "status_reason": "stopped before the job's time limit at step 10 of 1000"})) is None
+
+
+def test_where_ftbench_could_not_say_slurms_own_log_tells_a_cancel_from_a_time_limit(tmp_path, monkeypatch, capsys):
+    """A scancel, or the walltime, during the job's start (before the train process could answer SIGTERM): its log
+    has no line of ftbench's, and SLURM's log of the job (what slurmstepd wrote) says which, with the walltime the
+    job's Snakemake printed among its resources."""
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    for run_id, job_id, end in (("r6", 31, "DUE TO TIME LIMIT "), ("r7", 32, ""), ("r8", 33, None)):
+        write_log(tmp_path, f"logs/train/{run_id}.log", "Loading weights", mtime=started + 30)
+        slurm = ["rule train:", "    resources: tmpdir=<TBD>, mem_mb=8017, runtime=3, slurm_partition=gpu"]
+        if end is not None:
+            slurm.append(f"slurmstepd-vm: error: *** JOB {job_id} ON vm CANCELLED AT 2026-11-29T03:34:07 {end}***")
+        write_log(tmp_path, f".snakemake/slurm_logs/rule_train/{run_id}/{job_id}.log", *slurm, mtime=started + 31)
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert ("  time limit logs/train/r6.log: SLURM: JOB 31 ON vm CANCELLED AT 2026-11-29T03:34:07 DUE TO TIME LIMIT "
+            "(reached its time limit before it could write a row); give it more time: --set-resources train:runtime=6") in told
+    assert "  cancelled logs/train/r7.log: SLURM: JOB 32 ON vm CANCELLED AT 2026-11-29T03:34:07" in told
+    assert "  no line logs/train/r8.log: Loading weights" in told
+    assert "error to fix" not in told

@@ -33,8 +33,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 PROFILE = ROOT / "profiles" / "slurm"
 SNAKEMAKE_LIMIT_S = 240
-# The README's per-invocation override: it must add to the rules' resources, not drop the GPU partition.
-SET_TRAIN_MEMORY = ["--set-resources", "train:mem_mb=9000"]
+# The README's per-invocation override: it replaces the estimate of these two (a retry scales them as it scales the
+# estimate: twice the walltime), and must keep the rules' other resources (the GPU partition).
+SET_TRAIN_RESOURCES = ["--set-resources", "train:mem_mb=9000", "train:runtime=10"]
 SWITCH_LINE = "ftbench: sacct does not work on this cluster"
 
 
@@ -167,7 +168,7 @@ def first_run(cluster, workdir, base_config, tiny_model_dir, config_home):
     before = set(cluster.submitted_job_ids())
     started = time.monotonic()
     targets = [f"results/runs/{run_id}/metrics.json" for run_id in run_ids]
-    process = run(workdir, configfile, config_home, *targets, *SET_TRAIN_MEMORY, env={FAULT_ENV: f"kill@1:run={KILLED}"})
+    process = run(workdir, configfile, config_home, *targets, *SET_TRAIN_RESOURCES, env={FAULT_ENV: f"kill@1:run={KILLED}"})
     print(f"\nfirst run through SLURM: {time.monotonic() - started:.0f} s")
     jobs = submitted(process)
     trains: dict[str, list[int]] = {}  # run id -> its train jobs, in submission order
@@ -191,7 +192,7 @@ def test_matrix_jobs_go_through_sbatch_with_their_resources(cluster, workdir, fi
         result = json.loads((workdir / "results" / "runs" / run_id / "metrics.json").read_text())
         assert result["metrics"]["status"] == "ok", result["metrics"]
         infos[result["spec"]["num_gpus"]] = info
-    # runtime (minutes) is the walltime: the train estimate's 10-minute floor for a run this small.
+    # runtime (minutes) is the walltime: the 10 minutes given with --set-resources (the estimate's floor too).
     assert {info["TimeLimit"] for info in infos.values()} == {"00:10:00"}
     prepare = cluster.job_info(next(j for j, r in jobs.items() if r == "prepare_data"))
     # The README's table, read back from slurmctld. prepare_data: 1 CPU, 4 GB, 30 min, SBATCH_PARTITION.
@@ -222,11 +223,16 @@ def test_failing_job_is_reported_as_failed(cluster, workdir, first_run):
     (killed,) = (run_id for run_id in trains if KILLED in run_id)
     first, retry = trains[killed]
     assert [cluster.job_info(job_id)["JobState"] for job_id in (first, retry)] == ["FAILED", "FAILED"]
-    # A retry doubles the estimated walltime; memory given with --set-resources stays as given.
+    # A retry gets twice the walltime and memory (README), given with --set-resources as they were here.
     assert [cluster.job_info(job_id)["TimeLimit"] for job_id in (first, retry)] == ["00:10:00", "00:20:00"]
-    assert [cluster.job_info(job_id)["MinMemoryNode"] for job_id in (first, retry)] == ["9000M", "9000M"]
+    assert [cluster.job_info(job_id)["MinMemoryNode"] for job_id in (first, retry)] == ["9000M", "18000M"]
     assert "Error in rule train" in output and f"SLURM-job '{retry}' failed" in output, output[-5000:]
     assert not (workdir / "results" / "runs" / killed / "metrics.json").exists()
+    # The end of the invocation: the killed job with its last line, and nothing named as an error to fix (the
+    # broken run's error is its row).
+    closing = output[output.rindex("=" * 100, 0, output.rindex("=" * 100)):]
+    assert f"  no line logs/train/{killed}.log: ftbench: FTBENCH_INJECT_FAULT (test-only): SIGKILL at step 1" in closing, closing
+    assert "error to fix" not in closing and "ftbench: some jobs failed, nothing to fix (listed above)" in closing, closing
     # A run whose model cannot be built ends in a `failed` row with the error's line, its job completed
     # once (nothing to retry), and the traceback in its log.
     (broken,) = (run_id for run_id in trains if run_id.startswith("broken-"))
@@ -242,21 +248,26 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     then collect and report, so metrics.parquet and the report appear.
 
     The run is long (max_steps 10^6), so it is still running when cancelled. The re-run ends it at step 2 with an
-    injected NaN (a diverged row) rather than waiting out its 1-minute walltime: stopping before the walltime is
-    test_slurm_timelimit.py's.
+    injected NaN (a diverged row) rather than waiting out its 2-minute walltime: stopping before the walltime is
+    test_slurm_timelimit.py's. A 1-minute walltime, too short for a job to start and write its row, is refused by
+    `snakemake -n` with one line naming the minimum.
     """
     config = {**base_config, "include": [{"model": "tiny", "dataset": "tiny", "num_gpus": 0, "max_steps": 1_000_000}]}
     configfile = write_config(workdir, config, name="config-long.yaml")
+    refused = run(workdir, configfile, config_home, "-n", "--set-resources", "train:runtime=1")
+    assert refused.returncode != 0
+    assert ("ftbench: --set-resources train:runtime=1: a train job needs a walltime of at least 2 minutes"
+            in refused.stdout + refused.stderr), snakemake_failure(refused)
     # --retries 0: the profile's one retry would otherwise resubmit the cancelled job at once, in the
     # same invocation; this test is about the next invocation.
-    extra = ["--retries", "0", "--set-resources", "train:runtime=1"]
+    extra = ["--retries", "0", "--set-resources", "train:runtime=2"]
     command = snakemake_command(workdir, configfile, *extra)
 
     started = time.monotonic()
     first = subprocess.Popen(command, cwd=workdir, env=snakemake_env(config_home), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, preexec_fn=_umask_022)
     try:
-        job_id, run_id = _wait_for_running_train(cluster, workdir, timeout_s=90)
+        job_id, run_id = _wait_for_running_train(cluster, workdir, timeout_s=120)
         subprocess.run(["scancel", str(job_id)], check=True)
         output, _ = first.communicate(timeout=SNAKEMAKE_LIMIT_S)
     finally:
@@ -269,6 +280,10 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     assert re.findall(r"submitted with SLURM jobid (\d+)", output) == [str(job_id)], output[-4000:]
     assert cluster.job_info(job_id)["JobState"] == "CANCELLED"
     assert f"SLURM-job '{job_id}' failed" in output and "CANCELLED" in output, output[-4000:]
+    # The end of the invocation: the cancelled run's own line, after whatever Snakemake printed, and nothing to fix.
+    closing = output[output.rindex("=" * 100, 0, output.rindex("=" * 100)):]
+    assert f"  cancelled logs/train/{run_id}.log: ftbench: run {run_id} was terminated (SIGTERM)" in closing, closing
+    assert "(cancelled or preempted: nothing to fix)" in closing and "error to fix" not in closing, closing
 
     started = time.monotonic()
     rerun = run(workdir, configfile, config_home, *extra, env={FAULT_ENV: "nan@2"})
@@ -278,7 +293,7 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
     assert sorted(jobs.values()) == ["collect", "report", "train"], jobs
     (train_job,) = (j for j, rule in jobs.items() if rule == "train")
     assert run_id_of(cluster, train_job) == run_id
-    assert cluster.job_info(train_job)["TimeLimit"] == "00:01:00"
+    assert cluster.job_info(train_job)["TimeLimit"] == "00:02:00"
     result = json.loads((workdir / "results" / "runs" / run_id / "metrics.json").read_text())["metrics"]
     assert result["status"] == "diverged" and result["diverged_step"] == 2, result
 
@@ -291,15 +306,15 @@ def test_cancelled_job_is_submitted_again_alone(cluster, workdir, base_config, f
 
 
 def _wait_for_running_train(cluster, workdir: Path, timeout_s: float) -> tuple[int, str]:
-    """(SLURM job id, run id) of a RUNNING train job whose command has started (its log exists)."""
+    """(SLURM job id, run id) of a RUNNING train job that is training (its log shows its first progress line)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i %k"], capture_output=True, text=True).stdout
         for line in out.splitlines():
             job_id, _, comment = line.partition(" ")
             match = re.fullmatch(r"rule_train_wildcards_(\S+)", comment.strip())
-            if match and (workdir / "logs" / "train" / f"{match.group(1)}.log").exists():
-                time.sleep(2)  # into the training loop
+            log = workdir / "logs" / "train" / f"{match.group(1)}.log" if match else None
+            if log is not None and log.exists() and "progress: step 1 of " in log.read_text(errors="replace"):
                 return int(job_id), match.group(1)
         time.sleep(0.5)
     raise AssertionError(f"no train job started running within {timeout_s} s:\n{cluster.tail_logs()}")

@@ -2,10 +2,12 @@
 
 The limit is decided where the invocation is planned and handed to the job: `snakemake --profile slurm -n`
 shows it, sbatch -t submits it, and the Snakemake inside the job (on a node with fake GPUs, where torch
-finds no CUDA device) gives the same number to the run as --time-limit-s; the run keeps its own margin
-inside it, so a run given a short limit stops itself before SLURM's limit with a `timeout` row that was
-evaluated. The tests share one workdir: the first cancels its long job once the job has started its
-command, the second runs that run again under a 2-minute limit.
+finds no CUDA device) gives the same number to the run as --time-limit-s; the run counts it from SLURM's start of
+the job and keeps its own margin inside it, so a run given a short limit stops itself before SLURM's limit with a
+`timeout` row that was evaluated, and logs its progress on the way. A run that SLURM's limit ends anyway (here an
+administrator's `scontrol update` shortens it) keeps a `timeout` row of its steps, which the retry keeps instead of
+training. The tests share one workdir: the first has SLURM end its long job at a shortened limit once the job is
+training, the second runs that run again (its folder deleted) under a 2-minute limit.
 
 Only one SLURM test cluster runs on a machine at a time: SlurmCluster.start() waits for another's to end.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -112,20 +115,40 @@ def test_the_job_runs_with_the_limit_it_was_submitted_with(cluster, workdir, lon
     assert dry.returncode == 0, snakemake_failure(dry)
     assert limits_in(dry.stdout + dry.stderr) == {(expected, expected)}
 
-    # --retries 0: the cancelled job is not resubmitted within this invocation.
-    process = subprocess.Popen(command(workdir, configfile, "--retries", "0"), cwd=workdir, env=environment(),
+    # Once it trains, its limit is cut to a minute: SLURM ends it there (TIMEOUT), before it would stop itself.
+    # The profile's one retry asks for twice the walltime and keeps the row the first attempt kept.
+    target = f"results/runs/{run.run_id}/metrics.json"
+    process = subprocess.Popen(command(workdir, configfile, target), cwd=workdir, env=environment(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         job_id, inside = _wait_for_the_jobs_command(cluster, workdir, timeout_s=120)
-        subprocess.run(["scancel", str(job_id)], check=True)
+        assert limits_in(inside) == {(expected, expected)}, inside[-3000:]
+        _wait_for_progress(workdir / "logs" / "train" / f"{run.run_id}.log", timeout_s=120)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], check=True)
         output, _ = process.communicate(timeout=SNAKEMAKE_LIMIT_S)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert minutes(cluster.job_info(job_id)["TimeLimit"]) == expected, cluster.job_info(job_id)
-    assert limits_in(inside) == {(expected, expected)}, inside[-3000:]
-    assert process.returncode != 0, output[-3000:]  # the cancelled job failed the invocation
+    assert process.returncode == 0, output[-3000:]
+    assert cluster.job_info(job_id)["JobState"] == "TIMEOUT", cluster.job_info(job_id)
+    (retry,) = (int(j) for j in re.findall(r"submitted with SLURM jobid (\d+)", output) if int(j) > job_id)
+    assert minutes(cluster.job_info(retry)["TimeLimit"]) == 2 * expected, cluster.job_info(retry)  # the README's retry
+    result = json.loads((workdir / target).read_text())["metrics"]
+    assert result["status"] == "timeout", result
+    assert result["status_reason"].startswith("the scheduler's time limit (1 min) ended its job after "), result
+    assert result["last_step"] >= 0 and result.get("eval_accuracy") is None, result  # its steps; no time to evaluate
+    kept_line = f"ftbench: run {run.run_id}: kept the row (status timeout)"
+    assert kept_line in (workdir / "logs" / "train" / f"{run.run_id}.log").read_text()  # the retry did not train
+
+
+def _wait_for_progress(log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.is_file() and "\nprogress: step 1 of " in log.read_text(errors="replace"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{log} shows no progress line within {timeout_s} s")
 
 
 def _wait_for_the_jobs_command(cluster, workdir: Path, timeout_s: float) -> tuple[int, str]:
@@ -144,6 +167,7 @@ def _wait_for_the_jobs_command(cluster, workdir: Path, timeout_s: float) -> tupl
 
 def test_a_short_limit_stops_the_job_itself_with_an_evaluated_timeout_row(cluster, workdir, long_run):
     configfile, run = long_run
+    shutil.rmtree(workdir / "results" / "runs" / run.run_id)  # the README's way to train a run again
     process = subprocess.run(
         command(workdir, configfile, "--slurm-keep-successful-logs", "--set-resources", f"train:runtime={SHORT_LIMIT_MIN}"),
         cwd=workdir, env=environment(), capture_output=True, text=True, timeout=SNAKEMAKE_LIMIT_S + 30)
@@ -156,7 +180,14 @@ def test_a_short_limit_stops_the_job_itself_with_an_evaluated_timeout_row(cluste
     assert limits_in(job_log(workdir, job_id)) == {(SHORT_LIMIT_MIN, SHORT_LIMIT_MIN)}
 
     result = json.loads((workdir / "results" / "runs" / run.run_id / "metrics.json").read_text())["metrics"]
-    assert result["status"] == "timeout" and "before the job's time limit" in result["status_reason"], result
+    assert result["status"] == "timeout" and "before the job's time limit (2 min)" in result["status_reason"], result
+    log = (workdir / "logs" / "train" / f"{run.run_id}.log").read_text()
+    # Its limit counted from SLURM's start of the job (scontrol: this SLURM has no SLURM_JOB_START_TIME), and its
+    # progress: the first line after step 1, then one every 30 s of training (tests/test_progress.py: the cadence).
+    assert "time limit 2 min, counted from the scheduler's start (scontrol, " in log, log[-3000:]
+    progress = re.findall(r"^progress: step (\d+) of 1000000 \(0%\), [0-9,]+ tokens/s, (\d+)s elapsed", log, re.M)
+    assert progress and progress[0][0] == "1", log[-3000:]
+    assert all(28 <= int(later[1]) - int(earlier[1]) <= 40 for earlier, later in zip(progress, progress[1:])), progress
     assert result.get("eval_accuracy") is not None and result.get("eval_samples"), result  # evaluated in its margin
     table = pd.read_parquet(workdir / "results" / "metrics.parquet")
     assert list(table["status"]) == ["timeout"]

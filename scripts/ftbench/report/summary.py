@@ -4,6 +4,7 @@ more. Written by collect (results/summary.txt) and printed by the Snakefile when
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -112,8 +113,8 @@ JOB_ADVICE = {
     TIME_LIMIT: "its walltime ended it: rerun snakemake with the walltime its line gives (--set-resources "
                 "train:runtime=N, after the targets); a row it kept is kept by that rerun",
     CANCELLED: "cancelled or preempted, nothing to fix: a rerun trains it again",
-    KILLED: "killed without a word (out of host memory, a node or network fault, the scheduler): a rerun retries it; "
-            "its log shows how far it got",
+    KILLED: "killed without a word (out of host memory, a node or network fault): a rerun retries it; its log shows "
+            "how far it got",
 }
 # Lines starting "ftbench: " that are not a job's last word: warnings, test-only fault announcements.
 NOT_AN_ENDING = ("ftbench: warning", "ftbench: FTBENCH_INJECT_FAULT")
@@ -138,6 +139,31 @@ def job_ending(log: Path) -> tuple[str, str]:
     return FIX, last
 
 
+# What slurmstepd writes into a SLURM job's own log (.snakemake/slurm_logs/rule_train/<run_id>/<job id>.log) when it
+# ends the job, and the walltime the job's Snakemake printed with its resources.
+SLURM_ENDED = re.compile(r"\*\*\* JOB \S+ ON \S+ CANCELLED AT \S+(?: DUE TO (?P<cause>[A-Z ]+?))? \*\*\*")
+SLURM_RUNTIME = re.compile(r"resources: .*\bruntime=(\d+)")
+
+
+def slurm_ending(run_id: str, started: float, slurm_logs: Path = Path(".snakemake/slurm_logs")) -> tuple[str, str] | None:
+    """(kind, line) from SLURM's log of the run's latest train job of this invocation, where SLURM ended the job
+    before ftbench could say why (a scancel or the walltime during the job's start): CANCELLED (scancel,
+    preemption) or TIME_LIMIT, with the walltime to ask for. None where there is no such log or line."""
+    logs = [log for log in (slurm_logs / "rule_train" / run_id).glob("*.log") if log.stat().st_mtime >= started]
+    if not logs:
+        return None
+    text = max(logs, key=lambda log: log.stat().st_mtime).read_text(encoding="utf-8", errors="replace")
+    ended = SLURM_ENDED.search(text)
+    if not ended:
+        return None
+    said = f"SLURM: {ended.group(0).strip('* ')}"
+    if ended["cause"] != "TIME LIMIT":
+        return CANCELLED, said
+    runtimes = SLURM_RUNTIME.findall(text)
+    more = f"; give it more time: --set-resources train:runtime={job_clock.more_time_minutes(int(runtimes[-1]))}" if runtimes else ""
+    return TIME_LIMIT, f"{said} ({job_clock.TIME_LIMIT_WORDS} before it could write a row){more}"
+
+
 def failed_jobs(started: float, logs: Path = Path("logs"), results: Path = Path("results"),
                 clock=time.time, sleep=time.sleep) -> list[tuple[Path, str, str]]:
     """(log, kind, line) of each job of this invocation (log written since ``started``) that failed: a train job
@@ -158,8 +184,15 @@ def failed_jobs(started: float, logs: Path = Path("logs"), results: Path = Path(
                 found.append((log, kind, line, modified))
         writing = [modified for _, kind, _, modified in found if kind == KILLED and clock() - modified < SETTLE_S]
         if not writing or clock() >= deadline:
-            return [(log, kind, line) for log, kind, line, _ in found]
+            return [(log, *_told_by_slurm(log, kind, line, started)) for log, kind, line, _ in found]
         sleep(0.5)
+
+
+def _told_by_slurm(log: Path, kind: str, line: str, started: float) -> tuple[str, str]:
+    """A train job with no line of ftbench's: what SLURM's own log of it says, where it says (slurm_ending)."""
+    if kind != KILLED or log.parent.name != "train":
+        return kind, line
+    return slurm_ending(log.stem, started) or (kind, line)
 
 
 def failed_jobs_lines(started: float) -> list[str]:
