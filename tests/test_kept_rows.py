@@ -5,6 +5,7 @@ that the next job of the run keeps instead of training, not nothing."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -59,6 +60,20 @@ def test_a_kept_row_of_other_settings_or_incomplete_is_not_adopted(tmp_path, spe
     write_kept(out, spec.to_dict())
     (kept_rows.kept_dir(out) / "evals.parquet").unlink()
     assert kept_rows.adopt(out, spec.to_dict()) is None and not out.exists()
+
+
+def test_a_kept_row_older_than_its_data_is_not_adopted(tmp_path, spec):
+    """Its data was prepared again since (a new manifest): the row measured the old data, so the run trains."""
+    out = tmp_path / "runs" / spec.run_id / "metrics.json"
+    manifest = tmp_path / "data" / "manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text("{}")
+    write_kept(out, spec.to_dict())
+    assert kept_rows.adopt(out, spec.to_dict(), inputs=[manifest]) is not None  # kept after the data: adopted
+    out.unlink()
+    write_kept_again = kept_rows.kept_dir(out) / "metrics.json"
+    os.utime(write_kept_again, (manifest.stat().st_mtime - 60,) * 2)
+    assert kept_rows.adopt(out, spec.to_dict(), inputs=[manifest]) is None and not kept_rows.kept_dir(out).exists()
 
 
 def test_rows_whose_outputs_are_there_are_forgotten_when_the_next_invocation_starts(tmp_path, spec):

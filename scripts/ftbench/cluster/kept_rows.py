@@ -59,17 +59,25 @@ def publish(out: Path) -> None:
             shutil.copyfile(folder / name, temporary)
 
 
-def adopt(out: Path, spec: dict) -> dict | None:
+def adopt(out: Path, spec: dict, inputs: Iterable[Path] = ()) -> dict | None:
     """Publish the kept row of ``spec`` as its outputs when they are missing; its result (metrics.json's content),
-    or None when there is nothing to adopt (a kept row of other settings is dropped)."""
+    or None when there is nothing to adopt: a kept row of other settings, or older than one of ``inputs`` (its data
+    prepared again since), is dropped."""
     if Path(out).exists():
         return None
     result = kept_row(out, spec)
+    if result is not None and _older_than(kept_dir(out) / "metrics.json", inputs):
+        result = None
     if result is None:
         forget(out)
         return None
     publish(out)
     return result
+
+
+def _older_than(path: Path, inputs: Iterable[Path]) -> bool:
+    written = path.stat().st_mtime
+    return any(Path(item).is_file() and Path(item).stat().st_mtime > written for item in inputs)
 
 
 def forget(out: Path) -> None:

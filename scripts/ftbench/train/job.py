@@ -30,6 +30,7 @@ from ftbench import atomic
 from ftbench.cluster import job_clock, kept_rows, lifeline
 from ftbench.cluster.gpu_slots import GpuSlots, assign_gpus
 from ftbench.errors import FtbenchError, ManifestError, TerminatedError
+from ftbench.data import prepared
 from ftbench.experiment import feasibility
 from ftbench.measure import environment
 from ftbench.measure.metrics import EVAL_FIELDS, STEP_FIELDS, failed_metrics, with_counts
@@ -49,7 +50,7 @@ def run_job(spec: RunSpec, data_dir: str, out: Path | None = None, rank_dir: Pat
         if rank_dir is not None:
             ddp.run_rank(spec, data_dir, rank_dir, threads, stop)
             return None
-        adopted = adopt_kept_row(spec, out)
+        adopted = adopt_kept_row(spec, out, data_dir)
         if adopted is not None:
             return adopted
         return train(spec, data_dir, out, threads, time_limit_s, stop)
@@ -93,9 +94,10 @@ def _started_at_for_ranks(stop: StopSignal):
             os.environ[job_clock.STARTED_AT_ENV] = before
 
 
-def adopt_kept_row(spec: RunSpec, out: Path) -> dict | None:
-    """The kept row of this run, published as its outputs (cluster/kept_rows.py), or None: train it."""
-    result = kept_rows.adopt(out, spec.to_dict())
+def adopt_kept_row(spec: RunSpec, out: Path, data_dir: str) -> dict | None:
+    """The kept row of this run, published as its outputs (cluster/kept_rows.py), or None: train it (a kept row
+    older than its data's manifest was trained on data prepared again since)."""
+    result = kept_rows.adopt(out, spec.to_dict(), inputs=[Path(data_dir) / prepared.MANIFEST_NAME])
     if result is None:
         return None
     metrics = result.get("metrics") or {}
