@@ -317,13 +317,3 @@ def test_the_shared_evaluation_of_a_4_bit_base_equals_what_the_qlora_run_compute
     assert result["status"] == "ok" and alone["status"] == "ok", (result["reason"], alone["status_reason"])
     assert alone["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
     assert alone["base_eval_loss"] == pytest.approx(result["figures"]["eval_loss"], rel=1e-5)
-
-
-def test_no_evaluation_during_training_within_half_a_cadence_of_the_final_one():
-    """The final evaluation (the whole split) is the curve's point there: a subset evaluation 2 steps before it is
-    left out (the default experiment: steps 15, 30 and 45 of 62, not 60)."""
-    assert [s for s in range(63) if during(True, every=15).due(s, 62)] == [0, 15, 30, 45]
-    assert [s for s in range(63) if during(False, every=15).due(s, 62)] == [0, 15, 30, 45]
-    assert [s for s in range(61) if during(False, every=15).due(s, 60)] == [0, 15, 30, 45]
-    assert [s for s in range(69) if during(False, every=15).due(s, 68)] == [0, 15, 30, 45, 60]
-    assert [s for s in range(5) if during(False, every=15).due(s, 4)] == [0]  # the curve's start stays

@@ -28,6 +28,19 @@ def test_eval_batches_stop_while_the_reserve_for_writing_is_still_left():
     assert fits[:4] == [True, True, True, False]
 
 
+def test_a_round_of_several_batches_is_expected_to_take_as_long_as_that_many_of_the_slowest():
+    clock = Clock()
+    budget = evaluation.EvalBudget(limit=20.0, reserve=1.0, clock=clock)
+    assert budget.another_batch_fits(1)  # nothing timed yet: the first round is one batch
+    clock.now += 2.0  # that batch took 2 s
+    assert budget.another_batch_fits(4)  # 2 + 4 x 2 + 1 < 20
+    clock.now += 12.0  # those 4 batches took 3 s each
+    assert not budget.another_batch_fits(4)  # 14 + 4 x 3 + 1 > 20
+    assert budget.another_batch_fits(1)  # one batch still fits: 14 + 3 + 1 < 20
+    assert evaluation.rounds(1000, 128, until_cut=True) == [(0, 128), (128, 640), (640, 1000)]
+    assert evaluation.rounds(1000, 128, until_cut=False) == [(0, 1000)] and evaluation.rounds(0, 8, True) == []
+
+
 def test_without_a_limit_every_batch_fits():
     budget = evaluation.EvalBudget(limit=None, reserve=0.0)
     assert all(budget.another_batch_fits() for _ in range(100))
@@ -58,8 +71,9 @@ def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, pre
     split = registry.load_split(folder, "eval", prepared.verify(folder))
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
                                  pad_token_id=manifest["pad_token_id"])
-    answers = iter([True, True, False])
+    answers = iter([True, True, False])  # rounds of one batch, then evaluation.ROUND_BATCHES batches
     figures = trainer.evaluate(built.model, split, spec, "classification", torch.device("cpu"), manifest["pad_token_id"],
-                               another_batch_fits=lambda: next(answers))
-    assert figures["eval_samples"] == 8 and figures["eval_samples_planned"] == len(split) > 8
+                               another_batch_fits=lambda batches: next(answers))
+    scored = 4 * (1 + evaluation.ROUND_BATCHES)
+    assert figures["eval_samples"] == scored and figures["eval_samples_planned"] == len(split) > scored
     assert 0 <= figures["eval_accuracy"] <= 1

@@ -25,9 +25,9 @@ time, with the memory peaks of training and evaluation kept apart.
   one cut short by the job's time limit) scores a seeded stratified sample of it, never its first rows by
   position: the rows are taken in ``eval_order`` (prepared.fair_order over the family's classes, the same for
   every run), whose every prefix holds each class in its share. max_eval_samples is its first rows, eval_subset
-  the first of those; the rows planned are scored in rounds of ROUND_BATCHES batches (longest first within a
-  round, for little padding), and a time limit ends an evaluation only between rounds, so the rows scored are
-  again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
+  the first of those; the rows planned are scored in rounds (longest first within a round, for little padding:
+  one batch, then ROUND_BATCHES batches at a time), and a time limit ends an evaluation only between rounds, so
+  the rows scored are again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
 
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
@@ -91,21 +91,24 @@ def reset_peak_rss() -> bool:
 
 
 class EvalBudget:
-    """Whether another eval batch fits before ``limit`` (time.monotonic() at which the job ends), keeping
-    ``reserve`` seconds for writing; each batch is expected to take as long as the slowest so far."""
+    """Whether another part of an evaluation (score's rounds of batches) fits before ``limit`` (time.monotonic() at
+    which the job ends), keeping ``reserve`` seconds for writing; each batch is expected to take as long as the
+    slowest so far (per batch of the parts timed)."""
 
     def __init__(self, limit: float | None, reserve: float, clock=time.monotonic):
         self.limit, self.reserve, self.clock = limit, reserve, clock
         self.slowest = 0.0
         self.last = None
+        self.last_batches = 1
 
-    def another_batch_fits(self) -> bool:
-        """Whether another part (score's rounds) fits, expected to take as long as the slowest part so far."""
+    def another_batch_fits(self, batches: int = 1) -> bool:
+        """Whether a part of ``batches`` batches fits (asked before each part; the time since the last ask is the
+        last part's)."""
         now = self.clock()
         if self.last is not None:
-            self.slowest = max(self.slowest, now - self.last)
-        self.last = now
-        return self.limit is None or now + self.slowest + self.reserve < self.limit
+            self.slowest = max(self.slowest, (now - self.last) / self.last_batches)
+        self.last, self.last_batches = now, max(batches, 1)
+        return self.limit is None or now + self.slowest * batches + self.reserve < self.limit
 
 
 def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, steps_done: int | None = None) -> None:
@@ -183,20 +186,20 @@ def subset_indices(size: int, subset: int | None, strata: np.ndarray | None = No
 def score(model, split, spec, task: str, device, pad_id: int, another_round_fits=None,
           indices: np.ndarray | None = None) -> dict:
     """Scores of ``model`` on the eval split's rows at ``indices`` (default: its first max_eval_samples rows of
-    eval_order) and the majority-class rate of the rows scored. ``another_round_fits`` (a time limit's, asked before
-    each round of ROUND_BATCHES batches) may end it between rounds: the rows scored are then the first rounds'
-    (a prefix of the rows planned, in eval_order: a stratified sample too); None: every row is scored, as one
-    round. Rows are scored longest first within a round (no score depends on the order)."""
+    eval_order) and the majority-class rate of the rows scored. ``another_round_fits(batches)`` (a time limit's
+    EvalBudget, asked before each round: one batch, then ROUND_BATCHES batches at a time) may end it between
+    rounds: the rows scored are then the first rounds' (a prefix of the rows planned, in eval_order: a stratified
+    sample too); None: every row is scored, as one round. Rows are scored longest first within a round (no score
+    depends on the order)."""
     family = registry.family(task)
     planned = eval_order(split, task)[: spec.max_eval_samples] if indices is None else np.asarray(indices)
     lengths = batching.lengths_of(split)
-    round_rows = len(planned) if another_round_fits is None else ROUND_BATCHES * spec.eval_batch_size
     scores, scored = family.eval_accumulator(), []
     model.eval()
-    for start in range(0, len(planned), max(round_rows, 1)):
-        if another_round_fits is not None and not another_round_fits():
+    for start, end in rounds(len(planned), spec.eval_batch_size, until_cut=another_round_fits is not None):
+        if another_round_fits is not None and not another_round_fits(-(-(end - start) // spec.eval_batch_size)):
             break
-        rows = planned[start : start + round_rows]
+        rows = planned[start:end]
         rows = rows[np.argsort(-lengths[rows], kind="stable")]
         for first in range(0, len(rows), spec.eval_batch_size):
             batch = family.collate(split, rows[first : first + spec.eval_batch_size], pad_id).to(device)
@@ -208,6 +211,18 @@ def score(model, split, spec, task: str, device, pad_id: int, another_round_fits
     scored_rows = np.concatenate(scored) if scored else np.zeros(0, dtype=np.int64)
     return {"eval_samples": len(scored_rows), "eval_samples_planned": len(planned), **scores.result(),
             "eval_majority_class_rate": majority_rate(family.row_classes(split), scored_rows)}
+
+
+def rounds(rows: int, batch_size: int, until_cut: bool) -> list[tuple[int, int]]:
+    """(start, end) of each round of an evaluation's ``rows`` planned rows: one round of them all, or where a time
+    limit may cut it (``until_cut``) a first round of one batch (the time of a batch is not known yet), then rounds
+    of ROUND_BATCHES batches."""
+    if not until_cut:
+        return [(0, rows)] if rows else []
+    ends = [min(batch_size, rows)]
+    while ends[-1] < rows:
+        ends.append(min(ends[-1] + ROUND_BATCHES * batch_size, rows))
+    return [(start, end) for start, end in zip([0, *ends[:-1]], ends) if end > start]
 
 
 def majority_rate(classes: np.ndarray | None, rows: np.ndarray) -> float | None:
@@ -265,13 +280,12 @@ class DuringTraining:
 
     def due(self, steps_done: int, total_steps: int) -> bool:
         """Whether to evaluate before the next step: before the first with eval_before_training, and every
-        eval_every steps from the first, except where the final evaluation (after the last step, on the whole
-        split) follows within half an eval_every: it is the curve's point there (a subset evaluation two steps
-        before it would add a noisier copy of it, at the cost of a quarter of a full evaluation)."""
+        eval_every steps from the first (the final evaluation follows the last step), a few steps before the
+        final one too: the quality target is read off these points, and one left out can move where, or
+        whether, a run reaches it."""
         if steps_done == 0 and self.before_training:
             return True
-        return (self.every is not None and steps_done % self.every == 0
-                and (steps_done == 0 or total_steps - steps_done >= self.every / 2) and steps_done < total_steps)
+        return self.every is not None and steps_done < total_steps and steps_done % self.every == 0
 
     def pause(self, steps_done: int, may_stop: bool, since: float | None = None) -> bool:
         """Evaluate now with the clock paused (from ``since``, the last step's end, so no moment between steps
