@@ -2,10 +2,13 @@
 
 Reads every finished GPU run of the given results tables (results/metrics.parquet, with results/runs/<run_id>/
 metrics.json beside it for each run's spec), fits the parameters (scripts/ftbench/experiment/calibration.py: per GPU
-model its efficiencies, globally the traffic multipliers and the host terms), and prints each run's predicted /
-measured step time under the fit.
+model its efficiencies, globally the traffic multipliers and the host terms), sets each GPU model's interval from
+its runs each predicted by a fit of the other folds (calibration.held_out_spread), prints each run's predicted /
+measured step time under the fit, and writes the file with a header saying what the runs were measured on (their
+cards, driver, torch and library versions, host CPU; --experiment names the config that made them).
 
-    python scripts/fit_calibration.py results/metrics.parquet --out config/calibration.yaml
+    python scripts/fit_calibration.py results/metrics.parquet --out config/calibration.yaml \
+        --experiment config/examples/calibration.yaml
     python scripts/fit_calibration.py a/metrics.parquet b/metrics.parquet --out my-calibration.yaml --combine sum
 
 How well it predicts runs it did not see: scripts/check_predictions.py.
@@ -17,6 +20,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from ftbench.errors import FtbenchError
@@ -26,10 +30,29 @@ from ftbench.measure import gpu_table
 from ftbench.report import prediction
 
 
-def measured_samples(tables: list[str], gpus: list[dict]) -> tuple[list[calibrations.Sample], str | None]:
-    """The fit's samples from every table, and the CPUs their runs were measured with."""
+def measured_samples(tables: list[str], gpus: list[dict]) -> tuple[list[calibrations.Sample], list[prediction.MeasuredRun]]:
+    """The fit's samples from every table, and the measured runs they come from."""
     measured = [item for table in tables for item in prediction.read_measured(table, gpus)]
-    return prediction.samples(measured), prediction.hosts_of(measured)
+    return prediction.samples(measured), measured
+
+
+SOFTWARE = (("torch", "torch_version"), ("transformers", "transformers_version"), ("peft", "peft_version"),
+            ("bitsandbytes", "bitsandbytes_version"))
+
+
+def measured_on(measured: list[prediction.MeasuredRun], tables: list[str], experiment: str | None,
+                command: str) -> list[str]:
+    """The header lines saying what the runs were measured on: cards and driver, software, host CPU, the commands."""
+    def values(column: str) -> str:
+        return ", ".join(sorted({str(item.row.get(column)) for item in measured if item.row.get(column)})) or "?"
+    made = f"the runs of {experiment}" if experiment else f"the runs of {', '.join(tables)}"
+    software = ", ".join(f"{name} {values(column)}" for name, column in SOFTWARE)
+    lines = textwrap.wrap(f"Fitted to {len(measured)} finished GPU runs: {made}, measured on {values('device_name')} "
+                          f"(driver {values('gpu_driver')}, CUDA {values('cuda_version')}), {software}, host CPU "
+                          f"{values('cpu')}:", 116)
+    if experiment:
+        lines.append(f"  snakemake --cores all --resources gpu=1 --configfile {experiment}")
+    return [*lines, f"  {command}"]
 
 
 def report_fit(samples: list[calibrations.Sample], fitted: calibrations.Calibration) -> list[str]:
@@ -43,7 +66,7 @@ def report_fit(samples: list[calibrations.Sample], fitted: calibrations.Calibrat
     for name, entry in fitted.gpus.items():
         lines.append(f"{name}: compute_efficiency {entry['compute_efficiency']:.3f}, memory_efficiency "
                      f"{entry['memory_efficiency']:.3f}, {entry['runs']} runs ({entry['host_bound_runs']} host-bound), "
-                     f"residual sd GPU-bound {entry['sd_gpu_bound']:.3f}, host-bound {entry['sd_host_bound']:.3f} "
+                     f"held-out residual sd GPU-bound {entry['sd_gpu_bound']:.3f}, host-bound {entry['sd_host_bound']:.3f} "
                      f"(95%: x{math.exp(1.96 * entry['sd_gpu_bound']):.3f} / x{math.exp(1.96 * entry['sd_host_bound']):.3f})")
     lines.append("global: " + ", ".join(f"{name} {value:.4g}" for name, value in fitted.params.items()))
     return lines
@@ -58,16 +81,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth", help="how the terms make a step")
     parser.add_argument("--transfer-sd", type=float, default=None,
                         help="log spread of datasheet-only predictions, as check_predictions.py --transfer measured it")
+    parser.add_argument("--experiment", default=None, help="the experiment config that made the runs (for the header)")
     args = parser.parse_args(argv)
     gpus = gpu_table.load_peaks(args.gpus)
-    samples, host = measured_samples(args.tables, gpus)
+    samples, measured = measured_samples(args.tables, gpus)
     start = calibrations.load(args.start) if args.start else calibrations.priors()
     if args.transfer_sd is not None:
         start = dataclasses.replace(start, transfer_sd=args.transfer_sd)
     source = f"{len(samples)} runs of {', '.join(str(Path(table)) for table in args.tables)}"
-    fitted = calibrations.fit(samples, start, args.combine, source=source, host=host)
+    fitted = calibrations.fit(samples, start, args.combine, source=source, host=prediction.hosts_of(measured))
+    fitted = calibrations.held_out_spread(fitted, samples, start)
     print("\n".join(report_fit(samples, fitted)))
-    calibrations.save(fitted, args.out)
+    command = "python scripts/fit_calibration.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    calibrations.save(fitted, args.out, measured_on(measured, args.tables, args.experiment, command))
     print(f"wrote {args.out}")
 
 

@@ -7,8 +7,10 @@ said), written as a results folder the way collect writes one (metrics.parquet, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,8 +36,8 @@ H100 = next(gpu for gpu in GPUS if gpu["name"] == "H100 SXM")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 64, "tie_word_embeddings": False}
 # Known parameters the synthetic measurements are made with (each away from its starting value).
-TRUE_GLOBAL = {**calibrations.priors().params, "traffic_eager": 9.0, "traffic_liger": 4.0, "host_op_s": 12e-6,
-               "host_step_s": 5e-3, "attention_ratio": 0.7, "width_half": 150.0}
+TRUE_GLOBAL = {**calibrations.priors().params, "traffic_eager": 9.0, "liger_traffic_ratio": 0.45, "host_op_s": 12e-6,
+               "host_step_s": 5e-3, "attention_ratio": 0.7, "width_half": 150.0, "gpu_op_s": 5e-6}
 TRUE_GPU = {"H200": {"compute_efficiency": 0.62, "memory_efficiency": 0.72},
             "H100 SXM": {"compute_efficiency": 0.58, "memory_efficiency": 0.75}}
 
@@ -117,6 +119,15 @@ def test_a_small_configs_terms_match_a_hand_count(tmp_path):
     # AdamW in fp32: read parameter and gradient, write parameter (3 x 4), read and write two moments (4 x 4);
     # the gradients written once; autocast's bf16 copy of every Linear weight (read 4, write 2)
     assert load.fixed_bytes == params * (12 + 16) + params * 4 + 6 * linear
+    # the loss over 32 positions x 100 logits: cast to fp32 (6), log-softmax (16), its gradient filled (4), its
+    # backward (16), cast back (6)
+    assert load.loss_bytes == 32 * 100 * (6 + 16 + 4 + 16 + 6)
+    # host work: 2 blocks of 7 Linears, each block forward 82 + 7 x 1.4 (autocast's casts of the fp32 weights) and
+    # backward 141 + 7 x 2.3 (the gradients cast back); the head forward 74, backward 37; fused AdamW 0.2 per
+    # tensor (22: 7 Linears and 2 norms per block, embeddings, head, final norm and one more); the step's 20
+    assert load.host_ops == pytest.approx(2 * (82 + 7 * 1.4 + 141 + 7 * 2.3) + 74 + 37 + 0.2 * 22 + 20)
+    assert load.kernel_ops == pytest.approx(2 * (38 + 7 * 1.4 + 80 + 7 * 2.3) + 31 + 26 + 0.2 * 22)
+    assert load.qlora_host_ops == 0
     assert load.tokens_per_step == 32 and load.kernels == "eager" and load.compute_dtype == "bf16"
 
     params_used = {**calibrations.priors().params, "compute_efficiency": 0.5, "memory_efficiency": 0.8}
@@ -124,14 +135,17 @@ def test_a_small_configs_terms_match_a_hand_count(tmp_path):
     peak = 989.4e12
     matmul = 0.5 / (1 + params_used["width_half"] / 64)
     compute = load.linear_flops / (peak * matmul) + load.attention_flops / (peak * 0.5 * params_used["attention_ratio"])
-    memory = (params_used["traffic_eager"] * load.activation_bytes + load.fixed_bytes) / (4800e9 * 0.8)
+    memory = (params_used["traffic_eager"] * load.activation_bytes + load.fixed_bytes + load.loss_bytes) / (4800e9 * 0.8)
+    launches = params_used["gpu_op_s"] * load.kernel_ops
     host = params_used["host_step_s"] + params_used["host_op_s"] * load.host_ops
     power = params_used["overlap_power"]
     assert terms["compute_s"] == pytest.approx(compute)
     assert terms["memory_s"] == pytest.approx(memory)
+    assert terms["launch_s"] == pytest.approx(launches)
     assert terms["host_s"] == pytest.approx(host)
-    assert terms["step_s"] == pytest.approx(((compute + memory) ** power + host**power) ** (1 / power))
-    assert terms["busy_share"] == pytest.approx((compute + memory) / terms["step_s"])
+    gpu_s = compute + memory + launches
+    assert terms["step_s"] == pytest.approx((gpu_s ** power + host**power) ** (1 / power))
+    assert terms["busy_share"] == pytest.approx(gpu_s / terms["step_s"])
     # a tiny model: the host's launches take far longer than the GPU's work
     assert terms["busy_share"] < 0.1
 
@@ -169,8 +183,35 @@ def test_recomputation_liger_and_lora_move_the_terms_the_way_they_should(tmp_pat
     assert loads["gc"].linear_flops > loads["base"].linear_flops
     assert loads["gc"].model_flops == loads["base"].model_flops
     assert loads["liger"].kernels == "liger" and loads["liger"].activation_bytes < loads["base"].activation_bytes
+    # Liger's fused cross-entropy: 6 bytes per logit where eager moves 48, 4 x 512 positions x 32,000 logits
+    assert loads["base"].loss_bytes == 48 * 4 * 512 * 32000 and loads["liger"].loss_bytes == 6 * 4 * 512 * 32000
     assert loads["lora"].model_flops < loads["base"].model_flops
     assert loads["lora"].host_ops > loads["base"].host_ops  # every adapted Linear adds its branch's operations
+    # checkpointing replays the forward pass under saved-tensor hooks: host work 82 x 2.43 per block (199, its
+    # casts 7 x 3.4 more), kernels one forward pass more (38 + 7 x 1.4 per block)
+    assert loads["gc"].host_ops - loads["base"].host_ops == pytest.approx(8 * (199 + 7 * 3.4))
+    assert loads["gc"].kernel_ops - loads["base"].kernel_ops == pytest.approx(8 * (38 + 7 * 1.4))
+
+
+def test_qlora_and_lora_host_work_by_hand(tmp_path):
+    """LoRA's and QLoRA's host work per block: the base block, each adapted Linear's branch, and for QLoRA each
+    4-bit Linear's own share apart (qlora_host_factor scales it), all with recomputation under checkpointing."""
+    models = {"m": llama(256, 3, 512, 4, 2, 1000)}
+    runs = runs_of(experiment(tmp_path, models, {"method": ["lora", "qlora"], "gradient_checkpointing": [False, True]},
+                              {"batch_size": 2, "seq_len": 64}))
+    loads = {(run.method, run.gradient_checkpointing): step_time.workload(run)[0] for run in runs}
+    lora, qlora, lora_gc = loads[("lora", False)], loads[("qlora", False)], loads[("lora", True)]
+    # 3 blocks: base 82 + 141, 7 adapted Linears x (20.3 + 18.9); the head 74 + 37; AdamW 0.2 x 42 adapter
+    # tensors; the step's 20
+    assert lora.host_ops == pytest.approx(3 * (82 + 141 + 7 * (20.3 + 18.9)) + 74 + 37 + 0.2 * 42 + 20)
+    assert lora.qlora_host_ops == 0
+    assert qlora.host_ops == pytest.approx(lora.host_ops)
+    assert qlora.qlora_host_ops == pytest.approx(3 * 7 * (4.4 + 6.4))
+    assert lora_gc.host_ops - lora.host_ops == pytest.approx(3 * (199 + 7 * 30.9))
+    params = {**calibrations.priors().params, "compute_efficiency": 0.6, "memory_efficiency": 0.8}
+    once = step_time.step_terms(qlora, H200, params)["host_s"]
+    twice = step_time.step_terms(qlora, H200, {**params, "qlora_host_factor": 2.0})["host_s"]
+    assert twice - once == pytest.approx(params["host_op_s"] * qlora.qlora_host_ops)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,14 +234,16 @@ def test_the_fit_recovers_known_parameters_from_synthetic_measurements(tmp_path)
     for run in runs:
         load, _ = step_time.workload(run)
         for gpu in (H200, H100):
-            samples.append(calibrations.Sample(run.run_id, load, gpu,
-                                               step_time.step_terms(load, gpu, truth.params_for(gpu["name"]))["step_s"]))
-    # the data alone (priors all but off): every parameter these runs inform comes back
+            terms = step_time.step_terms(load, gpu, truth.params_for(gpu["name"]))
+            samples.append(calibrations.Sample(run.run_id, load, gpu, terms["step_s"], terms["busy_share"]))
+    # the data alone (priors all but off): every parameter these runs inform comes back; the kernel floor from the
+    # busy shares of the host-bound runs (their step time is the host's)
     fitted = calibrations.fit(samples, prior_weight=1e-3)
     for name, values in TRUE_GPU.items():
         assert fitted.gpus[name]["compute_efficiency"] == pytest.approx(values["compute_efficiency"], rel=0.02)
         assert fitted.gpus[name]["memory_efficiency"] == pytest.approx(values["memory_efficiency"], rel=0.02)
-    for name in ("traffic_eager", "traffic_liger", "host_op_s", "host_step_s", "attention_ratio", "width_half"):
+    for name in ("traffic_eager", "liger_traffic_ratio", "host_op_s", "host_step_s", "attention_ratio", "width_half",
+                 "gpu_op_s"):
         assert fitted.params[name] == pytest.approx(TRUE_GLOBAL[name], rel=0.05), name
     # with the priors holding as shipped, the parameters may settle elsewhere along what the runs cannot tell
     # apart, but the step times are the measured ones
@@ -223,6 +266,36 @@ def test_a_parameter_no_run_informs_stays_at_its_start():
     assert step_time.step_terms(load, H200, fitted.params_for("H200"))["busy_share"] > 0.95
     assert fitted.params["host_op_s"] == pytest.approx(start["host_op_s"], rel=0.05)
     assert fitted.params["compiled_host_factor"] == pytest.approx(start["compiled_host_factor"], rel=1e-3)
+    assert fitted.params["qlora_host_factor"] == pytest.approx(start["qlora_host_factor"], rel=1e-3)
+
+
+def test_the_interval_is_the_spread_of_runs_predicted_by_fits_without_them(tmp_path):
+    """held_out_spread: each run predicted by the fit of the other folds; the spread is the root mean square of
+    those log residuals (no degrees-of-freedom correction: they are out of sample), by kind of run."""
+    runs = synthetic_runs(tmp_path)
+    rng = np.random.default_rng(3)
+    samples = []
+    for run in runs:
+        load, _ = step_time.workload(run)
+        terms = step_time.step_terms(load, H200, true_calibration().params_for("H200"))
+        samples.append(calibrations.Sample(run.run_id, load, H200, terms["step_s"] * math.exp(rng.normal(0, 0.05))))
+    fitted = calibrations.fit(samples)
+    spread = calibrations.held_out_spread(fitted, samples)
+    residuals = {True: [], False: []}
+    for fold in range(calibrations.FOLDS):
+        partial = calibrations.fit([s for s in samples if calibrations.fold_of(s.run_id) != fold])
+        for sample in (s for s in samples if calibrations.fold_of(s.run_id) == fold):
+            held = step_time.step_terms(sample.workload, H200, partial.params_for("H200"))["step_s"]
+            kind = step_time.step_terms(sample.workload, H200, fitted.params_for("H200"))["busy_share"] < 0.8
+            residuals[kind].append(math.log(held / sample.step_s))
+    assert len(residuals[False]) >= 3 and len(residuals[True]) >= 3
+    for kind, key in ((False, "sd_gpu_bound"), (True, "sd_host_bound")):
+        expected = max(calibrations.MIN_SD_HOST_BOUND if kind else calibrations.MIN_SD,
+                       float(np.sqrt(np.mean(np.square(residuals[kind])))))
+        assert spread.gpus["H200"][key] == pytest.approx(expected), key
+    # out of sample: never narrower here than the fit's own spread of these noisy runs
+    assert spread.gpus["H200"]["sd_gpu_bound"] >= fitted.gpus["H200"]["sd_gpu_bound"] * 0.9
+    assert spread.params == fitted.params
 
 
 def test_the_calibration_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
@@ -297,10 +370,11 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     path = experiment(tmp_path, models, {"method": ["full"]}, budget={"tokens": 1_000_000_000})
     cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet")])
     out = capsys.readouterr().out
-    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: none" in out
+    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H200" in out  # the shipped calibration
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] in
              {gpu["name"].split()[0] for gpu in GPUS}}
-    assert "datasheet only (uncalibrated)" in lines["H200"] and "$" in lines["H200"]
+    assert "calibrated on this GPU model" in lines["H200"] and "$" in lines["H200"]
+    assert "datasheet only (uncalibrated)" in lines["A100"]
     (run,) = runs_of(path)
     table = report_prediction.priced_table([run], GPUS, calibrations.load(ROOT / "config" / "calibration.yaml"),
                                            cost.resolve({}), {"tokens": 1e9})
@@ -381,12 +455,49 @@ def test_check_predictions_meets_its_targets_on_runs_made_by_the_model_with_nois
                              str(tmp_path / "h200" / "metrics.parquet"), str(tmp_path / "h100" / "metrics.parquet")],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr
-    summary = [line for line in result.stdout.splitlines() if line.startswith(("unseen family", "calibrated family"))]
+    summary = [line for line in result.stdout.splitlines() if line.startswith(("family:", "folds:"))]
     assert summary, result.stdout
     for line in summary:
         met, total = line.split("target met ")[1].split(",")[0].split("/")
         assert met == total, line
-    assert "datasheet only (from H200), GPU-bound" in result.stdout
+    assert "transfer: datasheet only (from H200), GPU-bound" in result.stdout
+
+
+def test_check_predictions_predicts_a_held_out_table_from_its_experiments_config(tmp_path):
+    """--heldout: a table copied without its runs' folders takes its specs from --heldout-config; its runs are
+    predicted by the calibration fitted on the tables alone (a model the tables hold: calibrated family), and the
+    ratio printed is predicted over measured tokens/s."""
+    runs = synthetic_runs(tmp_path)
+    write_results(tmp_path / "h200", runs, H200, true_calibration(), noise=0.02)
+    (tmp_path / "other").mkdir()
+    config = experiment(tmp_path / "other", {"mid": llama(1024, 12, 2816, 16, 4, 32000), "new": llama(512, 6, 1536, 8, 4, 16000)},
+                        {"method": ["lora"], "batch_size": [4]}, {"seq_len": 1024})
+    other = runs_of(config)
+    # measured 10% slower than the model says: every ratio reads 1/0.9 = 1.11
+    slower = calibrations.Calibration({**TRUE_GLOBAL, "host_op_s": TRUE_GLOBAL["host_op_s"] / 0.9,
+                                       "host_step_s": TRUE_GLOBAL["host_step_s"] / 0.9},
+                                      {"H200": {"compute_efficiency": 0.62 * 0.9, "memory_efficiency": 0.72 * 0.9}},
+                                      source="test")
+    slower = dataclasses.replace(slower, params={**slower.params, "gpu_op_s": TRUE_GLOBAL["gpu_op_s"] / 0.9})
+    table = write_results(tmp_path / "other" / "results", other, H200, slower)
+    shutil.rmtree(tmp_path / "other" / "results" / "runs")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_predictions.py"),
+                             str(tmp_path / "h200" / "metrics.parquet"), "--only", "heldout", "--heldout", str(table),
+                             "--heldout-config", str(config)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("mid-", "new-"))}
+    assert len(rows) == 2, result.stdout
+    mid = next(run.run_id for run in other if run.model == "mid")
+    assert " heldout  calibrated family " in rows[mid[:58]]
+    assert " heldout  unseen family " in next(line for key, line in rows.items() if key.startswith("new-"))
+    for line in rows.values():
+        ratio = float(line.split()[6])
+        assert ratio == pytest.approx(1 / 0.9, rel=0.03), line
+    # without the config, a table without its runs' folders has nothing to predict from: one line saying so
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_predictions.py"),
+                             str(tmp_path / "h200" / "metrics.parquet"), "--heldout", str(table)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 1 and result.stderr.startswith("ftbench: --heldout ") and "--heldout-config" in result.stderr
 
 
 def test_batch_shapes_from_the_data_and_from_a_measured_runs_steps(tmp_path):
@@ -432,3 +543,31 @@ def test_a_synthetic_runs_measured_workload_is_its_planned_one(tmp_path):
         measured, _ = step_time.workload(item.run, measured=item.row)
         for field in ("tokens_per_step", "linear_flops", "attention_flops", "model_flops", "activation_bytes", "fixed_bytes"):
             assert getattr(measured, field) == pytest.approx(getattr(planned, field), rel=1e-6), field
+
+
+@pytest.mark.slow
+def test_the_host_unit_table_is_what_count_host_ops_counts_with_the_code_installed():
+    """HOST_UNITS against scripts/count_host_ops.py on the installed torch / transformers / peft: a library
+    upgrade that changes what a block dispatches shows here (count again and update the table)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("count_host_ops", ROOT / "scripts" / "count_host_ops.py")
+    counter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counter)
+    figures = counter.table(["gated full bf16_true", "gated full bf16", "gated lora bf16", "gated lora bf16 gc"])
+    block, cast, lora = (step_time.HOST_UNITS[name] for name in ("block_gated", "autocast_linear", "lora_linear"))
+    expected = {  # (forward units, backward units, forward kernels, backward kernels) per block
+        "gated full bf16_true": (block[0], block[1], block[3], block[4]),
+        "gated full bf16": (block[0] + 7 * cast[0], block[1] + 7 * cast[1], block[3] + 7 * cast[3], block[4] + 7 * cast[4]),
+        "gated lora bf16": (block[0] + 7 * lora[0], block[1] + 7 * lora[1], block[3] + 7 * lora[3], block[4] + 7 * lora[4]),
+    }
+    for name, (forward, backward, forward_kernels, backward_kernels) in expected.items():
+        row = figures[name]
+        assert row["forward"]["units"] == pytest.approx(forward, rel=0.03), name
+        assert row["backward"]["units"] == pytest.approx(backward, rel=0.03), name
+        assert row["forward"]["kernels"] == pytest.approx(forward_kernels, rel=0.03), name
+        assert row["backward"]["kernels"] == pytest.approx(backward_kernels, rel=0.03), name
+    # checkpointing's recomputation: what the backward pass gains over LoRA's own
+    recomputed = figures["gated lora bf16 gc"]["backward"]["units"] - figures["gated lora bf16"]["backward"]["units"]
+    recomputed += figures["gated lora bf16 gc"]["forward"]["units"] - figures["gated lora bf16"]["forward"]["units"]
+    assert recomputed == pytest.approx(block[2] + 7 * lora[2], rel=0.05)

@@ -5,32 +5,42 @@ Two kinds of parameters:
 - per GPU model: ``compute_efficiency`` (matmuls at large width, of the dense peak) and ``memory_efficiency`` (of
   the datasheet bandwidth). A GPU model no run was measured on takes the calibrated models' median: its prediction is
   "datasheet only (uncalibrated)", with the wider interval ``transfer_sd``.
-- global (the code's and the host's, not the GPU's): the traffic multipliers per kernel kind, attention's efficiency
-  relative to the matmuls', the width at which matmuls reach half their efficiency, the host's seconds per step and
-  per dispatched operation, compile's share of operations, how the GPU and host times overlap, the exposed share of
-  communication. The host figures belong to the CPU they were measured on (``host`` names it).
+- global (the code's and the host's, not the GPU's): the eager traffic multiplier and Liger's and compile's share of
+  it, attention's efficiency relative to the matmuls', the width at which matmuls reach half their efficiency, the
+  GPU's time per kernel, the host's seconds per step and per unit of host work, compile's share of operations, how
+  the GPU and host times overlap, the exposed share of communication. The host figures belong to the CPU they were
+  measured on (``host`` names it).
 
 The fit (``fit``): maximum a posteriori in a transformed space (log for positive parameters, logit for efficiencies):
-each run's residual is log(predicted / measured step time) over MEASUREMENT_SD, each parameter's is its distance from
-its starting value over its prior width. A parameter no run informs stays where it started, so a handful of runs
-fits what they show and nothing else; the user's own runs start from the shipped calibration. Levenberg-Marquardt on
-numerical derivatives, numpy only.
+each run's residual is log(predicted / measured step time) over MEASUREMENT_SD; where NVML measured the GPU's busy
+share, also log(predicted / measured GPU time) over BUSY_SD, the GPU time measured as busy share x step time (this
+is what tells the GPU's terms from the host's in a run where both count); each parameter's residual is its distance
+from its starting value over its prior width. A parameter no run informs stays where it started, so a handful of
+runs fits what they show and nothing else; the user's own runs start from the shipped calibration.
+Levenberg-Marquardt on numerical derivatives, numpy only.
 
-The starting values: the fit of four MFU figures of a 1.1B Llama full fine-tune on an H200 (mfu-1b.yaml's shape at
-batch 4 and 8, with Liger, and bf16_true with Liger at batch 16: 0.34, 0.36, 0.48, 0.57) for the GPU side, and
-for the host a plain loop's 152 ms per step on a 134M Llama at batch 64 x 256 (about 26 us per operation counted
-here, on an H100's host). They are where a fit starts and what an uncalibrated prediction uses; the shipped file
-holds only what runs measured.
+The starting values, none taken from the runs the shipped calibration is fitted to: matmul efficiencies from four
+MFU figures of a 1.1B Llama full fine-tune on an H200 (batch 4 and 8, with Liger, bf16_true with Liger at batch 16:
+0.34, 0.36, 0.48, 0.57); the eager traffic multiplier and Liger's share of it from a count of a Llama layer's
+elementwise kernels' bytes (norms, casts, rotary, residual adds, SwiGLU; forward and backward) over the bytes it
+keeps (about 7; Liger's fused norm, rotary and SwiGLU move about 0.55 of that per kept byte); the kernel floor from
+back-to-back small kernels running one per 2-4 us on an H100; the host from a plain loop's 152 ms per step on a 134M
+Llama at batch 64 x 256 on an H100's host (about 20 us per unit of host work counted here); a 4-bit Linear's host
+work as counted on the CPU (qlora_host_factor 1). They are where a fit starts and what an uncalibrated prediction
+uses; the shipped file holds only what runs measured.
 
 The interval of a prediction: the residual spread of the calibration's runs on that GPU model (log scale; apart for
 host-bound and GPU-bound runs, which scatter differently), at 95% (x 1.96), never below MIN_SD (MIN_SD_HOST_BOUND
-for host-bound runs).
+for host-bound runs). A fit's own residuals understate how well it predicts a run it did not see, so the shipped
+calibration's spread (``held_out_spread``) is that of its runs each predicted by a fit without its fold (FOLDS
+folds, a run's fold from its name): how runs like it were predicted when they were new.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -52,12 +62,14 @@ class Param:
 
 
 GLOBAL = {
-    "traffic_eager": Param(11.5, 0.8, "log", "bytes moved by eager elementwise kernels per byte of activations and logits kept"),
-    "traffic_liger": Param(5.6, 0.8, "log", "the same with Liger's fused kernels"),
-    "traffic_compiled": Param(4.0, 0.8, "log", "the same under torch.compile"),
+    "traffic_eager": Param(7.0, 0.8, "log", "bytes moved by eager elementwise kernels per byte of activations kept"),
+    "liger_traffic_ratio": Param(0.55, 0.5, "log", "the same with Liger's fused kernels, as a share of eager's"),
+    "compiled_traffic_ratio": Param(0.35, 0.6, "log", "the same under torch.compile, as a share of eager's"),
     "attention_ratio": Param(0.8, 0.5, "log", "fused attention's efficiency relative to the matmuls'"),
     "width_half": Param(110.0, 0.7, "log", "layer width at which matmuls reach half their large-width efficiency"),
-    "host_op_s": Param(25e-6, 0.8, "log", "host seconds per dispatched operation"),
+    "gpu_op_s": Param(3e-6, 0.7, "log", "GPU seconds per kernel however little it does (launch and ramp)"),
+    "host_op_s": Param(20e-6, 0.8, "log", "host seconds per unit of host work (an aten operation dispatched)"),
+    "qlora_host_factor": Param(1.0, 1.0, "log", "host work of a 4-bit Linear over what a CPU count of it sees"),
     "host_step_s": Param(3e-3, 1.0, "log", "host seconds per step outside the model (loop, loader, scheduler)"),
     "shape_churn_factor": Param(1.6, 0.4, "log", "host time of batches whose shape changes per step, over fixed shapes"),
     "compiled_host_factor": Param(0.25, 0.8, "log", "share of operations a compiled model still dispatches"),
@@ -69,6 +81,9 @@ PER_GPU = {
     "memory_efficiency": Param(0.8, 0.5, "logit", "achieved share of the datasheet memory bandwidth"),
 }
 MEASUREMENT_SD = 0.05  # a run's step time scatters by a few percent from job to job (host-bound runs more)
+# NVML's utilisation is a sampled share (a sample counts busy if any kernel ran in it): the GPU time it gives is
+# looser than the step clock's time.
+BUSY_SD = 0.15
 MIN_SD = 0.03
 # Host-bound runs scatter more from job to job: a launch-bound 134M Llama's tokens/s varied 8-15% between jobs of
 # one configuration on an H100, so their interval is never narrower than that.
@@ -140,7 +155,8 @@ HEADER = """\
 # `python -m ftbench plan` predicts tokens/s, hours and dollars on every GPU of config/gpus.yaml with.
 #   parameters: the code's and the host's, shared by every GPU model (calibration.py says what each is).
 #   gpus: per GPU model measured: its efficiencies, the runs they were fitted to and the spread of those runs'
-#         residuals (log scale, apart for host-bound and GPU-bound runs): a prediction's 95% interval.
+#         residuals, each run predicted by a fit without it (log scale, apart for host-bound and GPU-bound runs):
+#         a prediction's 95% interval is x/ exp(1.96 sd).
 #   transfer_sd: the spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
 #         efficiencies), as a check across two GPU models measured it (scripts/check_predictions.py --transfer).
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
@@ -190,8 +206,9 @@ def _problem(data) -> str | None:
     return None
 
 
-def save(calibration: Calibration, path: str | Path) -> None:
-    """Write a calibration file (atomically), with the header that says what it holds."""
+def save(calibration: Calibration, path: str | Path, measured_on: list[str] | None = None) -> None:
+    """Write a calibration file (atomically), with the header that says what it holds and, where given, lines
+    saying what its runs were measured on (card, software, the commands)."""
     body = {
         "source": calibration.source,
         "fitted": datetime.date.today().isoformat() if calibration.gpus else None,
@@ -201,7 +218,8 @@ def save(calibration: Calibration, path: str | Path) -> None:
         "parameters": {name: _rounded(value) for name, value in calibration.params.items()},
         "gpus": {name: {key: _rounded(value) for key, value in entry.items()} for name, entry in calibration.gpus.items()},
     }
-    atomic.write_text(path, HEADER + yaml.safe_dump(body, sort_keys=False, width=120))
+    measured = "".join(f"# {line}\n" for line in measured_on or [])
+    atomic.write_text(path, measured + HEADER + yaml.safe_dump(body, sort_keys=False, width=120))
 
 
 def _rounded(value):
@@ -242,11 +260,6 @@ class _Layout:
         return shared, gpus
 
 
-def predicted_step_s(sample: Sample, shared: dict, gpu_params: dict, combine: str) -> float:
-    terms = step_time.step_terms(sample.workload, sample.gpu, {**shared, **gpu_params}, combine)
-    return terms["step_s"]
-
-
 def fit(samples: list[Sample], start: Calibration | None = None, combine: str | None = None,
         source: str = "measured runs", host: str | None = None, iterations: int = 200,
         prior_weight: float = 1.0) -> Calibration:
@@ -261,11 +274,16 @@ def fit(samples: list[Sample], start: Calibration | None = None, combine: str | 
     centre = layout.vector(start)
     widths = np.array([param.prior_sd for _, _, param in layout.slots])
     measured = np.log([sample.step_s for sample in samples])
+    busy = [sample for sample in samples if sample.busy_share]
+    measured_gpu = np.log([sample.busy_share * sample.step_s for sample in busy])
 
     def residuals(vector: np.ndarray) -> np.ndarray:
         shared, gpus = layout.params(vector)
-        predicted = np.log([predicted_step_s(sample, shared, gpus[sample.gpu["name"]], combine) for sample in samples])
-        return np.concatenate([(predicted - measured) / MEASUREMENT_SD, prior_weight * (vector - centre) / widths])
+        terms = [step_time.step_terms(s.workload, s.gpu, {**shared, **gpus[s.gpu["name"]]}, combine) for s in samples]
+        predicted = np.log([term["step_s"] for term in terms])
+        predicted_gpu = np.log([term["gpu_s"] for term, s in zip(terms, samples) if s.busy_share])
+        return np.concatenate([(predicted - measured) / MEASUREMENT_SD, (predicted_gpu - measured_gpu) / BUSY_SD,
+                               prior_weight * (vector - centre) / widths])
 
     vector = _levenberg_marquardt(residuals, centre.copy(), iterations)
     shared, gpus = layout.params(vector)
@@ -301,6 +319,41 @@ def _levenberg_marquardt(residuals, vector: np.ndarray, iterations: int) -> np.n
     return vector
 
 
+FOLDS = 3
+
+
+def fold_of(run_id: str, folds: int = FOLDS) -> int:
+    """A run's fold from its name, so a run stays in its fold whatever else the results hold."""
+    return zlib.crc32(run_id.encode()) % folds
+
+
+def held_out_spread(fitted: Calibration, samples: list[Sample], start: Calibration | None = None,
+                    folds: int = FOLDS) -> Calibration:
+    """``fitted`` (the fit of ``samples``) with each GPU model's residual spread replaced by that of its runs each
+    predicted by a fit of the other folds (floors as for a fit's own; host-bound or not as ``fitted`` predicts
+    them). A fold whose runs leave no other run of its GPU model leaves those runs out."""
+    residuals: dict[str, dict[bool, list[float]]] = {}
+    for fold in range(folds):
+        train = [s for s in samples if fold_of(s.run_id, folds) != fold]
+        test = [s for s in samples if fold_of(s.run_id, folds) == fold]
+        if not train or not test:
+            continue
+        partial = fit(train, start, fitted.combine)
+        for sample in (s for s in test if s.gpu["name"] in partial.gpus):
+            name = sample.gpu["name"]
+            held = step_time.step_terms(sample.workload, sample.gpu, partial.params_for(name), fitted.combine)
+            kind = step_time.step_terms(sample.workload, sample.gpu, fitted.params_for(name), fitted.combine)
+            residuals.setdefault(name, {True: [], False: []})[kind["busy_share"] < HOST_BOUND].append(
+                math.log(held["step_s"] / sample.step_s))
+    gpus = {}
+    for name, entry in fitted.gpus.items():
+        kinds = residuals.get(name, {True: [], False: []})
+        gpus[name] = {**entry, "sd_gpu_bound": _sd(kinds[False], own=False),
+                      "sd_host_bound": max(MIN_SD_HOST_BOUND, _sd(kinds[True] or kinds[False], own=False)),
+                      "spread": f"held out: {folds} folds"}
+    return replace(fitted, gpus=gpus)
+
+
 def _spread(samples: list[Sample], shared: dict, gpu_params: dict, combine: str) -> dict:
     """The runs of one GPU model and the spread of their log residuals, host-bound and GPU-bound apart."""
     kinds: dict[bool, list[float]] = {True: [], False: []}
@@ -313,8 +366,9 @@ def _spread(samples: list[Sample], shared: dict, gpu_params: dict, combine: str)
             **({"device_name": device_names[0]} if device_names else {})}
 
 
-def _sd(residuals: list[float]) -> float:
-    """Root mean square of log residuals (the fit's own runs: a floor, not an out-of-sample error)."""
+def _sd(residuals: list[float], own: bool = True) -> float:
+    """Root mean square of log residuals; of a fit's ``own`` runs with n / (n - 1) for what the fit absorbed."""
     if len(residuals) < MIN_RUNS_FOR_SD:
         return DEFAULT_SD
-    return max(MIN_SD, float(np.sqrt(np.mean(np.square(residuals)) * len(residuals) / (len(residuals) - 1))))
+    correction = len(residuals) / (len(residuals) - 1) if own else 1.0
+    return max(MIN_SD, float(np.sqrt(np.mean(np.square(residuals)) * correction)))

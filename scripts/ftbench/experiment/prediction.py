@@ -49,7 +49,7 @@ def predict_on(load: step_time.Workload, gpu: dict, calibration: calibrations.Ca
     return {"gpu": gpu["name"], "tokens_per_s": rate, "tokens_per_s_low": rate * math.exp(-spread),
             "tokens_per_s_high": rate * math.exp(spread), "step_s": terms["step_s"], "busy_share": terms["busy_share"],
             "host_bound": host_bound, "mfu": terms["mfu"], "basis": basis(gpu["name"], calibration),
-            "terms": {key: terms[key] for key in ("compute_s", "memory_s", "comm_s", "host_s")}}
+            "terms": {key: terms[key] for key in ("compute_s", "memory_s", "comm_s", "launch_s", "host_s")}}
 
 
 def budget_tokens(budget: dict | None, load: step_time.Workload) -> float | None:

@@ -12,23 +12,38 @@ The terms, per device and optimizer step:
 - memory traffic: what the kernels that are not matmuls read and write, over the memory bandwidth times an
   efficiency. Counted in bytes from the recipe (recipe.py): the optimizer update (parameters, gradients, moments in
   their dtypes), the gradients written per micro-batch, autocast's 16-bit copies of fp32 weights, QLoRA's
-  dequantisation of each 4-bit weight per use, the LoRA branches' elementwise work; and the elementwise work on
-  activations (norms, activations, rotary, residual adds, the loss over the vocabulary) as ``traffic`` x the bytes
-  the memory estimate says a micro-batch keeps (activations and logits, measure/memory_estimate.py): eager
-  PyTorch reads and writes each kept tensor several times (an RMSNorm alone is seven kernels), Liger's fused kernels
-  fewer times, torch.compile's fewer still, so the multiplier is calibrated per kernel kind.
+  dequantisation of each 4-bit weight per use, the LoRA branches' elementwise work, and the loss over the
+  vocabulary (``LOSS_BYTES`` per logit: eager upcasts the logits to fp32 and runs log-softmax and its backward over
+  them, a fixed walk of kernels whatever the layers do; Liger's fused cross-entropy reads a chunk of 16-bit logits
+  and writes its gradient in place); and the layers' elementwise work (norms, activations, rotary, residual adds)
+  as ``traffic_eager`` x the bytes the memory estimate says a micro-batch keeps of its activations
+  (measure/memory_estimate.py): eager PyTorch reads and writes each kept tensor several times (an RMSNorm alone is
+  seven kernels). Liger's fused kernels and torch.compile's move ``liger_traffic_ratio`` and
+  ``compiled_traffic_ratio`` of that per kept byte: the same tensors in fewer passes, at the same achieved
+  bandwidth, so a fit without a Liger run still moves Liger's prediction with eager's. The logits are counted
+  apart from the layers because their passes do not scale with the layers' (a 152k vocabulary makes the logits
+  half of a Qwen2-0.5B's kept bytes; held out of the fit, its two runs came out at 0.94 and 0.91 of their measured
+  tokens/s with the logits at the layers' rate, 1.03 and 0.95 counted apart, H200).
 - communication (ddp, fsdp, dp): gradients reduced and sharded weights gathered, over the GPU-to-GPU link
   (``interconnect_gbs``); overlapped with the backward pass but for an exposed share (``comm_exposed``).
+- kernel floor: every kernel costs the GPU ``gpu_op_s`` however little it does (its launch and ramp), counted
+  per kernel the step launches (the kernel columns of ``HOST_UNITS``): what keeps a launch-bound run's GPU busy at
+  all (a 134M LoRA at batch 1 x 256: 12% busy of a 0.22 s step, about 8,000 kernels, where its bytes and FLOPs
+  take 2 ms, H200) and part of what LoRA's many small kernels cost a GPU-bound run (without it, the GPU-bound
+  runs held out of the fit by model were off by 8% at the median, 14% at most; with it 3% and 6%).
 - host: the launch and Python time per step, which does not scale with the GPU: ``host_step_s`` plus ``host_op_s``
-  per dispatched operation, the operations counted from the model's structure (per block, forward, backward and
-  recomputation; per adapted Linear; per optimizer tensor). torch.compile dispatches ``compiled_host_factor`` of them.
+  per unit of host work (``HOST_UNITS``: the aten operations a step dispatches plus PY_CALL_UNITS per Python call,
+  counted per block, per adapted or 4-bit Linear, per autocast cast, and for checkpointing's recomputation, on a
+  tiny model of each structure by scripts/count_host_ops.py; per optimizer tensor). torch.compile dispatches
+  ``compiled_host_factor`` of them.
   Batches whose shape changes from step to step cost ``shape_churn_factor`` times the host time of fixed shapes, in
   proportion to the share of steps whose shape changes (drawn from the data, or read from a measured run's steps)
   (new shapes miss the caches of the allocator and the kernel selection: a plain loop on a 134M Llama took 152 ms
   per step at one fixed length and 1.61-1.67x that when the length changed every step, H100).
 
 How they combine: kernels run one after another on the GPU, each bound by its own resource (a matmul by the
-tensor cores, an elementwise kernel by memory), so the GPU's time is compute + memory + exposed communication.
+tensor cores, an elementwise kernel by memory), so the GPU's time is compute + memory + exposed communication
++ the kernel floor.
 The host enqueues kernels ahead of the GPU; the step takes the longer of the two, and where they are close each
 waits on the other at times: step = (gpu^p + host^p)^(1/p), with ``overlap_power`` p (large: the plain maximum).
 The GPU's busy share is gpu / step: the same figure NVML's utilisation measures (measure/metrics.py host_bound),
@@ -39,6 +54,7 @@ Torch-free: the plan runs it for every run and GPU before anything is imported.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,21 +67,46 @@ from ftbench.runspec import RunSpec
 from ftbench.tasks.registry import model_family
 
 MIB = 2**20
-# Host operations per transformer block in one eager forward pass, counted from transformers' Llama (RMSNorm
-# seven, rotary twelve, the projections, attention, residual adds, the MLP) and BERT/GPT-2 layers. Liger fuses
-# the norms, rotary and SwiGLU into four Triton kernels, but a Triton launch from Python costs several ATen
-# dispatches: its blocks are counted as no cheaper, and its chunked cross-entropy as more head work (host-bound
-# 134M runs were 1-29% slower with Liger on an H100). Autograd's backward runs about BACKWARD_OPS per forward one.
-FORWARD_OPS = {("gated", "none"): 60, ("plain", "none"): 45, ("gated", "liger"): 60, ("plain", "liger"): 45}
-BACKWARD_OPS = 1.5
-HEAD_OPS = {"none": 30, "liger": 60}  # embedding, final norm, output head and loss, forward
-AUTOCAST_OPS_PER_LINEAR = 2  # input and weight casts
-LORA_OPS_PER_LINEAR = 7  # dropout, A, B, scaling, add, casts
-QLORA_OPS_PER_LINEAR = 3  # dequantise, the 4-bit matmul's own bookkeeping
+# Host work and kernels per micro-batch, as scripts/count_host_ops.py counts them on a tiny model of each structure
+# (CPU, torch 2.13, transformers 5.17, peft 0.21, bitsandbytes 0.50): (forward units, backward units, units of
+# checkpointing's recomputation, forward kernels, backward kernels). A unit is one aten operation dispatched
+# (TorchDispatchMode) or PY_CALL_UNITS Python function calls (sys.setprofile): fitted to the tiny model's CPU time
+# per step across full, LoRA and checkpointed variants, a call cost 0.065-0.072 of an operation (two timings), each
+# variant within 12% of its time but QLoRA's (0.82: its 4-bit kernels run Python a dispatch count does not see);
+# an operation count alone missed full fine-tuning by 28%. Kernels are the operations that are not views. Recomputation replays the forward pass inside the backward one under saved-tensor
+# hooks that run Python per saved tensor three times (forward, replay, backward): 2.4 forward passes of host work
+# for a full Llama block, 1.5 for LoRA's branches, 2.2 for GPT-2's block; one forward pass of kernels. On an H200's
+# host the host-bound 134M Llama runs took 13-15 us per unit, full fine-tuning (7,650 units, 0.104 s), LoRA
+# (15,100, 0.216 s) and checkpointed LoRA (29,300, 0.443 s) alike. Liger's blocks are counted as eager ones: its
+# Triton kernels do not run on a CPU to count, and a Triton launch from Python costs several dispatches.
+PY_CALL_UNITS = 0.065
+HOST_UNITS = {
+    # a transformer block with 16-bit weights, all trained (bf16_true): Llama's gated (7 Linears) and GPT-2's plain (4)
+    "block_gated": (82, 141, 199, 38, 80), "block_plain": (85, 100, 185, 46, 59),
+    "autocast_linear": (1.4, 2.3, 3.4, 1.4, 2.3),  # an fp32 Linear weight under autocast: its cast, its gradient's back
+    "lora_linear": (20.3, 18.9, 30.9, 11, 10.1),  # an adapted Linear (peft's branch, lora_dropout on), net of its base
+    "lora_linear_no_dropout": (16.3, 17.9, 24.8, 8, 9.1),
+    # a 4-bit Linear beyond LoRA's: bitsandbytes' dequantisation and matmul as its CPU path runs them; its CUDA path
+    # runs more Python than a CPU count sees, which ``qlora_host_factor`` scales (calibration.py)
+    "qlora_linear": (4.4, 6.4, 6.7, 2.6, 5.6),
+    "head": (74, 37, 0, 31, 26),  # embedding, final norm, output head and loss (not recomputed)
+}
+# Liger's fused linear cross-entropy runs per chunk of tokens (the memory estimate's chunk): a logits matmul, its
+# Triton cross-entropy kernel, the input-gradient matmul and the weight-gradient addmm, with slices and casts (read
+# off liger_kernel's fused_linear_cross_entropy_forward): units and kernels per chunk, on top of the head's.
+LIGER_CHUNK = (8, 4)
 # Optimizer operations per trainable tensor: fused AdamW and foreach SGD launch one kernel for many tensors; the
 # bitsandbytes 8-bit optimizers launch per tensor.
 OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0.2, "sgd": 0.3, "adamw_8bit": 3, "paged_adamw_8bit": 3}
 STEP_OPS = 20  # zero_grad, the scheduler, the loss read, the step's own bookkeeping
+# Bytes the loss moves per logit, outside the head's matmul, by kernel kind and compute dtype. Eager (transformers'
+# ForCausalLMLoss): the 16-bit logits cast to fp32 (read 2, write 4), log-softmax (three reads of the row and a
+# write, 16), nll_loss's backward filling the fp32 gradient (4), log-softmax's backward (three reads and a write,
+# 16) and the gradient cast back to 16 bits (read 4, write 2): 48; in fp32 no casts: 36. Liger's fused kernel: the
+# 16-bit logits chunk read twice and its gradient written in place: 6. Compiled: the fused loss reads the logits
+# and writes their gradient, in fp32 inside: 12 (no run has measured it).
+LOSS_BYTES = {("eager", True): 48, ("eager", False): 36, ("liger", True): 6, ("liger", False): 12,
+              ("compiled", True): 12, ("compiled", False): 16}
 # Bytes an adapted Linear's LoRA branch reads and writes per token, per unit of its input and output width, in
 # its forward and backward passes (dropout copy and mask, A's input, B's output scaled and added, the input
 # gradient added to the base layer's).
@@ -102,15 +143,18 @@ class Workload:
     attention_flops: float
     model_flops: float  # analytic model FLOPs per step, all devices (MFU's numerator, measure/flops.py)
     width: int
-    activation_bytes: float  # kept activations and logits per device per step (memory estimate), recomputation included
+    activation_bytes: float  # kept activations per device per step (memory estimate), recomputation included
     fixed_bytes: float  # optimizer, gradients, weight casts, dequantisation, LoRA branches
     comm_bytes: float  # bytes over the GPU-to-GPU link per device per step
-    host_ops: float  # operations the host dispatches per step (per process)
+    host_ops: float  # units of host work per step (per process: HOST_UNITS), the 4-bit Linears' apart
     kernels: str  # eager | liger | compiled: which traffic multiplier
     shape_changes: float  # share of steps whose batch shape differs from the step before (shape_churn_factor)
     compute_dtype: str
     devices: int
     notes: tuple[str, ...] = field(default=())
+    loss_bytes: float = 0.0  # the loss's traffic over the logits per device per step (LOSS_BYTES)
+    kernel_ops: float = 0.0  # kernels one device runs per step (the kernel floor)
+    qlora_host_ops: float = 0.0  # units of host work of the 4-bit Linears per step (qlora_host_factor scales them)
 
 
 def full_rows(run: RunSpec, row: int) -> BatchShape:
@@ -246,9 +290,10 @@ def workload(run: RunSpec, data_dir=None, measured: dict | None = None) -> tuple
 
 
 def kept_bytes(run: RunSpec, data_dir, shape: BatchShape) -> tuple[float | None, str | None]:
-    """Activations and logits one micro-batch keeps (bytes), from the memory estimate of the run without
-    checkpointing or compilation (what eager autograd keeps is what its elementwise kernels wrote), scaled from the
-    estimate's micro-batch (its largest) to the mean one."""
+    """Activations one micro-batch keeps (bytes), from the memory estimate of the run without checkpointing or
+    compilation (what eager autograd keeps is what its elementwise kernels wrote), scaled from the estimate's
+    micro-batch (its largest) to the mean one. The logits are not in it: the loss's traffic is counted apart
+    (LOSS_BYTES)."""
     plain = run.replace(gradient_checkpointing=False, compile=False)
     figures = memory_plan.run_estimate(plain, data_dir)
     parts = figures.get("memory_estimate_parts_mb")
@@ -258,7 +303,7 @@ def kept_bytes(run: RunSpec, data_dir, shape: BatchShape) -> tuple[float | None,
     if run.packed and memory_plan.prepared_manifest(data_dir):
         estimated_positions = batch_order.largest_packed_batch(plain, memory_plan.train_lengths(str(data_dir)))[0]
     scale = shape.positions / estimated_positions if estimated_positions else 1.0
-    return (parts.get("activations", 0) + parts.get("logits", 0)) * MIB * scale, None
+    return parts.get("activations", 0) * MIB * scale, None
 
 
 def measured_shape(run: RunSpec, counts: MatmulCounts, row: dict) -> BatchShape | None:
@@ -303,14 +348,18 @@ def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.Model
     attention = micro * 12 * counts.layers * counts.width * shape.computed_square * (1 + recompute / 3)
     modelled = devices * micro * model_flops(counts, full, shape.tokens, shape.real_square, shape.rows)
     recipe = recipe_of(run)
+    kernels = "compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager")
+    units, qlora_units, launched = step_ops(run, counts, shape.positions)
+    logits = micro * shape.positions * counts.head / max(counts.width, 1)  # positions x vocabulary
     return Workload(
         tokens_per_step=devices * micro * shape.tokens, samples_per_step=run.examples_per_step,
         linear_flops=linear, attention_flops=attention, model_flops=modelled, width=counts.width,
         activation_bytes=micro * kept * (1 + recompute / 3),
         fixed_bytes=weight_traffic(run, counts, facts, recipe) + lora_traffic(run, counts, shape.positions),
-        comm_bytes=comm_bytes(run, facts, recipe), host_ops=host_ops(run, counts, facts),
-        kernels="compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager"), shape_changes=shape.changes,
-        compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])))
+        comm_bytes=comm_bytes(run, facts, recipe), host_ops=units, kernels=kernels, shape_changes=shape.changes,
+        compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])),
+        loss_bytes=logits * LOSS_BYTES[(kernels, recipe.compute_dtype != "fp32")], kernel_ops=launched,
+        qlora_host_ops=qlora_units)
 
 
 def setup_notes(run: RunSpec) -> list[str]:
@@ -320,6 +369,8 @@ def setup_notes(run: RunSpec) -> list[str]:
         notes.append("between nodes the link is taken as the table's within a host")
     if run.parallel == "fsdp" and run.fsdp_cpu_offload:
         notes.append("CPU offload's host transfers and CPU optimizer are not modelled")
+    if run.parallel == "fsdp":
+        notes.append("FSDP's own host work per block (its hooks, gathers and reshards) is not modelled")
     if run.engine == "hf_trainer":
         notes.append("engine hf_trainer predicted as ftbench's loop (the Trainer's own per-step work not modelled)")
     return notes
@@ -382,21 +433,58 @@ def comm_bytes(run: RunSpec, facts: memory_estimate.ModelFacts, recipe) -> float
     return micro * (n - 1) * (facts.total * recipe.frozen_bytes + facts.trainable * recipe.trainable_bytes)
 
 
-def host_ops(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.ModelFacts) -> float:
-    """Operations the host dispatches per optimizer step (per process; DataParallel's one process drives every
-    replica): per block forward, backward and recomputation, per adapted or 4-bit Linear, per optimizer tensor."""
-    kernels = "liger" if run.kernels == "liger" else "none"
-    block = FORWARD_OPS[("gated" if counts.gated else "plain", kernels)] + LORA_OPS_PER_LINEAR * len(counts.adapted)
-    if recipe_of(run).autocast_dtype is not None:
-        block += AUTOCAST_OPS_PER_LINEAR * counts.block_linears
-    if run.method == "qlora":
-        block += QLORA_OPS_PER_LINEAR * counts.block_linears
-    passes = 1 + BACKWARD_OPS + int(run.gradient_checkpointing)
-    per_micro = (counts.layers * block + HEAD_OPS[kernels]) * passes
+def host_ops(run: RunSpec, counts: MatmulCounts) -> tuple[float, float, float]:
+    """(units of host work, of them the 4-bit Linears' (``qlora_host_factor`` scales them), kernels) per micro-batch
+    and process (HOST_UNITS): per block forward, backward and recomputation, with its adapted, 4-bit and
+    autocast-cast Linears, and the head."""
+    recipe = recipe_of(run)
+    parts = [("block_gated" if counts.gated else "block_plain", 1, (1, 1, 1, 1, 1))]
+    if counts.adapted:
+        parts.append(("lora_linear" if run.lora_dropout > 0 else "lora_linear_no_dropout", len(counts.adapted), (1,) * 5))
+    if recipe.autocast_dtype is not None and (run.method == "full" or recipe.frozen_dtype == "fp32"):
+        # fp32 Linear weights under autocast: full fine-tuning's masters (their gradients cast back too), an fp32
+        # frozen base (forward only)
+        trained = int(run.method == "full")
+        parts.append(("autocast_linear", counts.block_linears, (1, trained, 1, 1, trained)))
+    quantised = run.method == "qlora"
+    if quantised:
+        parts.append(("qlora_linear", counts.block_linears, (1,) * 5))
+    recompute = int(run.gradient_checkpointing)
+
+    def per_block(names) -> tuple[float, float]:
+        columns = [sum(HOST_UNITS[name][column] * number * used[column] for name, number, used in parts if name in names)
+                   for column in range(5)]
+        return columns[0] + columns[1] + recompute * columns[2], columns[3] * (1 + recompute) + columns[4]
+
+    units, kernels = per_block({name for name, _, _ in parts})
+    qlora_units = per_block({"qlora_linear"})[0] if quantised else 0.0
+    head = HOST_UNITS["head"]
+    return (counts.layers * (units - qlora_units) + head[0] + head[1], counts.layers * qlora_units,
+            counts.layers * kernels + head[3] + head[4])
+
+
+def step_ops(run: RunSpec, counts: MatmulCounts, positions: float) -> tuple[float, float, float]:
+    """(units of host work, of them the 4-bit Linears', kernels) per optimizer step and process (DataParallel's one
+    process drives every replica): host_ops per micro-batch, Liger's loss per chunk of ``positions``, the optimizer
+    per trainable tensor and the step's own."""
+    units, qlora_units, kernels = host_ops(run, counts)
+    chunks = liger_chunks(run, counts, positions) if run.kernels == "liger" else 0
+    units, kernels = units + LIGER_CHUNK[0] * chunks, kernels + LIGER_CHUNK[1] * chunks
     tensors = trainable_tensors(run, counts)
     optimizer = OPTIMIZER_OPS_PER_TENSOR[run.optimizer] * tensors + (0.2 * tensors + 10 if run.precision == "fp16" else 0)
-    replicas = run.devices if run.parallel == "dp" else 1
-    return replicas * run.grad_accum_steps * per_micro + optimizer + STEP_OPS
+    micro = (run.devices if run.parallel == "dp" else 1) * run.grad_accum_steps
+    return micro * units + optimizer + STEP_OPS, micro * qlora_units, micro * kernels + optimizer
+
+
+def liger_chunks(run: RunSpec, counts: MatmulCounts, positions: float) -> int:
+    """The chunks Liger's fused linear cross-entropy splits a micro-batch's positions into (its chunk: the next
+    power of two of positions / ceil(vocabulary / width), as measure/memory_estimate.py counts it)."""
+    if not counts.head or not counts.width:
+        return 0
+    vocab = counts.head // counts.width
+    positions = max(1, int(round(positions)))
+    chunk = min(positions, 2 ** math.ceil(math.log2(max(1, math.ceil(positions / math.ceil(vocab / counts.width))))))
+    return math.ceil(positions / chunk)
 
 
 def trainable_tensors(run: RunSpec, counts: MatmulCounts) -> int:
@@ -423,22 +511,26 @@ def step_terms(load: Workload, gpu: dict, params: dict, combine: str = "smooth")
     matmul = efficiency / (1 + params["width_half"] / max(load.width, 1))
     compute = (load.linear_flops / (peak * 1e12 * matmul)
                + load.attention_flops / (peak * 1e12 * efficiency * params["attention_ratio"]))
-    traffic = params[f"traffic_{load.kernels}"] * load.activation_bytes + load.fixed_bytes
+    ratio = 1.0 if load.kernels == "eager" else params[f"{load.kernels}_traffic_ratio"]
+    traffic = params["traffic_eager"] * ratio * load.activation_bytes + load.fixed_bytes + load.loss_bytes
     memory = traffic / (bandwidth * 1e9 * params["memory_efficiency"])
     link = gpu.get("interconnect_gbs")
     comm = params["comm_exposed"] * load.comm_bytes / (link * 1e9) if load.comm_bytes and link else 0.0
-    host = params["host_step_s"] + params["host_op_s"] * load.host_ops * (
-        params["compiled_host_factor"] if load.kernels == "compiled" else 1.0) * (
+    dispatched = params["compiled_host_factor"] if load.kernels == "compiled" else 1.0
+    units = load.host_ops + params["qlora_host_factor"] * load.qlora_host_ops
+    host = params["host_step_s"] + params["host_op_s"] * units * dispatched * (
         1 + (params["shape_churn_factor"] - 1) * load.shape_changes)
-    gpu_s = compute + memory + comm
+    launches = params["gpu_op_s"] * load.kernel_ops * dispatched
+    gpu_s = compute + memory + comm + launches
     if combine == "sum":
         step = gpu_s + host
     elif combine == "roofline":
-        gpu_s = max(compute, memory) + comm
+        gpu_s = max(compute, memory) + comm + launches
         step = gpu_s + host
     else:
         power, longer = params["overlap_power"], max(gpu_s, host)  # scaled by the longer: no underflow at large p
         step = longer * ((gpu_s / longer) ** power + (host / longer) ** power) ** (1 / power)
-    return {"step_s": step, "compute_s": compute, "memory_s": memory, "comm_s": comm, "gpu_s": gpu_s, "host_s": host,
+    return {"step_s": step, "compute_s": compute, "memory_s": memory, "comm_s": comm, "launch_s": launches,
+            "gpu_s": gpu_s, "host_s": host,
             "busy_share": min(1.0, gpu_s / step), "tokens_per_s": load.tokens_per_step / step,
             "mfu": load.model_flops / step / (peak * 1e12 * load.devices)}

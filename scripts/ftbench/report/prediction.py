@@ -35,17 +35,19 @@ class MeasuredRun:
     gpu: dict
 
 
-def read_measured(metrics_path: str | Path, gpus: list[dict]) -> list[MeasuredRun]:
+def read_measured(metrics_path: str | Path, gpus: list[dict], specs: dict[str, RunSpec] | None = None) -> list[MeasuredRun]:
     """The finished runs of a results table on a GPU of ``gpus``, each with its spec from the metrics.json the
     table was collected from (results/runs/<run_id>/metrics.json beside it) and how often its batches' shape
-    changed (its steps.parquet). A run whose spec this version cannot read (an older spec) is left out with a warning."""
+    changed (its steps.parquet). A run whose spec this version cannot read (an older spec) is left out with a warning.
+    ``specs``: run_id -> spec for a table copied without its runs' folders (its experiment's runs, expanded again:
+    a run_id names one spec)."""
     metrics_path = Path(metrics_path)
     frame = pd.read_parquet(metrics_path)
     finished = frame[(frame["status"] == "ok") & (frame["device"] == "cuda") & (frame["measured_steps"].fillna(0) > 1)]
     measured = []
     for row in finished.to_dict("records"):
         gpu = gpu_table.entry_for(row.get("device_name") or "", gpus)
-        spec = _spec(metrics_path.parent / "runs" / str(row["run_id"]) / "metrics.json")
+        spec = _spec(metrics_path.parent / "runs" / str(row["run_id"]) / "metrics.json") or (specs or {}).get(row["run_id"])
         if gpu is None or spec is None:
             continue
         clean = {key: (None if is_missing(value) else value) for key, value in row.items()}
