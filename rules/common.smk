@@ -70,16 +70,28 @@ def given_train_resource(name, given):
 
 
 def _scale_given_train_resources():
+    """The given train resources made functions of the attempt; {name: the given value}."""
     from snakemake.resources import Resource
 
     given = workflow.resource_settings._parsed_overwrite_resources.get("train")
+    values = {}
     for name in ftbench_resources.GIVEN_PER_ATTEMPT if given else ():
         value = given[name] if name in given else None
         if value is not None and not value.is_evaluable() and isinstance(value.value, int):
+            values[name] = value.value
             given[name] = Resource(name, given_train_resource(name, value.value), raw=value.raw)
+    return values
 
 
-_scale_given_train_resources()
+GIVEN_TRAIN_RESOURCES = _scale_given_train_resources()
+
+
+def check_given_walltime():
+    """The given train walltime checked once the executor is known, before the first job is submitted: a train
+    job's resources are otherwise evaluated only when it is about to run, after its data was prepared."""
+    if "runtime" in GIVEN_TRAIN_RESOURCES and workflow.non_local_exec:
+        with stop_on_ftbench_error():
+            ftbench_job_clock.check_walltime(GIVEN_TRAIN_RESOURCES["runtime"], "--set-resources train:runtime")
 
 RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
 DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))
@@ -207,6 +219,7 @@ def _cluster_jobs():
 # The one start hook of the workflow (after the DAG is built, before the first submission; never in a
 # dry run). On a SLURM cluster without accounting, track jobs with squeue: sacct would hang silently.
 onstart:
+    check_given_walltime()
     ftbench_slurm.choose_status_command(workflow)
     # A row kept beside its outputs (cluster/kept_rows.py) is for a job its scheduler ended after writing it: once
     # the outputs it was published as are here, it is dropped, so a forced rerun trains the run.
