@@ -8,12 +8,13 @@ function calls (sys.setprofile). Two depths (30 and 10 blocks) separate what a b
 ends cost. A unit of host work is one operation or PY_CALL_UNITS calls: with --time, the CPU time per step of each
 variant is fitted as seconds per operation and per call, which is where that weight comes from.
 
-    python scripts/count_host_ops.py            # the per-block and per-Linear table
-    python scripts/count_host_ops.py --time     # and the CPU time per step against operations and calls
+    python scripts/count_host_ops.py                          # the per-block and per-Linear table
+    python scripts/count_host_ops.py --time                   # and the CPU time per step against operations and calls
+    python scripts/count_host_ops.py --device cuda --time     # on a GPU: bitsandbytes' CUDA path, the host's own time
 
 The counts are of the code installed here (torch, transformers, peft, bitsandbytes): count again after upgrading
-them. bitsandbytes runs its CPU path here; its CUDA path runs more Python per 4-bit Linear (calibration.py's
-qlora_host_factor).
+them. On a CPU bitsandbytes runs its CPU path, and its CUDA path runs more Python per 4-bit Linear (calibration.py's
+qlora_host_factor); on a GPU the tiny model is launch-bound, so its time per step is the host's.
 """
 
 from __future__ import annotations
@@ -103,12 +104,12 @@ def spec_of(architecture: str, settings: dict, depth: int) -> RunSpec:
     return spec if spec.method == "full" else spec.replace(lora_alpha=2 * spec.lora_rank)  # as runspec.normalise sets it
 
 
-def stepper(spec: RunSpec):
+def stepper(spec: RunSpec, device: torch.device):
     """A function that runs one forward pass and returns its loss, on the model as a run builds it."""
-    model = modeling.build_model(spec, None, torch.device("cpu"), pad_token_id=0, vocab_size=512).model
+    model = modeling.build_model(spec, None, device, pad_token_id=0, vocab_size=512).model
     model.train()
-    ids = torch.randint(0, 512, (1, 8))
-    autocast = autocast_args(torch.device("cpu"), spec.precision)
+    ids = torch.randint(0, 512, (1, 8), device=device)
+    autocast = autocast_args(device, spec.precision)
 
     def forward():
         with torch.autocast(**autocast):
@@ -118,9 +119,9 @@ def stepper(spec: RunSpec):
     return forward
 
 
-def count(spec: RunSpec) -> dict:
+def count(spec: RunSpec, device: torch.device) -> dict:
     """Operations, kernels and calls of one forward and one backward pass."""
-    forward = stepper(spec)
+    forward = stepper(spec, device)
     with Counting() as forward_ops:
         loss = forward()
     with Counting() as backward_ops:
@@ -146,11 +147,11 @@ def per_block(counts: dict[int, dict]) -> dict:
     return out
 
 
-def table(variants: list[str]) -> dict[str, dict]:
+def table(variants: list[str], device: torch.device = torch.device("cpu")) -> dict[str, dict]:
     figures = {}
     for name in variants:
         architecture, settings = VARIANTS[name]
-        figures[name] = per_block({depth: count(spec_of(architecture, settings, depth)) for depth in DEPTHS})
+        figures[name] = per_block({depth: count(spec_of(architecture, settings, depth), device) for depth in DEPTHS})
         row = figures[name]
         print(f"{name:<28} per block: forward {row['forward']['units']:6.1f} units {row['forward']['kernels']:5.1f} kernels,"
               f" backward {row['backward']['units']:6.1f} units {row['backward']['kernels']:5.1f} kernels;"
@@ -159,26 +160,28 @@ def table(variants: list[str]) -> dict[str, dict]:
     return figures
 
 
-def cpu_times(variants: list[str], repeats: int) -> None:
-    """Each variant's CPU time per step (the 10th percentile of ``repeats``, interleaved) against its operations
-    and calls: seconds per operation and per call by least squares, and each variant's time as fitted."""
+def cpu_times(variants: list[str], repeats: int, device: torch.device) -> None:
+    """Each variant's time per step (the 10th percentile of ``repeats``, interleaved) against its operations and
+    calls: seconds per operation and per call by least squares, and each variant's time as fitted."""
     torch.set_num_threads(1)
     rows = []
     for name in variants:
         architecture, settings = VARIANTS[name]
         spec = spec_of(architecture, settings, DEPTHS[0])
-        figures = count(spec)
-        forward = stepper(spec)
+        figures = count(spec, device)
+        forward = stepper(spec, device)
         rows.append((name, forward, sum(figures[p][0] for p in figures), sum(figures[p][2] for p in figures), []))
     for _ in range(repeats):
         for _, forward, _, _, times in rows:
             start = time.perf_counter()
             forward().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
     measured = np.array([np.percentile(times, 10) for *_, times in rows])
     design = np.array([[ops, calls] for _, _, ops, calls, _ in rows], float)
     (per_op, per_call), *_ = np.linalg.lstsq(design, measured, rcond=None)
-    print(f"CPU: {per_op * 1e6:.2f} us per operation, {per_call * 1e6:.3f} us per call "
+    print(f"{device.type}: {per_op * 1e6:.2f} us per operation, {per_call * 1e6:.3f} us per call "
           f"(a call is {per_call / per_op:.3f} operations)")
     for (name, *_), seconds, fitted in zip(rows, measured, design @ [per_op, per_call]):
         print(f"  {name:<28} {seconds * 1e3:7.1f} ms measured, {fitted * 1e3:7.1f} ms fitted ({fitted / seconds:.2f})")
@@ -189,12 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=None)
     parser.add_argument("--time", action="store_true", help="also time each variant's step on this CPU")
     parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    device = torch.device(args.device)
     variants = args.only or list(VARIANTS)
-    table(variants)
+    table(variants, device)
     if args.time:
-        cpu_times([name for name in variants if "bf16_true" not in name and "plain" not in name], args.repeats)
+        cpu_times([name for name in variants if "bf16_true" not in name and "plain" not in name], args.repeats, device)
 
 
 if __name__ == "__main__":
