@@ -214,9 +214,12 @@ def with_display_columns(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def configuration_rows(configs: pd.DataFrame) -> pd.DataFrame:
-    """Configurations (or recommendation rows) with their intervals as text and a quality column per task's figure."""
+def configuration_rows(configs: pd.DataFrame, runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Configurations (or recommendation rows) with their intervals as text and a quality column per task's figure;
+    with ``runs`` (with_display_columns), each configuration's recipe (its runs share it)."""
     configs = configs.copy()
+    if runs is not None and "config_key" in runs and "config_key" in configs:
+        configs["recipe"] = configs["config_key"].map(runs.groupby("config_key")["recipe"].first())
     for column, (low, high) in analysis.INTERVALS.items():
         name = "quality_ci95" if column == "accuracy" else f"{column.removesuffix('_per_1m_tokens')}_ci95"
         configs[name] = [span(a, b, column) for a, b in zip(configs[low], configs[high])]
@@ -661,9 +664,7 @@ def build_report(metrics_path, step_files, figures_dir, html_path, title: str = 
     page_summary = summary(runs, configs, price_warnings(runs))
     page_summary["notes"] += target_notes(target_section)
     shown = with_display_columns(runs)
-    config_rows = configuration_rows(configs)
-    if "config_key" in shown and "config_key" in config_rows:  # a configuration's runs share its recipe
-        config_rows["recipe"] = config_rows["config_key"].map(shown.groupby("config_key")["recipe"].first())
+    config_rows = configuration_rows(configs, shown)
     # every configuration's predicted speed and cost on every GPU of the table (calibration.yaml and prices.yaml
     # read beside the GPU table)
     labels = dict(zip(runs["config_id"], runs["config_label"])) if "config_label" in runs else None
