@@ -149,3 +149,11 @@ def keep_sigterm():
     previous = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_walltime_to_ask_for_is_what_all_steps_need_at_the_pace_trained():
+    """1 minute held; 40 of 1000 steps in 40 s of training, 20 s outside it: 1000 s + 20 s, a quarter more."""
+    assert job_clock.more_time_minutes(1, 40, 1000, 40.0, 60.0) == 22
+    assert job_clock.more_time_minutes(10, 900, 1000, 40.0, 60.0) == 20  # nearly done: twice what it had
+    assert job_clock.more_time_minutes(3) == 6 and job_clock.more_time_minutes(0.5) == job_clock.MIN_WALLTIME_MIN
+    assert job_clock.more_time_minutes(1, 0, 1000, 0.0, 5.0) == 2  # no step done: no pace

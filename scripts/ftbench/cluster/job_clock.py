@@ -113,9 +113,18 @@ def limit_minutes_in(text: str) -> float | None:
     return float(match["minutes"]) if match else None
 
 
-def more_time_minutes(limit_min: float) -> int:
-    """The walltime to ask for after a job that its limit ended: twice what it had."""
-    return max(MIN_WALLTIME_MIN, math.ceil(2 * limit_min))
+def more_time_minutes(limit_min: float, steps_done: int | None = None, total_steps: int | None = None,
+                      train_s: float | None = None, wall_s: float | None = None) -> int:
+    """The walltime (minutes) to ask for after a job that its limit ended: what all its steps need at the pace it
+    trained (its time outside the loop, start, loading and evaluation, plus ``total_steps`` at ``train_s`` per
+    ``steps_done``), a quarter more for the margin the job keeps; at least twice what it had. Twice what it had
+    where the pace is not known."""
+    floor = max(MIN_WALLTIME_MIN, math.ceil(2 * limit_min))
+    known = [value for value in (steps_done, total_steps, train_s, wall_s) if value is not None and value == value]
+    if len(known) < 4 or not steps_done or steps_done < 0 or not train_s:
+        return floor
+    needed_s = max(0.0, wall_s - train_s) + train_s / steps_done * total_steps
+    return max(floor, math.ceil(1.25 * needed_s / 60))
 
 
 # -- where the start comes from -------------------------------------------------------------------------------

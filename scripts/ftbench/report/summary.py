@@ -3,7 +3,6 @@ more. Written by collect (results/summary.txt) and printed by the Snakefile when
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 import time
@@ -66,21 +65,15 @@ def advice_lines(not_ok: pd.DataFrame) -> list[str]:
 
 
 def more_time(row) -> int | None:
-    """The walltime (minutes) a timed-out run needs for all its steps, at the pace it trained: its time outside
-    the loop (start, loading, evaluation) plus its steps' time at that pace, with a quarter more for the margin the
-    job keeps; at least twice the walltime it had (its status reason names it). None where that is not known."""
+    """The walltime (minutes) a timed-out run needs for all its steps at the pace it trained (job_clock.more_time_minutes);
+    None where its status reason names no walltime."""
     limit = job_clock.limit_minutes_in(row.get("status_reason") if isinstance(row.get("status_reason"), str) else "")
     if limit is None:
         return None
-    floor = job_clock.more_time_minutes(limit)
-    done = row.get("last_step")
-    figures = [row.get(name) for name in ("total_steps", "train_time_s", "wall_time_s")]
-    if pd.isna(done) or any(pd.isna(value) for value in figures) or not figures[1] or done < 0:
-        return floor
-    total, train_s, wall_s = (float(value) for value in figures)
-    pace = train_s / (int(done) + 1)
-    needed_s = max(0.0, wall_s - train_s) + pace * total
-    return max(floor, math.ceil(1.25 * needed_s / 60))
+    figures = {name: row.get(name) for name in ("last_step", "total_steps", "train_time_s", "wall_time_s")}
+    figures = {name: None if pd.isna(value) else float(value) for name, value in figures.items()}
+    done = figures["last_step"] + 1 if figures["last_step"] is not None else None
+    return job_clock.more_time_minutes(limit, done, figures["total_steps"], figures["train_time_s"], figures["wall_time_s"])
 
 
 def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:

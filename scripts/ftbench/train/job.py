@@ -161,7 +161,9 @@ def ended_at_time_limit(spec: RunSpec, out: Path, metrics: dict, steps: list[dic
     row (not evaluated: no time is left) where Snakemake does not delete it, for the next job of the run to keep;
     the job's line, naming the walltime to ask for."""
     limit = job_clock.minutes_words(limit_s)
-    more = f"give it more time: --set-resources train:runtime={job_clock.more_time_minutes(limit_s / 60)}"
+    minutes = job_clock.more_time_minutes(limit_s / 60, len(steps), metrics.get("total_steps"), metrics.get("train_time_s"),
+                                          metrics.get("wall_time_s"))
+    more = f"give it more time: --set-resources train:runtime={minutes}"
     head = f"run {spec.run_id} {job_clock.TIME_LIMIT_WORDS} ({limit})"
     if not steps:
         return f"{head} before its first training step: no row; {more} (after the targets)"
