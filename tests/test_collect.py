@@ -203,5 +203,7 @@ def test_failed_jobs_are_told_to_fix_a_named_error_and_to_rerun_only_otherwise(t
     summary.print_outcome(started, failed_jobs=True)
     told = capsys.readouterr().err
     assert "  fix logs/prepare_data/d1.log: ftbench: config key datasets.d.source: image 7 of images/ cannot be decoded" in told
-    assert "old.log" not in told and "terminated.log" not in told and "failed-row.log" not in told
+    assert "old.log" not in told and "failed-row.log" not in told
+    # a cancelled run's own line is shown too, as nothing to fix
+    assert "  cancelled logs/train/terminated.log: ftbench: run terminated was terminated (SIGTERM)" in told
     assert "some jobs failed on an error to fix" in told and "rerun snakemake to retry them" not in told

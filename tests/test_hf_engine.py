@@ -60,7 +60,7 @@ def test_tiny_llama_sees_the_same_tokens_and_steps_in_both_engines(llama_data): 
 
 
 @pytest.mark.slow
-def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_factory, prepared_data):
+def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_factory, prepared_data, capsys):
     """Padded text (real lengths differ): the counted tokens are the unpadded ones, in both engines. Under bf16 both
     train LoRA's recipe: the frozen base in bf16 (not TrainingArguments' fp32 default), fp32 adapters and head."""
     config = tiny_config_factory(defaults={"method": "lora", "lora_targets": ["query", "value"], "batch_size": 4,
@@ -71,6 +71,8 @@ def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_fac
     results = both_engines(spec, prepared_data[0])
     assert_same_run(results)
     assert results["hf_trainer"][0]["padding_fraction"] > 0  # the batches were padded, and padding not counted
+    # each engine's job logs its progress: the first line after its first step
+    assert capsys.readouterr().out.count("progress: step 1 of 4") == 2
     for engine in ("loop", "hf_trainer"):
         metrics = results[engine][0]
         assert (metrics["recipe_frozen_dtype"], metrics["recipe_trainable_dtype"], metrics["recipe_autocast_dtype"]) == \

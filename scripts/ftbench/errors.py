@@ -22,8 +22,9 @@ class UnsupportedConfiguration(FtbenchError):
 
 
 class TerminatedError(FtbenchError):
-    """The job was terminated from outside (SIGTERM: scancel, preemption, the scheduler's own limit). It
-    leaves no result, so the next invocation trains the run again; what it measured is in its log."""
+    """The job was terminated from outside (SIGTERM: scancel, preemption, the scheduler's own limit). A cancel or a
+    preemption leaves no result, so the next invocation trains the run again; the scheduler's time limit leaves a
+    timeout row of the steps taken in the run's kept/ folder (cluster/kept_rows.py), which the next job keeps."""
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:

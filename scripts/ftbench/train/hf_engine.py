@@ -33,6 +33,7 @@ import torch
 from ftbench.measure import flops, gpu_monitor
 from ftbench.train import batching
 from ftbench.train.devices import local_gpus, synchronize
+from ftbench.train.progress import Progress
 from ftbench.train.run_state import Run, steps_and_peaks, training_order
 from ftbench.errors import UnsupportedConfiguration
 from ftbench.measure.metrics import Warmup, energy_per_token, image_throughput, summarise
@@ -68,6 +69,7 @@ class Meter:
         self.skipped_steps = 0
         self.skip_flag = lambda: False  # fp16: whether the last optimizer step was skipped (set once the Trainer exists)
         self.evals = None  # evaluation.DuringTraining (eval_every), set by train_steps
+        self.progress = Progress(total_steps, run.dist.world_size, run.stop.deadline, enabled=run.dist.rank == 0)
 
     def evaluate_if_due(self) -> bool:
         """eval_every: evaluate between steps with the clock paused (the next step starts after it); whether
@@ -146,6 +148,7 @@ def make_callback(meter: Meter):
             if meter.status:
                 return  # the diverged step updated nothing: not a step of the run
             meter.steps.append(record)
+            meter.progress.step_done(record["step"], record["tokens"], loss=record.get("loss"))
             if meter.skip_flag():
                 meter.skipped_steps += 1
             meter.window_end = meter.step_start = now
