@@ -28,17 +28,31 @@ def test_eval_batches_stop_while_the_reserve_for_writing_is_still_left():
     assert fits[:4] == [True, True, True, False]
 
 
-def test_a_round_of_several_batches_is_expected_to_take_as_long_as_that_many_of_the_slowest():
+def test_a_part_of_several_units_is_expected_to_take_that_many_of_the_slowest_unit_so_far():
     clock = Clock()
     budget = evaluation.EvalBudget(limit=20.0, reserve=1.0, clock=clock)
-    assert budget.another_batch_fits(1)  # nothing timed yet: the first round is one batch
-    clock.now += 2.0  # that batch took 2 s
-    assert budget.another_batch_fits(4)  # 2 + 4 x 2 + 1 < 20
-    clock.now += 12.0  # those 4 batches took 3 s each
-    assert not budget.another_batch_fits(4)  # 14 + 4 x 3 + 1 > 20
-    assert budget.another_batch_fits(1)  # one batch still fits: 14 + 3 + 1 < 20
-    assert evaluation.rounds(1000, 128, until_cut=True) == [(0, 128), (128, 640), (640, 1000)]
-    assert evaluation.rounds(1000, 128, until_cut=False) == [(0, 1000)] and evaluation.rounds(0, 8, True) == []
+    assert budget.another_batch_fits(8)  # nothing timed yet
+    clock.now += 2.0  # those 8 rows took 2 s: 0.25 s a row
+    assert budget.another_batch_fits(32)  # 2 + 32 x 0.25 + 1 < 20
+    clock.now += 12.0  # those 32 took 0.375 s each
+    assert not budget.another_batch_fits(32)  # 14 + 32 x 0.375 + 1 > 20
+    assert budget.another_batch_fits(8)  # 14 + 8 x 0.375 + 1 < 20
+
+
+def test_an_evaluation_a_limit_may_end_is_a_probe_then_the_rest_at_once_where_it_fits_twice_over():
+    asked = []
+
+    def fits(answers):
+        answers = iter(answers)
+        return lambda rows: asked.append(rows) or next(answers)
+
+    assert list(evaluation.rounds(1000, 128, None)) == [(0, 1000)] and list(evaluation.rounds(0, 8, None)) == []
+    assert list(evaluation.rounds(1000, 128, fits([True, True]))) == [(0, 32), (32, 1000)]
+    assert asked == [32, 2 * 968]
+    # Where the rest does not fit twice over: rounds of ROUND_BATCHES batches, each asked for, until one does not fit.
+    tight = list(evaluation.rounds(1000, 128, fits([True, False, True, False, False])))
+    assert tight == [(0, 32), (32, 32 + evaluation.ROUND_BATCHES * 128)]
+    assert list(evaluation.rounds(1000, 128, fits([False]))) == []
 
 
 def test_without_a_limit_every_batch_fits():
@@ -71,9 +85,9 @@ def test_evaluation_cut_short_counts_the_samples_scored(tiny_config_factory, pre
     split = registry.load_split(folder, "eval", prepared.verify(folder))
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"]), device=torch.device("cpu"),
                                  pad_token_id=manifest["pad_token_id"])
-    answers = iter([True, True, False])  # rounds of one batch, then evaluation.ROUND_BATCHES batches
+    answers = iter([True, False, True, False, False])  # the probe (1 row), not all the rest, one round, no more
     figures = trainer.evaluate(built.model, split, spec, "classification", torch.device("cpu"), manifest["pad_token_id"],
-                               another_batch_fits=lambda batches: next(answers))
-    scored = 4 * (1 + evaluation.ROUND_BATCHES)
+                               another_batch_fits=lambda rows: next(answers))
+    scored = 1 + 4 * evaluation.ROUND_BATCHES
     assert figures["eval_samples"] == scored and figures["eval_samples_planned"] == len(split) > scored
     assert 0 <= figures["eval_accuracy"] <= 1

@@ -216,15 +216,16 @@ def test_max_eval_samples_on_a_label_sorted_split_scores_a_stratified_sample_not
 
 def test_an_evaluation_a_time_limit_ends_keeps_whole_rounds_of_a_stratified_sample():
     split = label_sorted_split()
-    answers = iter([True, True, False])  # two rounds fit (one batch, then ROUND_BATCHES), the third does not
+    # The probe (a quarter batch) fits, the rest at once does not, one round of ROUND_BATCHES batches does, no more.
+    answers = iter([True, False, True, False, False])
     figures = trainer.evaluate(AlwaysClass(0), split, spec(), "classification", torch.device("cpu"), 0,
-                               another_batch_fits=lambda batches: next(answers))
-    rows = (1 + evaluation.ROUND_BATCHES) * 32
+                               another_batch_fits=lambda rows: next(answers))
+    rows = 8 + evaluation.ROUND_BATCHES * 32
     assert (figures["eval_samples"], figures["eval_samples_planned"]) == (rows, 1000)
     assert figures["eval_accuracy"] == pytest.approx(0.578, abs=2 / rows)
     assert figures["eval_majority_class_rate"] == pytest.approx(figures["eval_accuracy"])
     nothing = trainer.evaluate(AlwaysClass(0), split, spec(), "classification", torch.device("cpu"), 0,
-                               another_batch_fits=lambda batches: False)
+                               another_batch_fits=lambda rows: False)
     assert nothing["eval_samples"] == 0 and nothing["eval_majority_class_rate"] is None
 
 

@@ -25,9 +25,9 @@ time, with the memory peaks of training and evaluation kept apart.
   one cut short by the job's time limit) scores a seeded stratified sample of it, never its first rows by
   position: the rows are taken in ``eval_order`` (prepared.fair_order over the family's classes, the same for
   every run), whose every prefix holds each class in its share. max_eval_samples is its first rows, eval_subset
-  the first of those; the rows planned are scored in rounds (longest first within a round, for little padding:
-  one batch, then ROUND_BATCHES batches at a time), and a time limit ends an evaluation only between rounds, so
-  the rows scored are again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
+  the first of those. Where a time limit may end it, the rows planned are scored in rounds (``rounds``: a probe,
+  then the rest at once where it fits, else ROUND_BATCHES batches at a time; longest first within a round, for
+  little padding), and it ends only between rounds, so the rows scored are again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
 
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
@@ -65,8 +65,8 @@ WRITE_RESERVE = 0.25
 EVAL_ORDER_SEED = 0
 # The shared evaluation before training a train job reads (rule base_eval's output), where the workflow made one.
 SHARED_BASE_ENV = "FTBENCH_BASE_EVAL"
-# Batches of one round of an evaluation a time limit may end (between rounds): sorted by length within a round of
-# 4 batches, batches pad about as little as sorted over the whole split.
+# Batches of one round of an evaluation a time limit may end (between rounds), where the rest may not fit at once:
+# sorted by length within a round of 4 batches, batches pad about as little as sorted over the whole split.
 ROUND_BATCHES = 4
 
 
@@ -91,24 +91,24 @@ def reset_peak_rss() -> bool:
 
 
 class EvalBudget:
-    """Whether another part of an evaluation (score's rounds of batches) fits before ``limit`` (time.monotonic() at
-    which the job ends), keeping ``reserve`` seconds for writing; each batch is expected to take as long as the
-    slowest so far (per batch of the parts timed)."""
+    """Whether another part of an evaluation (score's rounds) fits before ``limit`` (time.monotonic() at which the
+    job ends), keeping ``reserve`` seconds for writing; a part is expected to take its units (rows, batches) times
+    the slowest unit of the parts so far."""
 
     def __init__(self, limit: float | None, reserve: float, clock=time.monotonic):
         self.limit, self.reserve, self.clock = limit, reserve, clock
         self.slowest = 0.0
         self.last = None
-        self.last_batches = 1
+        self.last_units = 1
 
-    def another_batch_fits(self, batches: int = 1) -> bool:
-        """Whether a part of ``batches`` batches fits (asked before each part; the time since the last ask is the
-        last part's)."""
+    def another_batch_fits(self, units: int = 1) -> bool:
+        """Whether a part of ``units`` units fits (asked before each part; the time since the last ask is that
+        of the part then asked for, when it was scored)."""
         now = self.clock()
         if self.last is not None:
-            self.slowest = max(self.slowest, (now - self.last) / self.last_batches)
-        self.last, self.last_batches = now, max(batches, 1)
-        return self.limit is None or now + self.slowest * batches + self.reserve < self.limit
+            self.slowest = max(self.slowest, (now - self.last) / self.last_units)
+        self.last, self.last_units = now, max(units, 1)
+        return self.limit is None or now + self.slowest * units + self.reserve < self.limit
 
 
 def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, steps_done: int | None = None) -> None:
@@ -186,19 +186,16 @@ def subset_indices(size: int, subset: int | None, strata: np.ndarray | None = No
 def score(model, split, spec, task: str, device, pad_id: int, another_round_fits=None,
           indices: np.ndarray | None = None) -> dict:
     """Scores of ``model`` on the eval split's rows at ``indices`` (default: its first max_eval_samples rows of
-    eval_order) and the majority-class rate of the rows scored. ``another_round_fits(batches)`` (a time limit's
-    EvalBudget, asked before each round: one batch, then ROUND_BATCHES batches at a time) may end it between
-    rounds: the rows scored are then the first rounds' (a prefix of the rows planned, in eval_order: a stratified
-    sample too); None: every row is scored, as one round. Rows are scored longest first within a round (no score
-    depends on the order)."""
+    eval_order) and the majority-class rate of the rows scored. ``another_round_fits(rows)`` (a time limit's
+    EvalBudget, asked before each round: ``rounds``) may end it between rounds: the rows scored are then the first
+    rounds' (a prefix of the rows planned, in eval_order: a stratified sample too); None: every row is scored, as
+    one round. Rows are scored longest first within a round (no score depends on the order)."""
     family = registry.family(task)
     planned = eval_order(split, task)[: spec.max_eval_samples] if indices is None else np.asarray(indices)
     lengths = batching.lengths_of(split)
     scores, scored = family.eval_accumulator(), []
     model.eval()
-    for start, end in rounds(len(planned), spec.eval_batch_size, until_cut=another_round_fits is not None):
-        if another_round_fits is not None and not another_round_fits(-(-(end - start) // spec.eval_batch_size)):
-            break
+    for start, end in rounds(len(planned), spec.eval_batch_size, another_round_fits):
         rows = planned[start:end]
         rows = rows[np.argsort(-lengths[rows], kind="stable")]
         for first in range(0, len(rows), spec.eval_batch_size):
@@ -213,16 +210,26 @@ def score(model, split, spec, task: str, device, pad_id: int, another_round_fits
             "eval_majority_class_rate": majority_rate(family.row_classes(split), scored_rows)}
 
 
-def rounds(rows: int, batch_size: int, until_cut: bool) -> list[tuple[int, int]]:
-    """(start, end) of each round of an evaluation's ``rows`` planned rows: one round of them all, or where a time
-    limit may cut it (``until_cut``) a first round of one batch (the time of a batch is not known yet), then rounds
-    of ROUND_BATCHES batches."""
-    if not until_cut:
-        return [(0, rows)] if rows else []
-    ends = [min(batch_size, rows)]
-    while ends[-1] < rows:
-        ends.append(min(ends[-1] + ROUND_BATCHES * batch_size, rows))
-    return [(start, end) for start, end in zip([0, *ends[:-1]], ends) if end > start]
+def rounds(rows: int, batch_size: int, fits=None):
+    """(start, end) of each round of an evaluation's ``rows`` planned rows, while ``fits(rows)`` (a time limit's
+    EvalBudget; asked before each round, its estimate from the rounds so far) says the next one fits: one round of
+    them all without a limit; with one, a probe of a quarter batch first (nothing is timed yet), then the rest in
+    one round where twice its estimate fits (the usual case: no more padding than scoring all at once), else
+    rounds of ROUND_BATCHES batches."""
+    if fits is None:
+        if rows:
+            yield 0, rows
+        return
+    start, size = 0, max(1, batch_size // 4)
+    while start < rows:
+        if start and fits(2 * (rows - start)):
+            yield start, rows
+            return
+        end = min(start + size, rows)
+        if not fits(end - start):
+            return
+        yield start, end
+        start, size = end, ROUND_BATCHES * batch_size
 
 
 def majority_rate(classes: np.ndarray | None, rows: np.ndarray) -> float | None:
