@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -317,3 +318,22 @@ def test_the_shared_evaluation_of_a_4_bit_base_equals_what_the_qlora_run_compute
     assert result["status"] == "ok" and alone["status"] == "ok", (result["reason"], alone["status_reason"])
     assert alone["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
     assert alone["base_eval_loss"] == pytest.approx(result["figures"]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_take_the_shared_evaluation_together(bert_spec, prepared_data, shared_base, tmp_path):
+    """A DDP run given the shared evaluation: rank 0's row carries its figures, and both ranks meet once before the
+    first step as they do after an evaluation scored in the job (no rank waits in a collective the other skipped)."""
+    path, result = shared_base
+    spec = bert_spec(method="lora", parallel="ddp", num_gpus=2, device="cpu", **BASE_SETTINGS)
+    out = tmp_path / "run" / "metrics.json"
+    out.parent.mkdir()
+    process = subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data",
+                              str(prepared_data[0]), "--out", str(out), "--threads", "2"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, evaluation.SHARED_BASE_ENV: str(path)})
+    assert process.returncode == 0, f"--- stdout\n{process.stdout[-4000:]}\n--- stderr\n{process.stderr[-4000:]}"
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["status"] == "ok", metrics["status_reason"]
+    assert metrics["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
+    assert metrics["base_eval_time_s"] == result["eval_time_s"]
+    assert [len(rank["steps"]) for rank in ddp.read_rank_results(out.parent / "ranks")] == [4, 4]
