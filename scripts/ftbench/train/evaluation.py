@@ -27,7 +27,8 @@ time, with the memory peaks of training and evaluation kept apart.
   every run), whose every prefix holds each class in its share. max_eval_samples is its first rows, eval_subset
   the first of those. Where a time limit may end it, the rows planned are scored in rounds (``rounds``: a probe,
   then the rest at once where it fits, else ROUND_BATCHES batches at a time; longest first within a round, for
-  little padding), and it ends only between rounds, so the rows scored are again a prefix of eval_order. The row's majority-class rate is that of the rows scored.
+  little padding), and it ends only between rounds, so the rows scored are again a prefix of eval_order. The
+  row's majority-class rate is that of the rows scored.
 
 - A run stopped by the job's time limit (status timeout) is evaluated too: its row carries the accuracy
   of the model it trained, with the steps it did. The job keeps a margin for this (job.stop_signal);
@@ -350,7 +351,7 @@ class DuringTraining:
             self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
         if scores:
             scores.pop("eval_samples_planned")
-            scores.pop("eval_majority_class_rate", None)  # the final evaluation's rows' (the same rows) is the row's
+            scores.pop("eval_majority_class_rate", None)  # the row's is the final evaluation's (its rows' rate)
             self.base_figures = {f"base_{name}": value for name, value in scores.items()}
             self.base_figures["base_eval_time_s"] = self.base_pause[1] - self.base_pause[0]
 
