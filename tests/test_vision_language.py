@@ -510,9 +510,11 @@ def test_memory_estimate_counts_the_vision_tower_only_where_it_trains(tmp_path, 
         decoder = me.estimate_parts(decoder_facts, spec.replace(seq_len=longest), decoder_facts.shape.vocab_size)
         traced[layers], estimated[layers] = sum(saved.values()), parts["activations"] - decoder["activations"]
         assert parts["logits"] == pytest.approx(12 * spec.batch_size * longest * decoder_facts.shape.vocab_size)
-        assert parts["weights"] == pytest.approx(4 * whole.total)
-        if method == "lora":  # no 16-bit copies of the frozen tower's weights either
-            assert parts["weight_copies"] == pytest.approx(2 * (whole.other - me.facts_of(tower).other))
+        # LoRA's recipe: the frozen base (tower included) in bf16, the adapters fp32; full: fp32 masters
+        frozen_bytes = 2 if method == "lora" else 4
+        assert parts["weights"] == pytest.approx(4 * whole.trainable + frozen_bytes * (whole.total - whole.trainable))
+        if method == "lora":  # autocast copies only the fp32 adapters: the 16-bit base, tower included, needs none
+            assert parts["weight_copies"] == pytest.approx(2 * whole.trainable)
     if method == "lora":
         assert traced == {2: 0, 4: 0} and estimated == {2: 0, 4: 0}
     else:

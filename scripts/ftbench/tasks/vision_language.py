@@ -39,6 +39,7 @@ from ftbench.data import images, prepared, sources
 from ftbench.data.tokenizers import SYNTHETIC_PAD_ID, check_vocab, load_tokenizer, tokenizer_source
 from ftbench.errors import ConfigError, SourceError
 from ftbench.measure import memory_estimate as estimate_module
+from ftbench.recipe import recipe_of
 from ftbench.runspec import RunSpec
 from ftbench.tasks.base import IGNORE_INDEX, Batch, TaskFamily, pad
 from ftbench.tasks.image_classification import ImageBatch, ImageFacts
@@ -399,7 +400,9 @@ def memory_estimate(model, spec: RunSpec, manifest: dict) -> dict:
                                               spec.batch_size * tokens, tokens)
         parts["activations"] += own["activations"]
         parts["recompute"] = max(parts["recompute"], own["recompute"])  # one layer recomputed at a time
-    elif parts["weight_copies"] and not spec.gradient_checkpointing:
+    elif parts["weight_copies"] and not spec.gradient_checkpointing and not recipe_of(spec).sixteen_bit_base:
+        # a frozen fp32 tower is not cast by autocast (it runs without autocast's copies); a 16-bit base has none
+        # counted to take away (only the fp32 adapters are copied)
         parts["weight_copies"] -= 2 * vision.other
     return estimate_module.figures(parts)
 
