@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections import defaultdict
 
 import numpy as np
 
+from ftbench import cli
 from ftbench.errors import FtbenchError
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment import config as experiment_config
@@ -197,8 +197,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except FtbenchError as exc:
-        print(f"ftbench: {exc}", file=sys.stderr)
-        sys.exit(1)
+    cli.run(main)  # an ftbench error is one line on stderr and exit status 1, as the package's commands do

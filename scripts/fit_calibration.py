@@ -23,7 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ftbench.errors import FtbenchError
+from ftbench import cli
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment import step_time
 from ftbench.measure import gpu_table
@@ -98,8 +98,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except FtbenchError as exc:
-        print(f"ftbench: {exc}", file=sys.stderr)
-        sys.exit(1)
+    cli.run(main)  # an ftbench error is one line on stderr and exit status 1, as the package's commands do
