@@ -57,6 +57,16 @@ _WORDS = (
 # Data and model builders
 
 
+class ManualClock:
+    """A clock a test sets by hand (``clock.now = ...``), for code that takes its clock as an argument."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_rows(label_counts: dict[str, int], seed: int = 0, max_words: int = 40) -> list[dict]:
     """Distinct texts of varied length (so padding exists), the label word included (so it is learnable)."""
     rng = random.Random(seed)

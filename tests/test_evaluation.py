@@ -5,20 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import ManualClock
 from ftbench.tasks import registry
 from ftbench.train import evaluation, trainer
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_eval_batches_stop_while_the_reserve_for_writing_is_still_left():
-    clock = Clock()
+    clock = ManualClock()
     budget = evaluation.EvalBudget(limit=10.0, reserve=2.0, clock=clock)
     fits = []
     for _ in range(8):
@@ -29,7 +22,7 @@ def test_eval_batches_stop_while_the_reserve_for_writing_is_still_left():
 
 
 def test_a_part_of_several_units_is_expected_to_take_that_many_of_the_slowest_unit_so_far():
-    clock = Clock()
+    clock = ManualClock()
     budget = evaluation.EvalBudget(limit=20.0, reserve=1.0, clock=clock)
     assert budget.another_batch_fits(8)  # nothing timed yet
     clock.now += 2.0  # those 8 rows took 2 s: 0.25 s a row

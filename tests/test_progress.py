@@ -10,21 +10,14 @@ import re
 
 import torch
 
+from conftest import ManualClock
 from ftbench.cluster import progress_relay
 from ftbench.measure.step_clock import LaggedLosses
 from ftbench.train import progress
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_a_line_after_the_first_step_then_one_per_cadence_whatever_the_step_rate():
-    clock, out = Clock(), io.StringIO()
+    clock, out = ManualClock(100.0), io.StringIO()
     line = progress.Progress(total_steps=1000, every_s=30, out=out, clock=clock)
     losses = LaggedLosses(torch.device("cpu"), 1000)
     for step, at in enumerate([1, 2, 10, 29, 31, 32, 50, 60.9, 61.5, 200]):
@@ -42,7 +35,7 @@ def test_a_line_after_the_first_step_then_one_per_cadence_whatever_the_step_rate
 
 
 def test_the_time_limit_is_named_when_it_comes_before_the_end_and_ranks_count_in_the_rate():
-    clock, out = Clock(), io.StringIO()
+    clock, out = ManualClock(100.0), io.StringIO()
     line = progress.Progress(total_steps=100, ranks=4, deadline=100 + 120, out=out, clock=clock)
     clock.now = 110
     line.step_done(0, tokens=1000)
