@@ -74,13 +74,6 @@ def collate(task: str, split, indices: np.ndarray, pad_token_id: int, mode: str,
     return family(task).collate(split, indices, pad_token_id)
 
 
-def eval_order(split, count: int) -> np.ndarray:
-    """The first ``count`` eval rows, longest first: evaluation order changes no score, and batches of
-    similar length waste little on padding (about half of the positions on short review snippets)."""
-    lengths = lengths_of(split)[:count]
-    return np.argsort(-lengths, kind="stable")
-
-
 def packing_efficiency(steps: list[dict]) -> float | None:
     """Real tokens / row capacity over the measured steps of a packed run; None for unpacked runs."""
     measured = [s for s in steps if s["measured"] and s.get("capacity_tokens")]
