@@ -112,6 +112,7 @@ def test_an_edited_ftbench_file_needs_a_new_warm_process(tmp_path, monkeypatch):
 
 def test_off_under_slurm_for_ddp_ranks_and_when_switched_off():
     assert warmstart.wanted(["train", "--spec", "{}"], {})
+    assert warmstart.wanted(["base-eval", "--spec", "{}"], {})  # the shared evaluation before training too
     assert not warmstart.wanted(["train", "--spec", "{}"], {"SLURM_JOB_ID": "7"})
     assert not warmstart.wanted(["train", "--rank-dir", "r"], {})
     assert not warmstart.wanted(["train"], {"FTBENCH_WARM_START": "0"})

@@ -96,9 +96,15 @@ NVML_CUDA_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # Signals the client passes on to the job it stands for (SIGTERM: stop and save; SIGUSR1: dump stacks).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
+# The commands that import the training stack: a train job, and the evaluation before training shared by the runs
+# of one base model (started cold, each paid ~6 s of imports on 2 cores; the default experiment has two).
+WARM_COMMANDS = ("train", "base-eval")
+
+
 def wanted(argv: list[str], environ=os.environ) -> bool:
-    """Whether this command should run warm: a train job (not a DDP rank), locally, on Linux."""
-    return (bool(argv) and argv[0] == "train" and "--rank-dir" not in argv and environment.job_started_at is None
+    """Whether this command should run warm: a train job (not a DDP rank) or a shared evaluation before training,
+    locally, on Linux."""
+    return (bool(argv) and argv[0] in WARM_COMMANDS and "--rank-dir" not in argv and environment.job_started_at is None
             and environ.get("FTBENCH_WARM_START", "1").lower() not in ("0", "false", "no", "off")
             and not environ.get("SLURM_JOB_ID") and sys.platform.startswith("linux") and hasattr(socket, "send_fds"))
 
