@@ -232,7 +232,7 @@ class RunSpec:
         _nullable({"type": "integer", "minimum": 8, "maximum": 4096}), "Int64",
         name_part=lambda s: f"i{s.image_size}" if s.image_size else None)
     eval_batch_size: int = setting(64, "samples per evaluation batch", {"type": "integer", "minimum": 1})
-    max_eval_samples: int | None = setting(None, "eval examples scored (null: the whole eval split)",
+    max_eval_samples: int | None = setting(None, "eval examples scored: a seeded stratified sample of the eval split, the same rows for every run (null: the whole eval split)",
                                            _nullable({"type": "integer", "minimum": 1}))
     eval_every: int | None = setting(
         None, "evaluate every N optimizer steps during training (and once before the first; on the whole split with "

@@ -52,7 +52,7 @@ RUN_TITLES = {
     "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
     "quality_vs_base": "whether fine-tuning helped: the run's quality beside the model's before training (base: "
                        "eval_before_training, on the same eval rows) and, for classification, the accuracy of always "
-                       "answering the eval split's most common class (majority)",
+                       "answering the scored rows' most common class (majority)",
     "base_eval_perplexity": "eval perplexity of the model before training (eval_before_training), on the same eval rows",
     "base_eval_loss": "eval loss of the model before training (eval_before_training), on the same eval rows",
     "cost_ci95": "95% interval of the run's $ per 1M tokens: its within-run throughput interval's ends (cost = price / throughput)",
@@ -124,7 +124,7 @@ CONVENTIONS = [
     "recall@1 over the eval split (a retrieved item is right when its caption text is the query's). Runs on synthetic "
     "(random-token) data show none. Whether fine-tuning helped (quality_vs_base): the quality beside the model's before "
     "training (base, with eval_before_training: the same eval rows, scored before the first step) and, for "
-    "classification, the accuracy of always answering the eval split's most common class (majority).",
+    "classification, the accuracy of always answering the scored rows' most common class (majority).",
     "MFU: analytic model FLOP/s (6N per token for full fine-tuning, 4N + 2N_trainable with adapters, plus attention; "
     "recomputation not counted) over the dense peak of the run's dtype in config/gpus.yaml, times the GPUs.",
     "Cost: $ per device-hour (config/prices.yaml or the experiment's prices key) x devices held, divided by the measured "
