@@ -197,8 +197,12 @@ def test_dropped_rows_are_results_at_preparation_in_the_runs_summary_and_report(
     assert figures["rows_dropped_duplicates"] == 2 and figures["rows_dropped_total"] == 6
     assert figures["rows_dropped_bad_image"] == 0
     assert prepared.data_columns({"rows_dropped": {}})["rows_dropped_total"] is None  # synthetic: not cleaned
-    labels = registry.load_split(tmp_path / "out", "eval", prepared.verify(tmp_path / "out")).labels
-    assert figures["eval_majority_class_rate"] == max((labels == 0).mean(), (labels == 1).mean()) >= 0.5
+    manifest = prepared.verify(tmp_path / "out")
+    labels = registry.load_split(tmp_path / "out", "eval", manifest).labels
+    majority = manifest["splits"]["eval"]["majority_class_rate"]
+    assert majority == max((labels == 0).mean(), (labels == 1).mean()) >= 0.5
+    # a row's majority rate is its scored rows' (the final evaluation writes it), never the whole split's
+    assert "eval_majority_class_rate" not in figures
     spec = {"run_id": "r", "dataset": "tiny", "model_def": MINILM, "dataset_def": dataset_def}
     row = columns.row_from_result({"spec": spec, "metrics": {"status": "ok", **figures}})
     assert set(figures) <= set(columns.COLUMNS) and row["rows_dropped_conflicting_labels"] == 2
@@ -370,7 +374,7 @@ def test_config_model_takes_its_tokenizers_vocabulary_through_train_run(tmp_path
     metrics, _ = trainer.train_run(spec, tmp_path / "data")
     assert metrics["status"] == "ok", metrics["status_reason"]
     # the job carries its data's figures: rows dropped (a result), no majority class for a language model
-    assert metrics["rows_dropped_total"] == 0 and metrics["eval_majority_class_rate"] is None
+    assert metrics["rows_dropped_total"] == 0 and metrics.get("eval_majority_class_rate") is None
     implied = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SMALL, vocab_size=30522))
     assert metrics["total_params"] == sum(p.numel() for p in implied.parameters())
     assert metrics["total_params"] < sum(p.numel() for p in transformers.GPT2LMHeadModel(

@@ -245,7 +245,7 @@ def test_the_row_reports_the_majority_rate_of_the_rows_it_scored_not_the_split_s
     run = SimpleNamespace(model=AlwaysClass(0), eval_split=split, task="classification", device=torch.device("cpu"),
                           pad_id=0, stop=SimpleNamespace(limit=None, margin=0.0),
                           spec=spec(max_eval_samples=20).replace(dataset_def={"source": {"kind": "path"}}))
-    metrics = {"eval_majority_class_rate": 0.99}  # stands in for the manifest's whole-split rate
+    metrics = {"eval_majority_class_rate": 0.99}  # stands in for any rate set before the final evaluation
     evaluation.evaluate_run(run, trainer.evaluate, metrics, steps_done=None)
     scored = evaluation.eval_order(split, "classification")[:20]
     shares = np.bincount(split.labels[scored], minlength=2) / 20

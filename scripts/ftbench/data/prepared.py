@@ -68,14 +68,13 @@ def dropped_by_reason(rows_dropped: dict) -> dict[str, int]:
 
 def data_columns(manifest: dict) -> dict:
     """What a run's figures are read against, from its data's manifest: rows_dropped_<rule> and
-    rows_dropped_total (null for data that is not cleaned: synthetic), and the eval split's majority-class rate
-    (classification; null for synthetic data, whose labels are random)."""
+    rows_dropped_total (null for data that is not cleaned: synthetic). The majority-class rate is not among them:
+    it is the rate of the rows the final evaluation scored (train/evaluation.py), which a run that never reached
+    its final evaluation has none of (the whole split's would stand beside a score nobody computed)."""
     rows_dropped = manifest.get("rows_dropped") or {}
     totals = dropped_by_reason(rows_dropped)
     columns = {f"rows_dropped_{rule}": totals.get(rule, 0) if rows_dropped else None for rule in DROP_REASONS}
     columns["rows_dropped_total"] = sum(totals.values()) if rows_dropped else None
-    synthetic = (manifest.get("preparation") or {}).get("dataset_def", {}).get("source", {}).get("kind") == "synthetic"
-    columns["eval_majority_class_rate"] = None if synthetic else manifest.get("splits", {}).get("eval", {}).get("majority_class_rate")
     return columns
 
 

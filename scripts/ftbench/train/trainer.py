@@ -105,7 +105,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
                                                   metrics["device_name"], data_dir, build=modeling.meta_model)
         if reason:
             raise torch.OutOfMemoryError(reason)
-    metrics.update(prepared.data_columns(manifest))  # rows dropped, majority-class rate: part of the result
+    metrics.update(prepared.data_columns(manifest))  # rows dropped: part of the result
     set_seed(spec.seed)
     load_started = time.perf_counter()
     train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
