@@ -255,8 +255,12 @@ def get_train_runtime(wildcards, attempt=1):
     The first Snakemake to estimate it (the one that plans the invocation, or a dry run) decides the speed
     of GPU runs and puts it in the environment, which the jobs it submits inherit (sbatch --export=ALL): the
     Snakemake inside a job, on a node whose GPU it may not see, reads that decision and gets the same number."""
+    from ftbench.experiment import base_evaluation
+
     os.environ.setdefault(ftbench_resources.TRAIN_SPEED_ENV, ftbench_resources.train_speed(local=not _cluster_jobs()))
-    return ftbench_resources.train_runtime_minutes(RUNS[wildcards.run_id], attempt)
+    run = RUNS[wildcards.run_id]
+    return ftbench_resources.train_runtime_minutes(
+        run, attempt, base_eval_in_job=not base_evaluation.shares_base_evaluation(run))
 
 
 def get_train_mem_mb(wildcards, attempt=1):

@@ -150,6 +150,22 @@ def test_the_evaluation_before_training_is_a_second_eval_pass_in_the_time_asked_
     once, twice = (resources.train_compute_seconds(run.replace(eval_before_training=flag), on_gpu=False) for flag in (False, True))
     without_eval = resources.train_compute_seconds(run.replace(max_eval_samples=1), on_gpu=False)  # one example: ~nothing
     assert twice - once == pytest.approx(once - without_eval, rel=0.01)
+    # scored by the shared step (rules/base_eval.smk), it is not the train job's work
+    shared = resources.train_compute_seconds(run.replace(eval_before_training=True), on_gpu=False, base_eval_in_job=False)
+    assert shared == once
+
+
+def test_evaluations_during_training_are_in_the_time_asked_for(representative_runs):
+    """eval_every scores eval_subset examples every N steps and before the first: a job with 40 steps and
+    eval_every 10 scores 5 subsets (4 with the evaluation before training standing in for the first)."""
+    run = representative_runs[2]["cpu"].replace(max_steps=40, eval_before_training=False, max_eval_samples=500)
+    examples = run.dataset_def.get("train_size", resources.DEFAULT_TRAIN_EXAMPLES)
+    assert resources.eval_examples_scored(run, examples) == 500
+    every = run.replace(eval_every=10, eval_subset=100)
+    assert resources.eval_examples_scored(every, examples) == 500 + 5 * 100
+    assert resources.eval_examples_scored(every.replace(eval_before_training=True), examples) == 2 * 500 + 4 * 100
+    assert resources.eval_examples_scored(every.replace(eval_before_training=True), examples, base_eval_in_job=False) == 500 + 4 * 100
+    assert resources.train_compute_seconds(every, on_gpu=False) > resources.train_compute_seconds(run, on_gpu=False)
 
 
 def test_a_split_smaller_than_one_batch_asks_for_the_floor_not_a_crash(representative_runs):

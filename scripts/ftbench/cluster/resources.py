@@ -129,7 +129,7 @@ def train_partition(environ: Mapping[str, str]) -> str:
 
 
 def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False,
-                          environ: Mapping[str, str] = os.environ) -> int:
+                          environ: Mapping[str, str] = os.environ, base_eval_in_job: bool = True) -> int:
     """Walltime (minutes) of a training job: startup + margin x the compute estimate, at least
     TRAIN_RUNTIME_FLOOR_MIN, doubled on each retry. The one time limit of the job: the scheduler's (sbatch -t),
     what `snakemake -n` shows, and, through the train rule's `{resources.runtime}`, the job's --time-limit-s,
@@ -138,9 +138,10 @@ def train_runtime_minutes(run: RunSpec, attempt: int = 1, local: bool = False,
 
     A GPU run is estimated at the speed train_speed decided for the invocation (``environ``), never at that
     of wherever this is evaluated: the Snakemake inside a cluster job, on a node whose GPU it may not see,
-    must get the number that was submitted."""
+    must get the number that was submitted. ``base_eval_in_job``: false where the evaluation before training is
+    the shared step's (experiment/base_evaluation.py), which the job reads instead of computing."""
     on_gpu = run.uses_gpu and train_speed(local, environ) == "gpu"
-    seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run, on_gpu)
+    seconds = TRAIN_STARTUP_S + TRAIN_RUNTIME_MARGIN * train_compute_seconds(run, on_gpu, base_eval_in_job)
     return max(TRAIN_RUNTIME_FLOOR_MIN, math.ceil(seconds / 60)) * 2 ** (attempt - 1)
 
 
@@ -194,10 +195,10 @@ def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
     return math.ceil(TRAIN_MEM_FLOOR_MB + processes_per_node * per_process / 1e6) * attempt
 
 
-def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
+def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None, base_eval_in_job: bool = True) -> float:
     """Compute seconds of one training job on a GPU (``on_gpu``; default: where the run asks for one)
-    or the CPU: training tokens per device x 6 FLOPs per parameter (forward + backward), plus
-    evaluation (2 per parameter; twice with eval_before_training), over ACHIEVED_FLOPS."""
+    or the CPU: training tokens per device x 6 FLOPs per parameter (forward + backward), plus the
+    evaluations' tokens (``eval_examples_scored``) x 2 per parameter, over ACHIEVED_FLOPS."""
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
@@ -210,12 +211,23 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None) -> float:
         flops *= 2  # 4-bit weights are dequantised on every use
     if run.parallel == "fsdp" and run.fsdp_cpu_offload:
         flops *= TRAIN_OFFLOAD_SLOWDOWN
-    eval_examples = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
-    passes = 2 if run.eval_before_training else 1  # the final evaluation, and the same examples before training
-    flops += 2 * params * eval_examples * per_example * passes
+    flops += 2 * params * eval_examples_scored(run, examples, base_eval_in_job) * per_example
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
     rate = ACHIEVED_FLOPS[compute_dtype(run.precision)] if on_gpu else ACHIEVED_FLOPS["cpu"]
     return flops / rate
+
+
+def eval_examples_scored(run: RunSpec, train_examples: int, base_eval_in_job: bool = True) -> int:
+    """Eval examples one training job scores: the final evaluation's (max_eval_samples, else the eval split); the
+    same again before training (eval_before_training) unless the shared step scored them (``base_eval_in_job``
+    false); with eval_every, eval_subset of them every eval_every steps and before the first step (that one is
+    the evaluation before training where there is one)."""
+    final = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
+    scored = final * (2 if run.eval_before_training and base_eval_in_job else 1)
+    if run.eval_every:
+        during = train_steps(run, train_examples) // run.eval_every + (0 if run.eval_before_training else 1)
+        scored += during * min(final, run.eval_subset or final)
+    return scored
 
 
 def largest_batch_run(run: RunSpec, train_examples: int) -> RunSpec:
