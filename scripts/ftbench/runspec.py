@@ -249,9 +249,12 @@ class RunSpec:
         name_part=lambda s: "stopattarget" if s.stop_at_target else None)
     # No name part: the run trains exactly as without it (the evaluation is off the clock and changes no weights).
     eval_before_training: bool = setting(
-        False, "evaluate the model as built before the first step, with the clock paused (its time: base_eval_time_s), on "
+        False, "evaluate the model as built before the first step, off the clock (its time: base_eval_time_s), on "
         "the final evaluation's examples (the whole eval split, or max_eval_samples of it), so base_eval_* and eval_* compare "
-        "the same examples: whether fine-tuning helped. With eval_every it is the step-0 evaluation, in place of the subset one",
+        "the same examples: whether fine-tuning helped. Scored once per starting model (results/base_eval/) and shared by "
+        "every run, experiment and re-run that starts from the same weights: full fine-tuning and LoRA of one base and "
+        "dtype share one, QLoRA's 4-bit base has its own; fsdp runs score their own. With eval_every it is the step-0 "
+        "evaluation, in place of the subset one",
         {"type": "boolean"}, "boolean")
     # A measuring knob, but part of the spec so the run records how it was measured. 0.5 s: at 0.1 s an
     # H100 run lost 3.5% of its throughput to sampling (scripts/benchmark_overhead.py); the driver averages
