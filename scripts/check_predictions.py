@@ -56,7 +56,7 @@ def outcome(sample: calibrations.Sample, model: str, kind: str, calibration: cal
     predicted_host_bound = terms["busy_share"] < calibrations.HOST_BOUND
     busy = sample.busy_share
     host_bound = busy < calibrations.HOST_BOUND if busy is not None else predicted_host_bound
-    spread = calibrations.Z95 * calibration.spread(sample.gpu["name"], predicted_host_bound)
+    spread = calibrations.Z95 * calibration.interval_sd(sample.workload, sample.gpu, terms)
     ratio = sample.step_s / terms["step_s"]  # predicted / measured tokens/s: the same tokens per step over each time
     interval = (ratio * math.exp(-spread), ratio * math.exp(spread))
     contains = interval[0] <= 1 <= interval[1]

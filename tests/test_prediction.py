@@ -209,7 +209,7 @@ def test_qlora_and_lora_host_work_by_hand(tmp_path):
     assert qlora.qlora_host_ops == pytest.approx(3 * 7 * (4.4 + 6.4))
     assert lora_gc.host_ops - lora.host_ops == pytest.approx(3 * (199 + 7 * 30.9))
     params = {**calibrations.priors().params, "compute_efficiency": 0.6, "memory_efficiency": 0.8}
-    once = step_time.step_terms(qlora, H200, params)["host_s"]
+    once = step_time.step_terms(qlora, H200, {**params, "qlora_host_factor": 1.0})["host_s"]
     twice = step_time.step_terms(qlora, H200, {**params, "qlora_host_factor": 2.0})["host_s"]
     assert twice - once == pytest.approx(params["host_op_s"] * qlora.qlora_host_ops)
 
@@ -269,6 +269,36 @@ def test_a_parameter_no_run_informs_stays_at_its_start():
     assert fitted.params["qlora_host_factor"] == pytest.approx(start["qlora_host_factor"], rel=1e-3)
 
 
+def test_a_parameter_no_run_informs_widens_the_interval_of_the_runs_that_depend_on_it(tmp_path):
+    """Calibrated on LoRA runs only, qlora_host_factor is listed uninformed and a QLoRA run's interval takes its
+    prior width (a LoRA run's does not); a calibration that saw a QLoRA run informs it and adds nothing. The list
+    survives the file; a wrong name in it is one line."""
+    models = {"small": llama(256, 4, 768, 4, 2, 8000)}
+    runs = runs_of(experiment(tmp_path, models, {"method": ["lora", "qlora"], "batch_size": [2, 8]}, {"seq_len": 512}))
+    truth = true_calibration().params_for("H200")
+    samples = {}
+    for run in runs:
+        load, _ = step_time.workload(run)
+        terms = step_time.step_terms(load, H200, truth)
+        samples[run.run_id] = (run.method, calibrations.Sample(run.run_id, load, H200, terms["step_s"], terms["busy_share"]))
+    lora_only = calibrations.fit([sample for method, sample in samples.values() if method == "lora"])
+    both = calibrations.fit([sample for _, sample in samples.values()])
+    assert "qlora_host_factor" in lora_only.uninformed and "qlora_host_factor" not in both.uninformed
+    assert "compiled_host_factor" in both.uninformed and "host_op_s" not in both.uninformed
+    qlora = next(sample for method, sample in samples.values() if method == "qlora").workload
+    lora = next(sample for method, sample in samples.values() if method == "lora").workload
+    # two runs of one tiny model leave more uninformed (attention, the overlap): the QLoRA factor adds on top
+    assert lora_only.parameter_sd(qlora, H200) > lora_only.parameter_sd(lora, H200) + 0.15
+    assert both.parameter_sd(qlora, H200) < 0.02
+    terms = step_time.step_terms(qlora, H200, lora_only.params_for("H200"))
+    assert lora_only.interval_sd(qlora, H200, terms) > lora_only.spread("H200", terms["host_share"]) + 0.1
+    calibrations.save(lora_only, tmp_path / "c.yaml")
+    assert calibrations.load(tmp_path / "c.yaml").uninformed == lora_only.uninformed
+    (tmp_path / "bad.yaml").write_text("uninformed: [qlora_factor]\n", encoding="utf-8")
+    with pytest.raises(FtbenchError, match=r"bad.yaml: uninformed: expected a list of parameter names"):
+        calibrations.load(tmp_path / "bad.yaml")
+
+
 def test_the_interval_is_the_spread_of_runs_predicted_by_fits_without_them(tmp_path):
     """held_out_spread: each run predicted by the fit of the other folds; the spread is the root mean square of
     those log residuals (no degrees-of-freedom correction: they are out of sample), by kind of run."""
@@ -281,21 +311,56 @@ def test_the_interval_is_the_spread_of_runs_predicted_by_fits_without_them(tmp_p
         samples.append(calibrations.Sample(run.run_id, load, H200, terms["step_s"] * math.exp(rng.normal(0, 0.05))))
     fitted = calibrations.fit(samples)
     spread = calibrations.held_out_spread(fitted, samples)
-    residuals = {True: [], False: []}
+    residuals = []
     for fold in range(calibrations.FOLDS):
         partial = calibrations.fit([s for s in samples if calibrations.fold_of(s.run_id) != fold])
         for sample in (s for s in samples if calibrations.fold_of(s.run_id) == fold):
             held = step_time.step_terms(sample.workload, H200, partial.params_for("H200"))["step_s"]
-            kind = step_time.step_terms(sample.workload, H200, fitted.params_for("H200"))["busy_share"] < 0.8
-            residuals[kind].append(math.log(held / sample.step_s))
-    assert len(residuals[False]) >= 3 and len(residuals[True]) >= 3
-    for kind, key in ((False, "sd_gpu_bound"), (True, "sd_host_bound")):
-        expected = max(calibrations.MIN_SD_HOST_BOUND if kind else calibrations.MIN_SD,
-                       float(np.sqrt(np.mean(np.square(residuals[kind])))))
-        assert spread.gpus["H200"][key] == pytest.approx(expected), key
+            share = step_time.step_terms(sample.workload, H200, fitted.params_for("H200"))["host_share"]
+            residuals.append((math.log(held / sample.step_s), share))
+    shares = [share for _, share in residuals]
+    assert sum(shares) >= 3 and sum(1 - share for share in shares) >= 3  # both terms estimated, not defaulted
+    expected = calibrations._term_spreads(residuals, own=False)
+    for key in ("sd_gpu_bound", "sd_host_bound"):
+        assert spread.gpus["H200"][key] == pytest.approx(expected[key]), key
     # out of sample: never narrower here than the fit's own spread of these noisy runs
     assert spread.gpus["H200"]["sd_gpu_bound"] >= fitted.gpus["H200"]["sd_gpu_bound"] * 0.9
     assert spread.params == fitted.params
+
+
+def test_the_two_spreads_are_recovered_from_runs_that_mix_them_and_an_unmeasured_host_is_not_guessed_narrow():
+    """_term_spreads: residuals drawn with sd^2 = ((1 - h) 0.04)^2 + (h 0.25)^2 over host shares h across [0, 1]
+    give back about 0.04 and 0.25; runs that leave the host almost nothing to set (the sum of h below
+    MIN_RUNS_FOR_SD) leave its spread at HOST_UNCALIBRATED_SD, however small their own residuals."""
+    rng = np.random.default_rng(0)
+    shares = rng.uniform(0, 1, 600)
+    errors = rng.normal(0, np.hypot((1 - shares) * 0.04, shares * 0.25))
+    spreads = calibrations._term_spreads(list(zip(errors, shares)), own=False)
+    assert spreads["sd_gpu_bound"] == pytest.approx(0.04, rel=0.25)
+    assert spreads["sd_host_bound"] == pytest.approx(0.25, rel=0.15)
+    gpu_bound = [(error, 0.05) for error in rng.normal(0, 0.03, 20)]  # 20 runs, 1 run's worth of host time
+    spreads = calibrations._term_spreads(gpu_bound, own=False)
+    assert spreads["sd_host_bound"] == calibrations.HOST_UNCALIBRATED_SD
+    assert spreads["sd_gpu_bound"] < 0.06
+    assert calibrations._term_spreads([], own=False) == {"sd_gpu_bound": calibrations.DEFAULT_SD,
+                                                        "sd_host_bound": calibrations.HOST_UNCALIBRATED_SD}
+
+
+def test_a_run_near_the_host_bound_line_takes_most_of_the_hosts_spread():
+    """Under the smooth combination a run at 82% GPU busy has most of its step time moving with the host's term:
+    its interval is far wider than a GPU-bound run's (a threshold at 80% busy gave it the GPU-bound one)."""
+    params = {**TRUE_GLOBAL, **TRUE_GPU["H200"], "overlap_power": 5.7}
+    for gpu_s, host_s in ((1.0, 0.2), (1.0, 1.14)):
+        load = step_time.Workload(tokens_per_step=1, samples_per_step=1, linear_flops=0, attention_flops=0,
+                                  model_flops=0, width=1, activation_bytes=0, fixed_bytes=gpu_s * 4.8e12 * TRUE_GPU["H200"]["memory_efficiency"],
+                                  comm_bytes=0, host_ops=0, kernels="eager", shape_changes=0, compute_dtype="bf16", devices=1)
+        terms = step_time.step_terms(load, H200, {**params, "host_step_s": host_s})
+        power = params["overlap_power"]
+        assert terms["host_share"] == pytest.approx(host_s**power / (terms["gpu_s"] ** power + host_s**power))
+    assert terms["busy_share"] > 0.8 and terms["host_share"] > 0.6
+    calibrated = calibrations.Calibration(dict(TRUE_GLOBAL), {"H200": {**TRUE_GPU["H200"], "sd_gpu_bound": 0.036,
+                                                                       "sd_host_bound": 0.22}})
+    assert calibrated.spread("H200", terms["host_share"]) > 3 * 0.036
 
 
 def test_the_calibration_file_round_trips_and_a_bad_one_is_one_line(tmp_path):
@@ -331,9 +396,11 @@ def test_labels_say_what_each_number_rests_on():
     assert prediction.basis("H200", calibrated) == "calibrated"
     assert prediction.basis("A100", calibrated) == "datasheet"
     assert prediction.BASES["datasheet"] == "datasheet only (uncalibrated)"
-    # the interval: the GPU model's residual spread by kind of run, or the transfer spread where uncalibrated
-    assert calibrated.spread("H200", host_bound=False) == 0.04 and calibrated.spread("H200", host_bound=True) == 0.12
-    assert calibrated.spread("A100", host_bound=False) == 0.25
+    # the interval: the GPU model's two spreads weighed by the share of the step the host sets, or the transfer
+    # spread where uncalibrated
+    assert calibrated.spread("H200", 0.0) == 0.04 and calibrated.spread("H200", 1.0) == 0.12
+    assert calibrated.spread("H200", 0.5) == pytest.approx(math.hypot(0.02, 0.06))
+    assert calibrated.spread("A100", 0.0) == calibrated.spread("A100", 1.0) == 0.25
     # an uncalibrated model takes the calibrated models' efficiencies; the user's own fit takes precedence
     assert calibrated.params_for("A100")["compute_efficiency"] == TRUE_GPU["H200"]["compute_efficiency"]
     own = calibrations.Calibration(dict(TRUE_GLOBAL), {"H200": {"compute_efficiency": 0.5, "memory_efficiency": 0.7}})

@@ -26,14 +26,31 @@ elementwise kernels' bytes (norms, casts, rotary, residual adds, SwiGLU; forward
 keeps (about 7; Liger's fused norm, rotary and SwiGLU move about 0.55 of that per kept byte); the kernel floor from
 back-to-back small kernels running one per 2-4 us on an H100; the host from a plain loop's 152 ms per step on a 134M
 Llama at batch 64 x 256 on an H100's host (about 20 us per unit of host work counted here); a 4-bit Linear's host
-work as counted on the CPU (qlora_host_factor 1). They are where a fit starts and what an uncalibrated prediction
+work from a tiny Llama timed on an H200 (scripts/count_host_ops.py --device cuda --time: its step is the host's,
+and the 4-bit Linears took 2.8 times the host time HOST_UNITS counts for them, where the variants without them came
+within 9% of their time at one rate per unit). They are where a fit starts and what an uncalibrated prediction
 uses; the shipped file holds only what runs measured.
 
-The interval of a prediction: the residual spread of the calibration's runs on that GPU model (log scale; apart for
-host-bound and GPU-bound runs, which scatter differently), at 95% (x 1.96), never below MIN_SD (MIN_SD_HOST_BOUND
-for host-bound runs). A fit's own residuals understate how well it predicts a run it did not see, so the shipped
-calibration's spread (``held_out_spread``) is that of its runs each predicted by a fit without its fold (FOLDS
-folds, a run's fold from its name): how runs like it were predicted when they were new.
+The interval of a prediction: the residual spread of the calibration's runs on that GPU model (log scale), at 95%
+(x 1.96). The GPU's terms and the host's miss by different amounts (a launch-bound run's speed scatters more from
+job to job, and the host's time per unit of work differs between models), so the spread is two figures: that of the
+GPU's terms (``sd_gpu_bound``) and that of the host's (``sd_host_bound``), and a run's interval weighs them by how
+much of its step each sets (step_time's ``host_share`` h: sd^2 = ((1 - h) sd_gpu)^2 + (h sd_host)^2, the first-order
+error of log step time when the two terms err independently). A run predicted at 82% GPU busy still has h near 0.7
+under the smooth combination, so it takes most of the host's spread: a threshold between host-bound and GPU-bound
+gave such runs the GPU-bound runs' narrow interval, which missed them by 19-25% (H200). Both figures are fitted to
+the runs' residuals by maximum likelihood with each run's h (``_term_spreads``), never below MIN_SD
+(MIN_SD_HOST_BOUND for the host's). Where the runs set fewer than MIN_RUNS_FOR_SD runs' worth of host time (the sum
+of their h), the host's spread is not measured but taken as HOST_UNCALIBRATED_SD; likewise DEFAULT_SD for the GPU's.
+A parameter none of the calibration's runs depends on (a QLoRA factor fitted without a QLoRA run, compile's and
+communication's without a compiled or multi-GPU run) keeps its starting value, and the residuals cannot say how far
+off that is: such a parameter is listed as ``uninformed`` (its runs' summed sensitivity below MIN_INFORMING), and a
+prediction that depends on it adds its prior width, through its sensitivity, to the interval (``parameter_sd``).
+Held out of the fit, the one QLoRA run came out 1.31x fast with its host spread's interval (x/ 1.2) missing it;
+its factor's prior width gives x/ 2.
+A fit's own residuals understate how well it predicts a run it did not see, so the shipped calibration's spread
+(``held_out_spread``) is that of its runs each predicted by a fit without its fold (FOLDS folds, a run's fold from
+its name): how runs like it were predicted when they were new.
 """
 
 from __future__ import annotations
@@ -69,11 +86,16 @@ GLOBAL = {
     "width_half": Param(110.0, 0.7, "log", "layer width at which matmuls reach half their large-width efficiency"),
     "gpu_op_s": Param(3e-6, 0.7, "log", "GPU seconds per kernel however little it does (launch and ramp)"),
     "host_op_s": Param(20e-6, 0.8, "log", "host seconds per unit of host work (an aten operation dispatched)"),
-    "qlora_host_factor": Param(1.0, 1.0, "log", "host work of a 4-bit Linear over what a CPU count of it sees"),
+    "qlora_host_factor": Param(2.8, 1.0, "log", "host work of a 4-bit Linear over what a CPU count of it sees"),
     "host_step_s": Param(3e-3, 1.0, "log", "host seconds per step outside the model (loop, loader, scheduler)"),
     "shape_churn_factor": Param(1.6, 0.4, "log", "host time of batches whose shape changes per step, over fixed shapes"),
     "compiled_host_factor": Param(0.25, 0.8, "log", "share of operations a compiled model still dispatches"),
     "overlap_power": Param(4.0, 0.5, "log", "p of step = (gpu^p + host^p)^(1/p): large is the plain maximum"),
+    # Host work the counts leave out, as factors on the counted work: until a run of the kind calibrates one, it
+    # stays at 1 and, uninformed, widens the interval of the runs it applies to (by x/ 2.7 at 95% for a
+    # host-bound one)
+    "fsdp_host_factor": Param(1.0, 0.5, "log", "host work of an fsdp run over its count (FSDP's hooks, gathers, reshards)"),
+    "trainer_host_factor": Param(1.0, 0.5, "log", "host work under engine hf_trainer over its count (the Trainer's own)"),
     "comm_exposed": Param(0.3, 0.8, "logit", "share of communication the backward pass does not hide"),
 }
 PER_GPU = {
@@ -88,8 +110,16 @@ MIN_SD = 0.03
 # Host-bound runs scatter more from job to job: a launch-bound 134M Llama's tokens/s varied 8-15% between jobs of
 # one configuration on an H100, so their interval is never narrower than that.
 MIN_SD_HOST_BOUND = 0.06
-DEFAULT_SD = 0.10  # a GPU model with fewer than MIN_RUNS_FOR_SD runs of a kind
+DEFAULT_SD = 0.10  # the GPU's terms, where the runs set fewer than MIN_RUNS_FOR_SD runs' worth of them
 MIN_RUNS_FOR_SD = 3
+# The host's term where no host-bound run measured it: its time per unit of host work then rests on the GPU-bound
+# runs' little host time and the prior (a plain loop on another host); between models of one H200 host it was 14-18
+# us, and a prior from an H100 host said 20: about 0.3 in log, as uncertain as a GPU known only from its datasheet.
+HOST_UNCALIBRATED_SD = 0.30
+# Summed over a calibration's runs, d log(step) / d(parameter, transformed) below this: the runs do not inform it
+# (one host-bound QLoRA run moves its step by about 0.5 per unit of log qlora_host_factor).
+MIN_INFORMING = 0.2
+SENSITIVITY_STEP = 0.01  # in the transformed space, for the numerical sensitivities
 DEFAULT_TRANSFER_SD = 0.30  # datasheet only: until a check across two GPU models measures it
 HOST_BOUND = metrics.HOST_BOUND_BUSY_SHARE  # a predicted busy share below it: host-bound, as a measured one is
 Z95 = 1.96
@@ -115,6 +145,7 @@ class Calibration:
     host: str | None = None  # the CPU the host terms were measured with
     source: str = "priors"  # where it came from (a file, or the runs it was fitted to)
     notes: tuple[str, ...] = field(default=())
+    uninformed: tuple[str, ...] = field(default=())  # global parameters no run of it informs (module docstring)
 
     def calibrated(self, gpu_name: str) -> bool:
         return gpu_name in self.gpus
@@ -126,12 +157,35 @@ class Calibration:
             own = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
         return {**self.params, **{name: own[name] for name in PER_GPU}}
 
-    def spread(self, gpu_name: str, host_bound: bool) -> float:
-        """Log-scale standard deviation of a prediction for this GPU model and kind of run."""
+    def spread(self, gpu_name: str, host_share: float) -> float:
+        """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
+        the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it."""
         own = self.gpus.get(gpu_name)
         if own is None:
             return self.transfer_sd
-        return float(own.get("sd_host_bound" if host_bound else "sd_gpu_bound") or DEFAULT_SD)
+        gpu_sd = float(own.get("sd_gpu_bound") or DEFAULT_SD)
+        host_sd = float(own.get("sd_host_bound") or HOST_UNCALIBRATED_SD)
+        return math.hypot((1 - host_share) * gpu_sd, host_share * host_sd)
+
+    def parameter_sd(self, load: step_time.Workload, gpu: dict) -> float:
+        """Log-scale sd a prediction takes from the uninformed parameters it depends on: each one's prior width
+        times the prediction's sensitivity to it (in the transformed space the prior is stated in)."""
+        params = self.params_for(gpu["name"])
+        base = step_time.step_terms(load, gpu, params, self.combine)
+        if base is None:
+            return 0.0
+        variance = 0.0
+        for name in self.uninformed:
+            param = GLOBAL[name]
+            moved = _backward(_forward(params[name], param.transform) + SENSITIVITY_STEP, param.transform)
+            step = step_time.step_terms(load, gpu, {**params, name: moved}, self.combine)["step_s"]
+            variance += (math.log(step / base["step_s"]) / SENSITIVITY_STEP * param.prior_sd) ** 2
+        return math.sqrt(variance)
+
+    def interval_sd(self, load: step_time.Workload, gpu: dict, terms: dict) -> float:
+        """The whole log-scale sd of a prediction (``terms``: its step_terms): the residual spread for its GPU
+        model and host share, and what its uninformed parameters add."""
+        return math.hypot(self.spread(gpu["name"], terms["host_share"]), self.parameter_sd(load, gpu))
 
     def over(self, base: "Calibration") -> "Calibration":
         """This calibration's GPU models (the user's own) taking precedence over ``base``'s (the shipped one)."""
@@ -145,7 +199,7 @@ def _median(values: list[float], default: float) -> float:
 def priors() -> Calibration:
     """The starting values: what a prediction rests on before any run was measured."""
     return Calibration({name: param.start for name, param in GLOBAL.items()}, {},
-                       source="starting values: no measured run, every GPU model datasheet only")
+                       source="starting values: no measured run, every GPU model datasheet only", uninformed=tuple(GLOBAL))
 
 
 # --- the file -------------------------------------------------------------------------------------------------
@@ -155,11 +209,14 @@ HEADER = """\
 # `python -m ftbench plan` predicts tokens/s, hours and dollars on every GPU of config/gpus.yaml with.
 #   parameters: the code's and the host's, shared by every GPU model (calibration.py says what each is).
 #   gpus: per GPU model measured: its efficiencies, the runs they were fitted to and the spread of those runs'
-#         residuals, each run predicted by a fit without it (log scale, apart for host-bound and GPU-bound runs):
-#         a prediction's 95% interval is x/ exp(1.96 sd).
+#         residuals, each run predicted by a fit without it (log scale): sd_gpu_bound of the GPU's terms,
+#         sd_host_bound of the host's; a prediction's sd weighs them by the share of its step the host sets, and
+#         its 95% interval is x/ exp(1.96 sd).
 #   transfer_sd: the spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
 #         efficiencies), as a check across two GPU models measured it (scripts/check_predictions.py --transfer).
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
+#   uninformed: parameters no run here depends on (they keep their starting values); a prediction that depends on
+#         one takes its prior width into its interval.
 # Written by scripts/fit_calibration.py from measured runs; a user's own results/metrics.parquet is fitted
 # over it at plan time and takes precedence for the GPU models measured there.
 """
@@ -177,10 +234,13 @@ def load(path: str | Path) -> Calibration:
     problem = _problem(data)
     if problem:
         raise FtbenchError(f"calibration {path}: {problem}")
-    params = {name: float((data.get("parameters") or {}).get(name, param.start)) for name, param in GLOBAL.items()}
+    given = data.get("parameters") or {}
+    params = {name: float(given.get(name, param.start)) for name, param in GLOBAL.items()}
+    # a parameter the file does not give (one added since it was fitted) was fitted to nothing
+    uninformed = [name for name in GLOBAL if name in (data.get("uninformed") or ()) or name not in given]
     return Calibration(params, {name: dict(entry) for name, entry in (data.get("gpus") or {}).items()},
                        data.get("combine", "smooth"), float(data.get("transfer_sd", DEFAULT_TRANSFER_SD)),
-                       data.get("host"), str(path))
+                       data.get("host"), str(path), uninformed=tuple(uninformed))
 
 
 def _problem(data) -> str | None:
@@ -201,6 +261,9 @@ def _problem(data) -> str | None:
     for where, value in values:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             return f"{where}: expected a number > 0, got {value!r}"
+    uninformed = data.get("uninformed") or []
+    if not isinstance(uninformed, list) or set(uninformed) - set(GLOBAL):
+        return f"uninformed: expected a list of parameter names ({', '.join(GLOBAL)}), got {uninformed!r}"
     if data.get("combine", "smooth") not in step_time.COMBINES:
         return f"combine: expected one of {', '.join(step_time.COMBINES)}, got {data.get('combine')!r}"
     return None
@@ -217,6 +280,7 @@ def save(calibration: Calibration, path: str | Path, measured_on: list[str] | No
         "transfer_sd": round(calibration.transfer_sd, 4),
         "parameters": {name: _rounded(value) for name, value in calibration.params.items()},
         "gpus": {name: {key: _rounded(value) for key, value in entry.items()} for name, entry in calibration.gpus.items()},
+        "uninformed": list(calibration.uninformed),
     }
     measured = "".join(f"# {line}\n" for line in measured_on or [])
     atomic.write_text(path, measured + HEADER + yaml.safe_dump(body, sort_keys=False, width=120))
@@ -289,7 +353,23 @@ def fit(samples: list[Sample], start: Calibration | None = None, combine: str | 
     shared, gpus = layout.params(vector)
     entries = {name: {**gpus[name], **_spread([s for s in samples if s.gpu["name"] == name], shared, gpus[name], combine)}
                for name in gpu_names}
-    return Calibration(shared, entries, combine, start.transfer_sd, host or start.host, source)
+    informing = _informing(samples, shared, gpus, combine)
+    uninformed = tuple(name for name in start.uninformed if informing[name] < MIN_INFORMING)
+    return Calibration(shared, entries, combine, start.transfer_sd, host or start.host, source, uninformed=uninformed)
+
+
+def _informing(samples: list[Sample], shared: dict, gpus: dict, combine: str) -> dict[str, float]:
+    """Per global parameter, how much the runs' step times move with it: the sum over runs of
+    |d log(step) / d(parameter, transformed)|."""
+    totals = dict.fromkeys(GLOBAL, 0.0)
+    for sample in samples:
+        params = {**shared, **gpus[sample.gpu["name"]]}
+        base = step_time.step_terms(sample.workload, sample.gpu, params, combine)["step_s"]
+        for name, param in GLOBAL.items():
+            moved = _backward(_forward(params[name], param.transform) + SENSITIVITY_STEP, param.transform)
+            step = step_time.step_terms(sample.workload, sample.gpu, {**params, name: moved}, combine)["step_s"]
+            totals[name] += abs(math.log(step / base)) / SENSITIVITY_STEP
+    return totals
 
 
 def _levenberg_marquardt(residuals, vector: np.ndarray, iterations: int) -> np.ndarray:
@@ -332,7 +412,7 @@ def held_out_spread(fitted: Calibration, samples: list[Sample], start: Calibrati
     """``fitted`` (the fit of ``samples``) with each GPU model's residual spread replaced by that of its runs each
     predicted by a fit of the other folds (floors as for a fit's own; host-bound or not as ``fitted`` predicts
     them). A fold whose runs leave no other run of its GPU model leaves those runs out."""
-    residuals: dict[str, dict[bool, list[float]]] = {}
+    residuals: dict[str, list[tuple[float, float]]] = {}
     for fold in range(folds):
         train = [s for s in samples if fold_of(s.run_id, folds) != fold]
         test = [s for s in samples if fold_of(s.run_id, folds) == fold]
@@ -342,33 +422,47 @@ def held_out_spread(fitted: Calibration, samples: list[Sample], start: Calibrati
         for sample in (s for s in test if s.gpu["name"] in partial.gpus):
             name = sample.gpu["name"]
             held = step_time.step_terms(sample.workload, sample.gpu, partial.params_for(name), fitted.combine)
-            kind = step_time.step_terms(sample.workload, sample.gpu, fitted.params_for(name), fitted.combine)
-            residuals.setdefault(name, {True: [], False: []})[kind["busy_share"] < HOST_BOUND].append(
-                math.log(held["step_s"] / sample.step_s))
+            share = step_time.step_terms(sample.workload, sample.gpu, fitted.params_for(name), fitted.combine)["host_share"]
+            residuals.setdefault(name, []).append((math.log(held["step_s"] / sample.step_s), share))
     gpus = {}
     for name, entry in fitted.gpus.items():
-        kinds = residuals.get(name, {True: [], False: []})
-        gpus[name] = {**entry, "sd_gpu_bound": _sd(kinds[False], own=False),
-                      "sd_host_bound": max(MIN_SD_HOST_BOUND, _sd(kinds[True] or kinds[False], own=False)),
-                      "spread": f"held out: {folds} folds"}
+        gpus[name] = {**entry, **_term_spreads(residuals.get(name, []), own=False), "spread": f"held out: {folds} folds"}
     return replace(fitted, gpus=gpus)
 
 
 def _spread(samples: list[Sample], shared: dict, gpu_params: dict, combine: str) -> dict:
-    """The runs of one GPU model and the spread of their log residuals, host-bound and GPU-bound apart."""
-    kinds: dict[bool, list[float]] = {True: [], False: []}
+    """The runs of one GPU model and the spread of their log residuals (``_term_spreads``)."""
+    residuals, host_bound = [], 0
     for sample in samples:
         terms = step_time.step_terms(sample.workload, sample.gpu, {**shared, **gpu_params}, combine)
-        kinds[terms["busy_share"] < HOST_BOUND].append(math.log(terms["step_s"] / sample.step_s))
+        residuals.append((math.log(terms["step_s"] / sample.step_s), terms["host_share"]))
+        host_bound += terms["busy_share"] < HOST_BOUND
     device_names = sorted({sample.gpu.get("device_name", "") for sample in samples} - {""})
-    return {"runs": len(samples), "host_bound_runs": len(kinds[True]),
-            "sd_gpu_bound": _sd(kinds[False]), "sd_host_bound": max(MIN_SD_HOST_BOUND, _sd(kinds[True] or kinds[False])),
+    return {"runs": len(samples), "host_bound_runs": host_bound, **_term_spreads(residuals),
             **({"device_name": device_names[0]} if device_names else {})}
 
 
-def _sd(residuals: list[float], own: bool = True) -> float:
-    """Root mean square of log residuals; of a fit's ``own`` runs with n / (n - 1) for what the fit absorbed."""
-    if len(residuals) < MIN_RUNS_FOR_SD:
-        return DEFAULT_SD
-    correction = len(residuals) / (len(residuals) - 1) if own else 1.0
-    return max(MIN_SD, float(np.sqrt(np.mean(np.square(residuals)) * correction)))
+SD_GRID = np.exp(np.linspace(math.log(0.005), math.log(2.0), 121))  # where the likelihood is searched
+
+
+def _term_spreads(residuals: list[tuple[float, float]], own: bool = True) -> dict:
+    """sd_gpu_bound and sd_host_bound from (log residual, host_share) pairs: the pair that makes the residuals
+    likeliest when each is normal with sd^2 = ((1 - h) sd_gpu)^2 + (h sd_host)^2 (the module's docstring). A term
+    the runs set less than MIN_RUNS_FOR_SD runs' worth of (the sum of 1 - h, of h) is not estimated: DEFAULT_SD,
+    HOST_UNCALIBRATED_SD. A fit's ``own`` residuals are scaled by n / (n - 1) for what the fit absorbed."""
+    errors = np.array([residual for residual, _ in residuals], dtype=float)
+    shares = np.array([share for _, share in residuals], dtype=float)
+    gpu_grid = SD_GRID if np.sum(1 - shares) >= MIN_RUNS_FOR_SD else np.array([DEFAULT_SD])
+    host_grid = SD_GRID if np.sum(shares) >= MIN_RUNS_FOR_SD else np.array([HOST_UNCALIBRATED_SD])
+    gpu_sd, host_sd = gpu_grid[0], host_grid[0]
+    if errors.size and (gpu_grid.size > 1 or host_grid.size > 1):
+        variance = (np.square(gpu_grid[:, None, None] * (1 - shares)) + np.square(host_grid[None, :, None] * shares)
+                    + 1e-12)
+        likelihood = -0.5 * np.sum(np.log(variance) + np.square(errors) / variance, axis=2)
+        best_gpu, best_host = np.unravel_index(np.argmax(likelihood), likelihood.shape)
+        correction = math.sqrt(errors.size / (errors.size - 1)) if own and errors.size > 1 else 1.0
+        if gpu_grid.size > 1:
+            gpu_sd = gpu_grid[best_gpu] * correction
+        if host_grid.size > 1:
+            host_sd = host_grid[best_host] * correction
+    return {"sd_gpu_bound": max(MIN_SD, float(gpu_sd)), "sd_host_bound": max(MIN_SD_HOST_BOUND, float(host_sd))}

@@ -9,8 +9,9 @@ A pure function of the run's settings, its model's config, a GPU's row of config
 - calibrated on this GPU model: the calibration holds runs measured on it (the user's own take precedence);
 - datasheet only (uncalibrated): its datasheet peak and bandwidth with the calibrated models' efficiencies, and a
   wider interval (the calibration's ``transfer_sd``).
-The interval is the calibration's residual spread for the GPU model and the run's kind (host-bound or not), so
-it says how well runs like it were predicted, not how noisy the run itself will be.
+The interval is the calibration's residual spread for the GPU model, its GPU's and host's parts weighed by how much
+of the run's step each sets, so it says how well runs like it were predicted, not how noisy the run itself will be;
+a parameter no run of the calibration informs widens it by its prior width (calibration.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def predict_on(load: step_time.Workload, gpu: dict, calibration: calibrations.Ca
     if terms is None:
         return None
     host_bound = terms["busy_share"] < calibrations.HOST_BOUND
-    spread = calibration.spread(gpu["name"], host_bound) * calibrations.Z95
+    spread = calibration.interval_sd(load, gpu, terms) * calibrations.Z95
     rate = terms["tokens_per_s"]
     return {"gpu": gpu["name"], "tokens_per_s": rate, "tokens_per_s_low": rate * math.exp(-spread),
             "tokens_per_s_high": rate * math.exp(spread), "step_s": terms["step_s"], "busy_share": terms["busy_share"],

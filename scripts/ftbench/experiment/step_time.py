@@ -35,7 +35,8 @@ The terms, per device and optimizer step:
   per unit of host work (``HOST_UNITS``: the aten operations a step dispatches plus PY_CALL_UNITS per Python call,
   counted per block, per adapted or 4-bit Linear, per autocast cast, and for checkpointing's recomputation, on a
   tiny model of each structure by scripts/count_host_ops.py; per optimizer tensor). torch.compile dispatches
-  ``compiled_host_factor`` of them.
+  ``compiled_host_factor`` of them; FSDP's hooks and the Trainer's own work, which the counts leave out, scale them by
+  ``fsdp_host_factor`` and ``trainer_host_factor`` (1 until a run of the kind calibrates one).
   Batches whose shape changes from step to step cost ``shape_churn_factor`` times the host time of fixed shapes, in
   proportion to the share of steps whose shape changes (drawn from the data, or read from a measured run's steps)
   (new shapes miss the caches of the allocator and the kernel selection: a plain loop on a 134M Llama took 152 ms
@@ -155,6 +156,7 @@ class Workload:
     loss_bytes: float = 0.0  # the loss's traffic over the logits per device per step (LOSS_BYTES)
     kernel_ops: float = 0.0  # kernels one device runs per step (the kernel floor)
     qlora_host_ops: float = 0.0  # units of host work of the 4-bit Linears per step (qlora_host_factor scales them)
+    host_scales: tuple[str, ...] = ()  # factors on the host work for what the counts leave out (fsdp_host_factor, ...)
 
 
 def full_rows(run: RunSpec, row: int) -> BatchShape:
@@ -359,7 +361,14 @@ def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.Model
         comm_bytes=comm_bytes(run, facts, recipe), host_ops=units, kernels=kernels, shape_changes=shape.changes,
         compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])),
         loss_bytes=logits * LOSS_BYTES[(kernels, recipe.compute_dtype != "fp32")], kernel_ops=launched,
-        qlora_host_ops=qlora_units)
+        qlora_host_ops=qlora_units, host_scales=host_scales(run))
+
+
+def host_scales(run: RunSpec) -> tuple[str, ...]:
+    """The calibration's factors on the run's host work for what HOST_UNITS does not count: FSDP's per-block hooks,
+    gathers and reshards; the Trainer's own per-step work."""
+    return tuple(name for name, applies in (("fsdp_host_factor", run.parallel == "fsdp"),
+                                            ("trainer_host_factor", run.engine == "hf_trainer")) if applies)
 
 
 def setup_notes(run: RunSpec) -> list[str]:
@@ -370,9 +379,11 @@ def setup_notes(run: RunSpec) -> list[str]:
     if run.parallel == "fsdp" and run.fsdp_cpu_offload:
         notes.append("CPU offload's host transfers and CPU optimizer are not modelled")
     if run.parallel == "fsdp":
-        notes.append("FSDP's own host work per block (its hooks, gathers and reshards) is not modelled")
+        notes.append("FSDP's own host work per block (its hooks, gathers and reshards) is not counted: "
+                     "fsdp_host_factor scales the counted work, and widens the interval until an fsdp run calibrates it")
     if run.engine == "hf_trainer":
-        notes.append("engine hf_trainer predicted as ftbench's loop (the Trainer's own per-step work not modelled)")
+        notes.append("engine hf_trainer counted as ftbench's loop: trainer_host_factor scales that for the Trainer's "
+                     "own per-step work, and widens the interval until an hf_trainer run calibrates it")
     return notes
 
 
@@ -517,20 +528,25 @@ def step_terms(load: Workload, gpu: dict, params: dict, combine: str = "smooth")
     link = gpu.get("interconnect_gbs")
     comm = params["comm_exposed"] * load.comm_bytes / (link * 1e9) if load.comm_bytes and link else 0.0
     dispatched = params["compiled_host_factor"] if load.kernels == "compiled" else 1.0
-    units = load.host_ops + params["qlora_host_factor"] * load.qlora_host_ops
+    units = (load.host_ops + params["qlora_host_factor"] * load.qlora_host_ops) * math.prod(
+        params[name] for name in load.host_scales)
     host = params["host_step_s"] + params["host_op_s"] * units * dispatched * (
         1 + (params["shape_churn_factor"] - 1) * load.shape_changes)
     launches = params["gpu_op_s"] * load.kernel_ops * dispatched
     gpu_s = compute + memory + comm + launches
-    if combine == "sum":
+    if combine in ("sum", "roofline"):
+        if combine == "roofline":
+            gpu_s = max(compute, memory) + comm + launches
         step = gpu_s + host
-    elif combine == "roofline":
-        gpu_s = max(compute, memory) + comm + launches
-        step = gpu_s + host
+        host_share = host / step
     else:
         power, longer = params["overlap_power"], max(gpu_s, host)  # scaled by the longer: no underflow at large p
-        step = longer * ((gpu_s / longer) ** power + (host / longer) ** power) ** (1 / power)
+        gpu_part, host_part = (gpu_s / longer) ** power, (host / longer) ** power
+        step = longer * (gpu_part + host_part) ** (1 / power)
+        host_share = host_part / (gpu_part + host_part)
+    # host_share: d log(step) / d log(host), how much of the step's time moves with the host term (the rest moves
+    # with the GPU's): what weighs the two kinds of residual spread in a prediction's interval (calibration.py)
     return {"step_s": step, "compute_s": compute, "memory_s": memory, "comm_s": comm, "launch_s": launches,
-            "gpu_s": gpu_s, "host_s": host,
+            "gpu_s": gpu_s, "host_s": host, "host_share": host_share,
             "busy_share": min(1.0, gpu_s / step), "tokens_per_s": load.tokens_per_step / step,
             "mfu": load.model_flops / step / (peak * 1e12 * load.devices)}
