@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ftbench.experiment import step_time
+from ftbench.experiment import memory_plan, step_time
 from ftbench.runspec import RunSpec
 from ftbench.train import modeling
 from ftbench.train.devices import autocast_args
@@ -185,6 +185,32 @@ def cpu_times(variants: list[str], repeats: int, device: torch.device) -> None:
           f"(a call is {per_call / per_op:.3f} operations)")
     for (name, *_), seconds, fitted in zip(rows, measured, design @ [per_op, per_call]):
         print(f"  {name:<28} {seconds * 1e3:7.1f} ms measured, {fitted * 1e3:7.1f} ms fitted ({fitted / seconds:.2f})")
+    model_units(dict(zip([row[0] for row in rows], measured)))
+
+
+def model_units(seconds: dict[str, float]) -> None:
+    """The step-time model's host term against the timed variants: seconds per unit of host work as
+    step_time.step_ops counts the tiny model (HOST_UNITS), fitted to the variants without 4-bit Linears, each
+    variant's time at that rate, and the 4-bit Linears' host time over what HOST_UNITS counts for them: on a GPU,
+    where the tiny model's step is the host's, the figure qlora_host_factor stands for (calibration.py)."""
+    units = {}
+    for name in seconds:
+        architecture, settings = VARIANTS[name]
+        spec = spec_of(architecture, settings, DEPTHS[0])
+        config_settings, _ = memory_plan.config_settings(spec)
+        counts = step_time.matmul_counts(config_settings, spec, False, 2)
+        units[name] = step_time.step_ops(spec, counts, 8)[:2]  # (units, of them the 4-bit Linears')
+    plain = [name for name in seconds if not units[name][1]]
+    if not plain:
+        return
+    total = np.array([units[name][0] for name in plain])
+    per_unit = float(total @ np.array([seconds[name] for name in plain]) / (total @ total))
+    print(f"HOST_UNITS: {per_unit * 1e6:.2f} us per unit of host work")
+    for name in plain:
+        print(f"  {name:<28} {per_unit * units[name][0] / seconds[name]:.2f} of its measured time")
+    for name in (name for name in seconds if units[name][1]):
+        factor = (seconds[name] - per_unit * units[name][0]) / (per_unit * units[name][1])
+        print(f"  {name:<28} 4-bit Linears' host time over their HOST_UNITS count: {factor:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -161,7 +161,9 @@ def build_model(spec: RunSpec, num_labels: int | None, device: torch.device, pad
         # bitsandbytes quantises while loading, onto the device it loads to.
         quantised = {
             "quantization_config": _bnb_config(spec),
-            "device_map": {"": device.index if device.type == "cuda" else "cpu"},
+            # a bare "cuda" is the current GPU (transformers takes a device map's None for no device at all)
+            "device_map": {"": (torch.cuda.current_device() if device.index is None else device.index)
+                           if device.type == "cuda" else "cpu"},
         }
     if spec.model_def["source"]["kind"] == "config":
         model = _model_from_config(spec, family, kwargs, quantised, device, vocab_size)
