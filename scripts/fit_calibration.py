@@ -46,6 +46,12 @@ def measured_on(measured: list[prediction.MeasuredRun], tables: list[str], exper
     def values(column: str) -> str:
         return ", ".join(sorted({str(item.row.get(column)) for item in measured if item.row.get(column)})) or "?"
     made = f"the runs of {experiment}" if experiment else f"the runs of {', '.join(tables)}"
+    runs_per_config: dict[str, int] = {}
+    for item in measured:
+        runs_per_config[item.run.run_id] = runs_per_config.get(item.run.run_id, 0) + 1
+    if len(tables) > 1:  # several invocations: say how the runs stand to the configurations
+        again = sum(count > 1 for count in runs_per_config.values())
+        made += f" ({len(runs_per_config)} configurations in {len(tables)} invocations, {again} of them measured more than once)"
     software = ", ".join(f"{name} {values(column)}" for name, column in SOFTWARE)
     lines = textwrap.wrap(f"Fitted to {len(measured)} finished GPU runs: {made}, measured on {values('device_name')} "
                           f"(driver {values('gpu_driver')}, CUDA {values('cuda_version')}), {software}, host CPU "
