@@ -287,7 +287,7 @@ def plan_heading(calibration: calibrations.Calibration, prices: cost.Prices, bud
             f" x {budget.get('epochs') or 1} epochs")
     return (f"speed and cost per GPU ({what}; training steps only, no evaluation or start-up; prices {prices.label} "
             f"from {prices.table_path}; calibration {calibration.source}, calibrated on: {calibrated}; "
-            f"[95%]: the calibration's residual spread)")
+            f"[95%]: the calibration's residual spread, wider where it rests on a parameter no run calibrated)")
 
 
 # --- the report's section -------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ SECTION_COLUMNS = {
                 "datasheet only (uncalibrated): the datasheet's peak and bandwidth, with the calibrated GPUs' efficiencies",
     "measured tokens/s": "measured real tokens per second (median of its repeats), where it ran on this GPU model",
     "predicted tokens/s": "the step-time model's tokens per second before training (compute, memory traffic, host)",
-    "predicted 95%": "95% interval of the prediction: the calibration's residual spread for this GPU model and kind of run",
+    "predicted 95%": "95% interval of the prediction: the calibration's residual spread for this GPU model, weighed by how much of the step the host sets, wider where a parameter no run calibrated counts",
     "measured / predicted": "how the prediction fared where it was measured",
     "GPU busy": "share of the step the GPU runs kernels: measured (NVML) where measured, else predicted",
     "host-bound": "GPU busy below 0.8: the host's launches set the speed, so on a faster host or with compile this "
