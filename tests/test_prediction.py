@@ -212,6 +212,15 @@ def test_qlora_and_lora_host_work_by_hand(tmp_path):
     once = step_time.step_terms(qlora, H200, {**params, "qlora_host_factor": 1.0})["host_s"]
     twice = step_time.step_terms(qlora, H200, {**params, "qlora_host_factor": 2.0})["host_s"]
     assert twice - once == pytest.approx(params["host_op_s"] * qlora.qlora_host_ops)
+    # the 4-bit Linears' matmuls: forward and input gradient (4 FLOPs per weight and position; no weight gradient)
+    # over the 3 blocks' 7 base Linears, 2 x 64 positions; qlora_matmul_ratio scales their time and nothing else
+    block_weights = 3 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)  # q, o 256x256; k, v 256x128; MLP 256x512
+    assert qlora.quantised_flops == pytest.approx(2 * 64 * 4 * block_weights)
+    assert lora.quantised_flops == 0
+    plain, slower = (step_time.step_terms(qlora, H200, {**params, "qlora_matmul_ratio": ratio}) for ratio in (1.0, 1.5))
+    matmul = params["compute_efficiency"] / (1 + params["width_half"] / 256)
+    assert slower["compute_s"] - plain["compute_s"] == pytest.approx(0.5 * qlora.quantised_flops / (989.4e12 * matmul))
+    assert slower["memory_s"] == plain["memory_s"] and slower["host_s"] == plain["host_s"]
 
 
 # ---------------------------------------------------------------------------------------------------

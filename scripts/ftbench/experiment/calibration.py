@@ -87,6 +87,7 @@ GLOBAL = {
     "gpu_op_s": Param(3e-6, 0.7, "log", "GPU seconds per kernel however little it does (launch and ramp)"),
     "host_op_s": Param(20e-6, 0.8, "log", "host seconds per unit of host work (an aten operation dispatched)"),
     "qlora_host_factor": Param(2.8, 1.0, "log", "host work of a 4-bit Linear over what a CPU count of it sees"),
+    "qlora_matmul_ratio": Param(1.0, 0.3, "log", "a 4-bit Linear's matmul time over a 16-bit one's (dequantise, then multiply)"),
     "host_step_s": Param(3e-3, 1.0, "log", "host seconds per step outside the model (loop, loader, scheduler)"),
     "shape_churn_factor": Param(1.6, 0.4, "log", "host time of batches whose shape changes per step, over fixed shapes"),
     "compiled_host_factor": Param(0.25, 0.8, "log", "share of operations a compiled model still dispatches"),

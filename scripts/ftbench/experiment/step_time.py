@@ -8,7 +8,9 @@ The terms, per device and optimizer step:
   computes, padding included, plus the forward pass gradient checkpointing recomputes) over the dense peak of the
   run's compute dtype (``recipe.compute_dtype``) times an efficiency. Matmul efficiency rises with the width of the
   layers (``compute_efficiency / (1 + width_half / width)``: small matmuls fill fewer of the GPU's units); fused
-  attention runs at ``attention_ratio`` of the matmuls' efficiency.
+  attention runs at ``attention_ratio`` of the matmuls' efficiency; QLoRA's 4-bit Linears, which dequantise their
+  weight before each matmul, take ``qlora_matmul_ratio`` times a 16-bit matmul's time (GPU-bound QLoRA runs came out
+  3-10% fast without it, H200).
 - memory traffic: what the kernels that are not matmuls read and write, over the memory bandwidth times an
   efficiency. Counted in bytes from the recipe (recipe.py): the optimizer update (parameters, gradients, moments in
   their dtypes), the gradients written per micro-batch, autocast's 16-bit copies of fp32 weights, QLoRA's
@@ -157,6 +159,7 @@ class Workload:
     kernel_ops: float = 0.0  # kernels one device runs per step (the kernel floor)
     qlora_host_ops: float = 0.0  # units of host work of the 4-bit Linears per step (qlora_host_factor scales them)
     host_scales: tuple[str, ...] = ()  # factors on the host work for what the counts leave out (fsdp_host_factor, ...)
+    quantised_flops: float = 0.0  # of linear_flops, the 4-bit Linears' (qlora_matmul_ratio scales their time)
 
 
 def full_rows(run: RunSpec, row: int) -> BatchShape:
@@ -221,6 +224,7 @@ class MatmulCounts:
     width: int
     adapted: tuple[tuple[int, int], ...]  # (fan_in, fan_out) of one block's adapted Linears
     quantised_linears: int  # 4-bit Linears of the whole model (QLoRA)
+    quantised_weights: int  # of per_token, the weights of those 4-bit Linears (QLoRA's frozen base)
     block_linears: int  # Linears per block
     gated: bool
 
@@ -243,7 +247,8 @@ def matmul_counts(settings: dict, run: RunSpec, classifier: bool, num_labels: in
         per_token=layers * block + head, per_token_trainable=layers * block + head if full else layers * adapters, head=head,
         pooled=classifier_head + pooler, pooled_trainable=classifier_head + (pooler if full else 0),
         layers=layers, width=width, adapted=adapted,
-        quantised_linears=layers * len(linears) if run.method == "qlora" else 0, block_linears=len(linears),
+        quantised_linears=layers * len(linears) if run.method == "qlora" else 0,
+        quantised_weights=layers * (block - adapters) if run.method == "qlora" else 0, block_linears=len(linears),
         gated=model_shape.gated(settings))
 
 
@@ -348,6 +353,8 @@ def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.Model
     linear = micro * (per_token_flops(counts, full) * shape.positions + pooled_flops(counts, full) * shape.rows
                       + recompute * 2 * counts.per_token * shape.positions)
     attention = micro * 12 * counts.layers * counts.width * shape.computed_square * (1 + recompute / 3)
+    # the frozen 4-bit weights: forward and input-gradient matmuls (no weight gradient), and the recomputed forward
+    quantised = micro * shape.positions * (4 + 2 * recompute) * counts.quantised_weights
     modelled = devices * micro * model_flops(counts, full, shape.tokens, shape.real_square, shape.rows)
     recipe = recipe_of(run)
     kernels = "compiled" if run.compile else ("liger" if run.kernels == "liger" else "eager")
@@ -361,7 +368,7 @@ def workload_of(run: RunSpec, counts: MatmulCounts, facts: memory_estimate.Model
         comm_bytes=comm_bytes(run, facts, recipe), host_ops=units, kernels=kernels, shape_changes=shape.changes,
         compute_dtype=recipe.compute_dtype, devices=devices, notes=tuple(filter(None, [shape.note, *setup_notes(run)])),
         loss_bytes=logits * LOSS_BYTES[(kernels, recipe.compute_dtype != "fp32")], kernel_ops=launched,
-        qlora_host_ops=qlora_units, host_scales=host_scales(run))
+        qlora_host_ops=qlora_units, host_scales=host_scales(run), quantised_flops=quantised)
 
 
 def host_scales(run: RunSpec) -> tuple[str, ...]:
@@ -520,7 +527,8 @@ def step_terms(load: Workload, gpu: dict, params: dict, combine: str = "smooth")
         return None
     efficiency = params["compute_efficiency"]
     matmul = efficiency / (1 + params["width_half"] / max(load.width, 1))
-    compute = (load.linear_flops / (peak * 1e12 * matmul)
+    linear = load.linear_flops + (params["qlora_matmul_ratio"] - 1) * load.quantised_flops
+    compute = (linear / (peak * 1e12 * matmul)
                + load.attention_flops / (peak * 1e12 * efficiency * params["attention_ratio"]))
     ratio = 1.0 if load.kernels == "eager" else params[f"{load.kernels}_traffic_ratio"]
     traffic = params["traffic_eager"] * ratio * load.activation_bytes + load.fixed_bytes + load.loss_bytes
