@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ftbench.experiment import memory_plan, step_time
+from ftbench.experiment import step_time
 from ftbench.runspec import RunSpec
 from ftbench.train import modeling
 from ftbench.train.devices import autocast_args
@@ -195,11 +195,8 @@ def model_units(seconds: dict[str, float]) -> None:
     where the tiny model's step is the host's, the figure qlora_host_factor stands for (calibration.py)."""
     units = {}
     for name in seconds:
-        architecture, settings = VARIANTS[name]
-        spec = spec_of(architecture, settings, DEPTHS[0])
-        config_settings, _ = memory_plan.config_settings(spec)
-        counts = step_time.matmul_counts(config_settings, spec, False, 2)
-        units[name] = step_time.step_ops(spec, counts, 8)[:2]  # (units, of them the 4-bit Linears')
+        load, _ = step_time.workload(spec_of(*VARIANTS[name], DEPTHS[0]))
+        units[name] = (load.host_ops, load.qlora_host_ops)
     plain = [name for name in seconds if not units[name][1]]
     if not plain:
         return

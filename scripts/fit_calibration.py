@@ -17,6 +17,7 @@ How well it predicts runs it did not see: scripts/check_predictions.py.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import math
 import sys
@@ -46,10 +47,8 @@ def measured_on(measured: list[prediction.MeasuredRun], tables: list[str], exper
     def values(column: str) -> str:
         return ", ".join(sorted({str(item.row.get(column)) for item in measured if item.row.get(column)})) or "?"
     made = f"the runs of {experiment}" if experiment else f"the runs of {', '.join(tables)}"
-    runs_per_config: dict[str, int] = {}
-    for item in measured:
-        runs_per_config[item.run.run_id] = runs_per_config.get(item.run.run_id, 0) + 1
     if len(tables) > 1:  # several invocations: say how the runs stand to the configurations
+        runs_per_config = collections.Counter(item.run.run_id for item in measured)
         again = sum(count > 1 for count in runs_per_config.values())
         made += f" ({len(runs_per_config)} configurations in {len(tables)} invocations, {again} of them measured more than once)"
     software = ", ".join(f"{name} {values(column)}" for name, column in SOFTWARE)

@@ -172,16 +172,10 @@ class Calibration:
         """Log-scale sd a prediction takes from the uninformed parameters it depends on: each one's prior width
         times the prediction's sensitivity to it (in the transformed space the prior is stated in)."""
         params = self.params_for(gpu["name"])
-        base = step_time.step_terms(load, gpu, params, self.combine)
-        if base is None:
+        if step_time.step_terms(load, gpu, params, self.combine) is None:
             return 0.0
-        variance = 0.0
-        for name in self.uninformed:
-            param = GLOBAL[name]
-            moved = _backward(_forward(params[name], param.transform) + SENSITIVITY_STEP, param.transform)
-            step = step_time.step_terms(load, gpu, {**params, name: moved}, self.combine)["step_s"]
-            variance += (math.log(step / base["step_s"]) / SENSITIVITY_STEP * param.prior_sd) ** 2
-        return math.sqrt(variance)
+        return math.sqrt(sum((_sensitivity(load, gpu, params, name, self.combine) * GLOBAL[name].prior_sd) ** 2
+                             for name in self.uninformed))
 
     def interval_sd(self, load: step_time.Workload, gpu: dict, terms: dict) -> float:
         """The whole log-scale sd of a prediction (``terms``: its step_terms): the residual spread for its GPU
@@ -365,12 +359,18 @@ def _informing(samples: list[Sample], shared: dict, gpus: dict, combine: str) ->
     totals = dict.fromkeys(GLOBAL, 0.0)
     for sample in samples:
         params = {**shared, **gpus[sample.gpu["name"]]}
-        base = step_time.step_terms(sample.workload, sample.gpu, params, combine)["step_s"]
-        for name, param in GLOBAL.items():
-            moved = _backward(_forward(params[name], param.transform) + SENSITIVITY_STEP, param.transform)
-            step = step_time.step_terms(sample.workload, sample.gpu, {**params, name: moved}, combine)["step_s"]
-            totals[name] += abs(math.log(step / base)) / SENSITIVITY_STEP
+        for name in GLOBAL:
+            totals[name] += abs(_sensitivity(sample.workload, sample.gpu, params, name, combine))
     return totals
+
+
+def _sensitivity(load: step_time.Workload, gpu: dict, params: dict, name: str, combine: str) -> float:
+    """d log(step) / d(global parameter ``name``, in the transformed space its prior is stated in), numerically."""
+    param = GLOBAL[name]
+    moved = _backward(_forward(params[name], param.transform) + SENSITIVITY_STEP, param.transform)
+    base = step_time.step_terms(load, gpu, params, combine)["step_s"]
+    step = step_time.step_terms(load, gpu, {**params, name: moved}, combine)["step_s"]
+    return math.log(step / base) / SENSITIVITY_STEP
 
 
 def _levenberg_marquardt(residuals, vector: np.ndarray, iterations: int) -> np.ndarray:
