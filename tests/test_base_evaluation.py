@@ -50,6 +50,19 @@ def test_the_base_evaluation_is_due_before_the_first_step_with_or_without_eval_e
     assert during(True).figures() == {} and during(True).paused_s == 0.0
 
 
+@pytest.mark.parametrize("steps, every", [(40, 10), (45, 10), (62, 10), (6, 5), (7, 2)])
+@pytest.mark.parametrize("before_training", [False, True])
+def test_the_walltime_counts_the_subset_evaluations_the_trainer_schedules(steps, every, before_training):
+    """cluster.resources asks for time for each subset evaluation DuringTraining.due schedules: the steps before
+    which it evaluates, less step 0's where that is the evaluation before training (counted apart)."""
+    from ftbench.cluster import resources
+
+    scheduled = [s for s in range(steps) if during(before_training, every=every).due(s, steps)]
+    subsets = len(scheduled) - (1 if before_training else 0)
+    run = SimpleNamespace(eval_every=every, eval_before_training=before_training, planned_steps=lambda examples: steps)
+    assert resources.evaluations_between_steps(run, 10_000) == subsets
+
+
 def test_the_base_evaluation_s_memory_peak_is_not_left_to_training():
     """The peaks are reset after it: a forward pass at eval_batch_size must not become training's peak_rss_mb."""
     import numpy as np

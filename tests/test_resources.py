@@ -155,17 +155,33 @@ def test_the_evaluation_before_training_is_a_second_eval_pass_in_the_time_asked_
     assert shared == once
 
 
-def test_evaluations_during_training_are_in_the_time_asked_for(representative_runs):
-    """eval_every scores eval_subset examples every N steps and before the first: a job with 40 steps and
-    eval_every 10 scores 5 subsets (4 with the evaluation before training standing in for the first)."""
-    run = representative_runs[2]["cpu"].replace(max_steps=40, eval_before_training=False, max_eval_samples=500)
-    examples = run.dataset_def.get("train_size", resources.DEFAULT_TRAIN_EXAMPLES)
-    assert resources.eval_examples_scored(run, examples) == 500
-    every = run.replace(eval_every=10, eval_subset=100)
-    assert resources.eval_examples_scored(every, examples) == 500 + 5 * 100
-    assert resources.eval_examples_scored(every.replace(eval_before_training=True), examples) == 2 * 500 + 4 * 100
-    assert resources.eval_examples_scored(every.replace(eval_before_training=True), examples, base_eval_in_job=False) == 500 + 4 * 100
-    assert resources.train_compute_seconds(every, on_gpu=False) > resources.train_compute_seconds(run, on_gpu=False)
+# BERT_SMALL's parameters by the estimate's formula (test_model_params_from_the_config_a_model_is_read_from).
+BERT_SMALL_PARAMS = 6 * (4 * 384**2 + 3 * 384 * 1536) + 30522 * 384
+
+
+@pytest.mark.parametrize("steps, before_training, evaluations", [
+    # The trainer evaluates before steps 0, 10, 20, 30 of 40 (the final evaluation follows step 39, so none at 40).
+    (40, False, 4),
+    (40, True, 3),  # step 0's is the evaluation before training, on the whole split: counted apart
+    # 45 steps: before 0, 10, 20, 30 and 40, five steps before the final evaluation.
+    (45, False, 5),
+    (45, True, 4),
+])
+def test_evaluations_during_training_are_in_the_time_asked_for(representative_runs, steps, before_training, evaluations):
+    """eval_every 10 scores eval_subset examples before each step the trainer evaluates at (hand-counted above;
+    the trainer's own schedule: test_base_evaluation's test of evaluations_between_steps), and the walltime asks
+    for those examples' forward passes: 2 FLOPs per parameter per token at the CPU rate, twice over (the margin)."""
+    run = representative_runs[2]["cpu"].replace(max_steps=steps, eval_before_training=before_training, max_eval_samples=1000)
+    every = run.replace(eval_every=10, eval_subset=800)  # one evaluation: about 2 minutes of the limit
+    final = 1000 * (2 if before_training else 1)
+    assert resources.evaluations_between_steps(every, 2000) == evaluations
+    assert resources.eval_examples_scored(run, 2000) == final
+    assert resources.eval_examples_scored(every, 2000) == final + evaluations * 800
+    if before_training:  # the shared step scored the base: the job scores the final evaluation and the subsets
+        assert resources.eval_examples_scored(every, 2000, base_eval_in_job=False) == 1000 + evaluations * 800
+    flops = 6 * BERT_SMALL_PARAMS * steps * 32 * 64 + 2 * BERT_SMALL_PARAMS * 64 * (final + evaluations * 800)
+    minutes = math.ceil((resources.TRAIN_STARTUP_S + 2 * flops / 5e10) / 60)
+    assert resources.train_runtime_minutes(every, local=True, environ={}) == minutes
 
 
 def test_a_split_smaller_than_one_batch_asks_for_the_floor_not_a_crash(representative_runs):

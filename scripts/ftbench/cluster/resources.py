@@ -220,14 +220,21 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None, base_eval_in
 def eval_examples_scored(run: RunSpec, train_examples: int, base_eval_in_job: bool = True) -> int:
     """Eval examples one training job scores: the final evaluation's (max_eval_samples, else the eval split); the
     same again before training (eval_before_training) unless the shared step scored them (``base_eval_in_job``
-    false); with eval_every, eval_subset of them every eval_every steps and before the first step (that one is
-    the evaluation before training where there is one)."""
+    false); with eval_every, eval_subset of them at each evaluation between steps (evaluations_between_steps)."""
     final = run.max_eval_samples or run.dataset_def.get("eval_size", DEFAULT_TRAIN_EXAMPLES // 10)
     scored = final * (2 if run.eval_before_training and base_eval_in_job else 1)
     if run.eval_every:
-        during = train_steps(run, train_examples) // run.eval_every + (0 if run.eval_before_training else 1)
-        scored += during * min(final, run.eval_subset or final)
+        scored += evaluations_between_steps(run, train_examples) * min(final, run.eval_subset or final)
     return scored
+
+
+def evaluations_between_steps(run: RunSpec, train_examples: int) -> int:
+    """Subset evaluations the trainer schedules (train/evaluation.py, DuringTraining.due): before every step whose
+    index is a multiple of eval_every below the run's steps (step 0 included, the last one possibly a few steps
+    before the final evaluation), step 0's being the evaluation before training where there is one. 40 steps at
+    eval_every 10: steps 0, 10, 20, 30 (not 40: the final evaluation follows the last step)."""
+    scheduled = math.ceil(train_steps(run, train_examples) / run.eval_every)
+    return scheduled - (1 if run.eval_before_training else 0)
 
 
 def largest_batch_run(run: RunSpec, train_examples: int) -> RunSpec:
