@@ -8,13 +8,17 @@ peft's ``prepare_model_for_kbit_training``. The Trainer gets a model made the sa
 ``adamw_torch_fused``, no gradient clipping, as the loop). All three train on full-length random tokens
 (labels = inputs, no padding) and time the same warmup and measured steps with the device synchronised.
 
-Each way runs in its own process, so each peak of allocated memory is its own. Printed: peak allocated memory
-(GiB) and tokens/s per way, and ftbench's ratios to the PEFT loop and to the Trainer.
+Each way runs in its own process, so each peak of allocated memory is its own. Each way reports what it trained as
+well as how fast: the dtypes its frozen and trainable parameters had during its steps (read inside them: the loop's
+before its optimizer step, the Trainer's in a callback) and the tokens of its measured steps (counted from the
+batches it trained on). Printed: peak allocated memory (GiB) and tokens/s per way, ftbench's ratios to the PEFT loop
+and to the Trainer, and a line for any way that trained another recipe or other tokens than ftbench's.
 
     python scripts/compare_ecosystem.py --shape 8b --method lora --batch 2 --seq 1024
     python scripts/compare_ecosystem.py --shape 1b --method full,lora,qlora --out compare.json
 
-Needs a CUDA GPU, peft, and for QLoRA bitsandbytes. Results: scripts/README.md.
+Needs a CUDA GPU, peft, and for QLoRA bitsandbytes (``COMPARE_DEVICE=cpu`` runs full fine-tuning and LoRA on the
+CPU: a check of the script, not a comparison). Results: scripts/README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 # Where the ways train: the GPU (what the comparison is for), or the CPU where there is none (a check of the script).
 DEVICE = "cuda" if os.environ.get("COMPARE_DEVICE", "cuda") == "cuda" else "cpu"
 
@@ -48,6 +51,10 @@ LEARNING_RATE = 2e-4
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if DEVICE == "cuda" and not cuda_visible():
+        print("compare_ecosystem.py: the three ways train on a CUDA GPU and none is visible here "
+              "(COMPARE_DEVICE=cpu checks the script on the CPU: full and lora only)", file=sys.stderr)
+        return 2
     results = []
     for method in args.method.split(","):
         row = {"shape": args.shape, "method": method, "batch": args.batch, "seq": args.seq}
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"method": method, "way": way, **row[way]}), flush=True)
         results.append(row)
     print_table(results, args.ways.split(","))
+    for line in differences(results):
+        print(line)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
@@ -67,12 +76,21 @@ def parse_args(argv):
     parser.add_argument("--method", default="lora", help="full, lora, qlora, or several comma-separated")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="steps before the measured ones, excluded from timing")
     parser.add_argument("--steps", type=int, default=10, help="measured steps after the warmup")
     parser.add_argument("--ways", default="ftbench,peft,trainer")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one way, in this process: "way:method"
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: expected --warmup 0 or more and --steps 1 or more")
+    return args
+
+
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_way(way: str, method: str, args) -> dict:
@@ -96,8 +114,8 @@ def child(args) -> dict:
 
 
 def ftbench_way(method: str, args) -> dict:
-    """ftbench's own job (``python -m ftbench train``) on its prepared synthetic tokens."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    """ftbench's own job (``python -m ftbench train``) on its prepared synthetic tokens, on DEVICE (never a fallback
+    to the CPU where a GPU was meant)."""
     from ftbench.experiment import config as ftconfig
     from ftbench.experiment import matrix
     from ftbench.tasks import registry
@@ -110,7 +128,8 @@ def ftbench_way(method: str, args) -> dict:
         "defaults": {"method": method, "precision": "bf16", "batch_size": args.batch, "seq_len": args.seq,
                      "max_steps": args.warmup + args.steps, "warmup_steps": args.warmup, "learning_rate": LEARNING_RATE,
                      "lora_rank": LORA["r"], "lora_alpha": LORA["lora_alpha"], "lora_dropout": LORA["lora_dropout"],
-                     "lora_targets": LORA["target_modules"], "num_gpus": 1, "eval_batch_size": args.batch},
+                     "lora_targets": LORA["target_modules"], "num_gpus": 1, "device": DEVICE,
+                     "eval_batch_size": args.batch},
         "matrix": {"model": ["llama"], "dataset": ["tokens"]},
     }
     ftconfig.validate_config(config)
@@ -120,15 +139,14 @@ def ftbench_way(method: str, args) -> dict:
         registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, data)
         out.parent.mkdir()
         subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data),
-                        "--out", str(out)], check=True, cwd=ROOT, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
-                                                                                       os.environ.get("PYTHONPATH")]))})
+                        "--out", str(out)], check=True, capture_output=True)
         metrics = json.loads(out.read_text())["metrics"]
     if metrics["status"] != "ok":
         raise SystemExit(f"ftbench run {metrics['status']}: {metrics.get('status_reason')}")
     peak = metrics.get("peak_memory_allocated_mb")
     return {"peak_gib": peak / 1024 if peak is not None else None, "tokens_per_s": metrics["tokens_per_s"],
-            "frozen_dtype": metrics.get("recipe_frozen_dtype"), "trainable_dtype": metrics.get("recipe_trainable_dtype")}
+            "frozen_dtype": metrics.get("recipe_frozen_dtype"), "trainable_dtype": metrics.get("recipe_trainable_dtype"),
+            "trained_tokens": metrics["measured_tokens"]}
 
 
 def build_model(method: str, args):
@@ -185,6 +203,22 @@ def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
 
 
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def parameter_dtypes(model) -> dict:
+    """The dtypes the model's frozen and trainable parameters have now, named as ftbench's recipe columns name them
+    (a 4-bit base by its quantisation type; no frozen parameters: None)."""
+    def names(params) -> str | None:
+        found = {"nf4" if getattr(p, "quant_state", None) is not None else DTYPE_NAMES.get(str(p.dtype), str(p.dtype))
+                 for p in params}
+        return "+".join(sorted(found)) or None
+
+    params = list(model.parameters())
+    return {"frozen_dtype": names(p for p in params if not p.requires_grad),
+            "trainable_dtype": names(p for p in params if p.requires_grad)}
+
+
 def plain_loop_way(method: str, args) -> dict:
     import torch
 
@@ -193,7 +227,7 @@ def plain_loop_way(method: str, args) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, fused=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     batches = [torch.randint(0, vocab, (args.batch, args.seq), device=DEVICE) for _ in range(4)]
-    started = None
+    started, tokens, dtypes = None, 0, {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             synchronize()
@@ -202,14 +236,20 @@ def plain_loop_way(method: str, args) -> dict:
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        dtypes = parameter_dtypes(model)  # as this step trained them
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            tokens += ids.numel()
     synchronize()
     elapsed = time.perf_counter() - started
-    return {"peak_gib": peak_gib(), "tokens_per_s": args.batch * args.seq * args.steps / elapsed}
+    return {"peak_gib": peak_gib(), "tokens_per_s": tokens / elapsed, **dtypes, "trained_tokens": tokens}
 
 
 def trainer_way(method: str, args) -> dict:
+    """transformers.Trainer's steps: the window from the end of the warmup's last step (the start of training
+    with no warmup) to the end of the last, the device synchronised at both; its tokens counted in training_step,
+    the dtypes read in a callback before each optimizer step."""
     import torch
     import transformers
 
@@ -218,12 +258,25 @@ def trainer_way(method: str, args) -> dict:
     vocab = SHAPES[args.shape]["vocab_size"]
     total = args.warmup + args.steps
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (args.batch * total, args.seq)).tolist()]
-    step_ends = []
+    marks, seen = [], {"tokens": 0, "dtypes": {}}
 
     class StepClock(transformers.TrainerCallback):
+        def on_train_begin(self, *unused, **kwargs):
+            synchronize()
+            marks.append(time.perf_counter())
+
+        def on_pre_optimizer_step(self, *unused, **kwargs):
+            seen["dtypes"] = parameter_dtypes(kwargs["model"])
+
         def on_step_end(self, *unused, **kwargs):
             synchronize()
-            step_ends.append(time.perf_counter())
+            marks.append(time.perf_counter())
+
+    class CountingTrainer(transformers.Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step >= args.warmup:  # the steps done so far: this one is measured
+                seen["tokens"] += int(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, num_items_in_batch)
 
     with tempfile.TemporaryDirectory() as folder:
         training = transformers.TrainingArguments(
@@ -231,11 +284,12 @@ def trainer_way(method: str, args) -> dict:
             bf16=True, optim="adamw_torch_fused", max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[],
             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
             remove_unused_columns=False, use_cpu=DEVICE == "cpu")
-        trainer = transformers.Trainer(model=model, args=training, train_dataset=rows,
-                                       data_collator=transformers.default_data_collator, callbacks=[StepClock()])
+        trainer = CountingTrainer(model=model, args=training, train_dataset=rows,
+                                  data_collator=transformers.default_data_collator, callbacks=[StepClock()])
         trainer.train()
-    elapsed = step_ends[-1] - step_ends[args.warmup - 1]
-    return {"peak_gib": peak_gib(), "tokens_per_s": args.batch * args.seq * args.steps / elapsed}
+    elapsed = marks[-1] - marks[args.warmup]  # marks[0]: training's start; marks[k]: the end of step k
+    return {"peak_gib": peak_gib(), "tokens_per_s": seen["tokens"] / elapsed, **seen["dtypes"],
+            "trained_tokens": seen["tokens"]}
 
 
 def print_table(results: list[dict], ways: list[str]) -> None:
@@ -246,16 +300,37 @@ def print_table(results: list[dict], ways: list[str]) -> None:
         for way in ways:
             result = row[way]
             cells.append(f"{result.get('peak_gib') or float('nan'):12.2f} {result.get('tokens_per_s') or float('nan'):14,.0f}")
-        ratios = []
-        for other in ("peft", "trainer"):
-            mine, theirs = row.get("ftbench", {}), row.get(other, {})
-            if "tokens_per_s" in mine and "tokens_per_s" in theirs:
-                memory = f"{mine['peak_gib'] / theirs['peak_gib']:.3f}" if mine["peak_gib"] and theirs["peak_gib"] else "-"
-                ratios.append(f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.3f}, {memory}")
-            else:
-                ratios.append("-")
+        ratios = [ratio_cell(row.get("ftbench", {}), row.get(other, {})) for other in ("peft", "trainer")]
         print(f"{row['shape']:5} {row['method']:6} {row['batch']:>5} x {row['seq']:<5} " + " ".join(cells)
               + f"   {ratios[0]:>22}   {ratios[1]:>22}")
+
+
+def ratio_cell(mine: dict, theirs: dict) -> str:
+    """ftbench's tokens/s and peak memory over another way's, three decimals ("1.022, 1.000"); memory "-" where a
+    way has no peak (the CPU), the whole cell "-" where either way has no speed."""
+    if "tokens_per_s" not in mine or "tokens_per_s" not in theirs:
+        return "-"
+    memory = f"{mine['peak_gib'] / theirs['peak_gib']:.3f}" if mine["peak_gib"] and theirs["peak_gib"] else "-"
+    return f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.3f}, {memory}"
+
+
+COMPARED = ("frozen_dtype", "trainable_dtype", "trained_tokens")  # what every way must share for its ratio to mean anything
+
+
+def differences(results: list[dict]) -> list[str]:
+    """A line for each way that trained another recipe or other tokens than ftbench's way: its ratio compares
+    different work."""
+    lines = []
+    for row in results:
+        mine = row.get("ftbench", {})
+        for way in ("peft", "trainer"):
+            theirs = row.get(way, {})
+            if "tokens_per_s" not in mine or "tokens_per_s" not in theirs:
+                continue
+            differ = [f"{key} {theirs.get(key)} (ftbench {mine.get(key)})" for key in COMPARED if theirs.get(key) != mine.get(key)]
+            if differ:
+                lines.append(f"{row['method']}: {way} trained other work than ftbench: " + ", ".join(differ))
+    return lines
 
 
 if __name__ == "__main__":
