@@ -59,10 +59,52 @@ def test_tiny_llama_sees_the_same_tokens_and_steps_in_both_engines(llama_data): 
     assert sorted(set(hf) - set(COLUMNS) - set(NOT_COLUMNS)) == []  # collect keeps every figure
 
 
+def recipe_seen_in_trainer_steps(monkeypatch) -> dict:
+    """The dtypes inside transformers.Trainer's own steps, recorded by a callback every Trainer of the test gets:
+    the frozen and trainable parameters' (and the gradients') before each optimizer step, and the autocast dtype
+    the model's layers ran under (forward hooks on its submodules, on while the Trainer trains: accelerate wraps the
+    model's own forward in autocast, so a hook on the model itself runs after autocast has ended)."""
+    import transformers
+    from ftbench.train.modeling import DTYPE_NAMES
+
+    seen = {"frozen": set(), "trainable": set(), "autocast": set()}
+
+    def name(dtype):
+        return DTYPE_NAMES.get(dtype, str(dtype))
+
+    class RecipeSeen(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            def forward_ran(*unused):
+                seen["autocast"].add(name(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else None)
+            self.hooks = [module.register_forward_hook(forward_ran) for module in model.modules() if module is not model]
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            for param in model.parameters():
+                if param.requires_grad:
+                    seen["trainable"].update({name(param.dtype), name(param.grad.dtype)})
+                else:
+                    seen["frozen"].add(name(param.dtype))
+
+        def on_train_end(self, *unused, **kwargs):
+            for hook in self.hooks:
+                hook.remove()
+
+    train = transformers.Trainer.train
+
+    def train_with_recipe_seen(self, *args, **kwargs):
+        self.add_callback(RecipeSeen())
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "train", train_with_recipe_seen)
+    return seen
+
+
 @pytest.mark.slow
-def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_factory, prepared_data, capsys):
+def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_factory, prepared_data, capsys, monkeypatch):
     """Padded text (real lengths differ): the counted tokens are the unpadded ones, in both engines. Under bf16 both
-    train LoRA's recipe: the frozen base in bf16 (not TrainingArguments' fp32 default), fp32 adapters and head."""
+    train LoRA's recipe: the frozen base in bf16 (not TrainingArguments' fp32 default), fp32 adapters and head; the
+    Trainer's as its own steps saw it (a callback), which is what its row says."""
+    seen = recipe_seen_in_trainer_steps(monkeypatch)
     config = tiny_config_factory(defaults={"method": "lora", "lora_targets": ["query", "value"], "batch_size": 4,
                                            "seq_len": 32, "max_steps": 4, "warmup_steps": 1, "lora_rank": 4,
                                            "precision": "bf16"},
@@ -77,6 +119,7 @@ def test_tiny_bert_classification_sees_the_same_tokens_and_steps(tiny_config_fac
         metrics = results[engine][0]
         assert (metrics["recipe_frozen_dtype"], metrics["recipe_trainable_dtype"], metrics["recipe_autocast_dtype"]) == \
             ("bf16", "fp32", "bf16"), engine
+    assert (seen["frozen"], seen["trainable"], seen["autocast"]) == ({"bf16"}, {"fp32"}, {"bf16"})
 
 
 @pytest.mark.slow
