@@ -466,6 +466,27 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     assert "V100" not in set(table["gpu"])
 
 
+@pytest.mark.parametrize("low, value, high, written", [
+    (0.00981, 0.01234, 0.0151, ("$0.00981", "$0.0123", "$0.0151")),  # a short budget: cents are not enough
+    (0.0, 0.0, 0.0, ("$0.00", "$0.00", "$0.00")),  # a price of 0 (hardware already paid for)
+    (9.87, 12.345, 15.5, ("$9.87", "$12.35", "$15.50")),
+    (98.2, 123.4, 150.0, ("$98.20", "$123", "$150")),
+    (98_765.4, 123_456.7, 150_000.0, ("$98,765", "$123,457", "$150,000")),
+])
+def test_dollars_are_written_alike_in_the_plan_and_the_report(low, value, high, written):
+    """The plan's row and cheapest line, and the report's cost and interval cells, write one amount one way:
+    whole dollars from $100, cents from $1, three significant digits below."""
+    from ftbench.report import pages
+
+    row = {"gpu": "H200", "tokens_per_s": 1000.0, "tokens_per_s_low": 900.0, "tokens_per_s_high": 1100.0,
+           "busy_share": 0.9, "host_bound": False, "budget_hours": 1.0, "budget_hours_low": 0.9, "budget_hours_high": 1.1,
+           "budget_cost": value, "budget_cost_low": low, "budget_cost_high": high, "basis": "calibrated on this GPU model"}
+    assert report_prediction.priced_cells(row).split("  calibrated")[0].endswith(f"{written[1]} [{written[0]}-{written[2]}]")
+    assert pages.fmt(value, "cost_of_budget") == written[1]  # the report's cost cells
+    assert report_prediction._range(low, high, money=True) == f"{written[0]}-{written[2]}"  # its interval cells
+    assert [pages.money(amount) for amount in (low, value, high)] == list(written)
+
+
 def test_the_price_of_a_gpu_of_the_table_is_its_price_tables_model():
     prices = cost.resolve({})
     by_name = {gpu["name"]: report_prediction.price_of(gpu, prices) for gpu in GPUS}

@@ -243,7 +243,7 @@ def _span(value, low, high, unit: str = "", digits: str = ",.0f") -> str:
 
 def pages_money(value: float) -> str:
     """Dollars: whole from $100 up, cents from $1, three significant digits below (report/pages.py's money)."""
-    return f"${value:,.0f}" if value >= 100 else f"${value:.2f}" if value >= 1 else f"${value:.3g}"
+    return f"${value:,.0f}" if value >= 100 else f"${value:.2f}" if value >= 1 or value == 0 else f"${value:.3g}"
 
 
 def _hours(value, low, high) -> str:
@@ -377,7 +377,7 @@ def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFra
 def _range(low, high, money: bool = False) -> str:
     if is_missing(low) or is_missing(high):
         return ""
-    return f"${low:,.2f}-${high:,.2f}" if money else f"{low:,.0f}-{high:,.0f}"
+    return f"{pages_money(low)}-{pages_money(high)}" if money else f"{low:,.0f}-{high:,.0f}"
 
 
 def cheapest_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
