@@ -242,8 +242,11 @@ def test_waiting_for_readiness_ends_with_the_ready_mark_of_the_process_holding_t
 def test_a_warm_job_gives_the_result_of_a_cold_one(cpu_spec, prepared_data, tmp_path, warm_env):
     """The first job runs in its own process and starts the warm one; the next runs forked from it, with
     the same losses and scores, its output in the job's own streams, and its overhead counted from its
-    own start."""
-    spec = cpu_spec()
+    own start. The shared evaluation before training (rule base_eval) forks from it too, with the figures the
+    cold job's own evaluation before training had."""
+    from ftbench.experiment import base_evaluation
+
+    spec = cpu_spec(eval_before_training=True)
     results = []
     for name in ("cold", "warm"):
         out = tmp_path / name / "metrics.json"
@@ -266,6 +269,20 @@ def test_a_warm_job_gives_the_result_of_a_cold_one(cpu_spec, prepared_data, tmp_
     assert warm["startup_s"] < warm["overhead_s"]
     # the warm process was listening when the warm job came: it waited for nothing
     assert cold["warm_start_wait_s"] is None and warm["warm_start_wait_s"] < 1.0
+    assert warm["base_eval_accuracy"] == cold["base_eval_accuracy"]
+    # the base_eval job, warm: the cold train job's base figures
+    spec_file, out = tmp_path / "base_eval_spec.json", tmp_path / "base_eval" / "result.json"
+    spec_file.write_text(spec.to_json(), encoding="utf-8")
+    process = subprocess.run([sys.executable, "-m", "ftbench", "base-eval", "--spec-file", str(spec_file), "--data",
+                              str(prepared_data[0]), "--out", str(out), "--threads", "1"],
+                             env=warm_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert f"{base_evaluation.base_eval_id(spec)}: ok" in process.stdout  # the child wrote into the job's stdout
+    shared = json.loads(out.read_text())
+    assert shared["warm_start"] is True and shared["status"] == "ok"
+    assert shared["figures"]["eval_accuracy"] == cold["base_eval_accuracy"]
+    assert shared["figures"]["eval_samples"] == cold["base_eval_samples"] > 0
+    assert shared["figures"]["eval_loss"] == pytest.approx(cold["base_eval_loss"], rel=1e-6)
 
 
 @pytest.mark.slow

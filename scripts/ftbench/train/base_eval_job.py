@@ -35,9 +35,11 @@ from ftbench.train.run_state import set_seed
 
 def run_job(spec: RunSpec, data_dir: str | Path, out: Path, threads: int | None = None,
             time_limit_s: float | None = None) -> dict:
-    """Score ``spec``'s model as built on its eval split; write ``out`` (JSON: the key, status, figures, time)."""
+    """Score ``spec``'s model as built on its eval split; write ``out`` (JSON: the key, status, figures, time, whether
+    the job ran forked from the warm process)."""
     result = {"base_eval_id": base_evaluation.base_eval_id(spec), "key": base_evaluation.base_eval_key(spec),
-              "run_id": spec.run_id, "status": "ok", "reason": None}
+              "run_id": spec.run_id, "status": "ok", "reason": None,
+              "warm_start": environment.job_started_at is not None}  # forked from the warm process, as a train row says
     slots = GpuSlots()
     assign_gpus(spec.num_gpus if spec.device != "cpu" else 0, slots)
     if threads:
