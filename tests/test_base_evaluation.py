@@ -227,6 +227,15 @@ def test_ddp_ranks_agree_on_rank_0_s_base_evaluation(bert_spec, prepared_data, t
         assert rank["metrics"]["window_s"] == pytest.approx(measured_time(rank["steps"]), rel=1e-6)
     accuracy = evals[evals["metric"] == "eval_accuracy"]
     assert accuracy["step"].tolist() == [0, 2, 4, 6] and accuracy["scope"].tolist() == ["full", "subset", "subset", "full"]
+    assert_ranks_met_before_the_first_step(ranks)
+    assert "rank_meeting_s" not in metrics  # a rank's own figure, not the run's
+
+
+def assert_ranks_met_before_the_first_step(ranks: list[dict]) -> None:
+    """Each DDP rank's span at the meeting before its first step (rank_meeting_s: arrived, left; one monotonic clock
+    for the ranks of a host): no rank left before the last one had arrived."""
+    spans = [rank["metrics"]["rank_meeting_s"] for rank in ranks]
+    assert len(spans) == 2 and max(arrived for arrived, _ in spans) <= min(left for _, left in spans), spans
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -349,4 +358,12 @@ def test_ddp_ranks_take_the_shared_evaluation_together(bert_spec, prepared_data,
     assert metrics["status"] == "ok", metrics["status_reason"]
     assert metrics["base_eval_accuracy"] == result["figures"]["eval_accuracy"]
     assert metrics["base_eval_time_s"] == result["eval_time_s"]
-    assert [len(rank["steps"]) for rank in ddp.read_rank_results(out.parent / "ranks")] == [4, 4]
+    ranks = ddp.read_rank_results(out.parent / "ranks")
+    assert [len(rank["steps"]) for rank in ranks] == [4, 4]
+    assert_ranks_met_before_the_first_step(ranks)
+    # the step-0 row is the shared evaluation's (its figures and time), written once (rank 0)
+    evals = pd.read_parquet(out.with_name("evals.parquet"))
+    first = evals[(evals["step"] == 0) & (evals["metric"] == "eval_accuracy")]
+    assert first["scope"].tolist() == ["full"] and first["evaluation"].tolist() == [0]
+    assert first["value"].tolist() == [result["figures"]["eval_accuracy"]]
+    assert first["eval_s"].tolist() == [result["eval_time_s"]]

@@ -194,6 +194,7 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     rank_results = sorted(rank_results, key=lambda r: r["rank"])
     metrics = dict(rank_results[0]["metrics"])  # rank 0 evaluated; its fields are the base
     metrics.pop("rank", None)  # a per-rank field; the ranks are listed under per_rank
+    metrics.pop("rank_meeting_s", None)  # each rank's span at the meeting before the first step: in its rank file only
     worst = worst_status(r["metrics"]["status"] for r in rank_results)
     if worst != "ok":
         # Which rank it was, also when the others left no result (ended while waiting for it).

@@ -278,6 +278,7 @@ class DuringTraining:
         self.base_figures: dict = {}  # base_eval_* of the model as built (eval_before_training)
         self.loading_peak_rss_mb: float | None = None  # the resident peak before the base evaluation reset it
         self.evaluated = 0  # pauses that evaluated (one near the deadline skips it)
+        self.meeting: tuple[float, float] | None = None  # the ranks' meeting before the first step (_meet)
         self.sampler = None  # the measured window's gpu_monitor.GpuSampler (measure_with), paused with the clock
 
     def measure_with(self, sampler) -> None:
@@ -348,7 +349,7 @@ class DuringTraining:
             eval_s = time.perf_counter() - scoring
             if run.dist.rank == 0 and self.every is not None:
                 self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full", eval_s))
-            self.agree(False)  # a barrier: a DDP rank waits here for rank 0's scoring, not inside its first step
+            self._meet()  # a DDP rank waits here for rank 0's scoring, not inside its first step
         if scores:
             scores.pop("eval_samples_planned")
             scores.pop("eval_majority_class_rate", None)  # the row's is the final evaluation's (its rows' rate)
@@ -363,12 +364,20 @@ class DuringTraining:
             if self.run.dist.rank == 0 and self.every is not None:
                 self.rows.extend(eval_rows(self.metrics, scores, self._evaluations(), 0, "full",
                                            self.shared_base["eval_time_s"]))
-            self.agree(False)
+            self._meet()
         if self.run.dist.rank == 0:
             scores.pop("eval_samples_planned", None)
             scores.pop("eval_majority_class_rate", None)
             self.base_figures = {f"base_{name}": value for name, value in scores.items()}
             self.base_figures["base_eval_time_s"] = self.shared_base["eval_time_s"]
+
+    def _meet(self) -> None:
+        """The ranks' one meeting before the first step (``agree`` is a collective: a barrier). Its span on this rank,
+        from arriving to leaving (time.monotonic(): one clock for the ranks of a host), is the rank's rank_meeting_s:
+        no rank leaves before the last one arrived."""
+        arrived = time.monotonic()
+        self.agree(False)
+        self.meeting = (arrived, time.monotonic())
 
     def _score_base(self, sharded: bool) -> dict:
         """The model as built, scored like the final evaluation: the same examples, eval_batch_size. It ends early
@@ -427,6 +436,8 @@ class DuringTraining:
         """For the run's metrics: the base figures (eval_before_training), and with eval_every the evaluations'
         rows and the subset evaluations' count and time."""
         figures = dict(self.base_figures)
+        if self.meeting is not None and self.run.dist.world_size > 1:  # a rank's own figure: merge_ranks takes it off
+            figures["rank_meeting_s"] = list(self.meeting)
         if self.every is not None:
             figures.update(evals=self.rows, evaluations_during_training=self.evaluated,
                            eval_during_training_s=sum(b - a for a, b in self.pauses))
