@@ -177,18 +177,24 @@ def schema(argv: list[str] | None = None) -> None:
 def check(argv: list[str]) -> None:
     """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
     ftbench can see the file: this names the file, line and column (and every other config problem)."""
-    from ftbench.experiment import config
-
     parser = argparse.ArgumentParser(prog="python -m ftbench check", description=check.__doc__)
     parser.add_argument("experiment", help="experiment YAML file (what you pass to snakemake --configfile)")
     args = parser.parse_args(argv)
-    experiment = config.load_config(args.experiment)
-    for message in config.experiment_warnings(experiment):
-        print(f"ftbench: warning: {message}", file=sys.stderr)
+    experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
-    print(f"{args.experiment}: valid; {len(runs)} runs")
+    print(f"{args.experiment}: valid; {len(runs)} run{'s' if len(runs) != 1 else ''}")
     for run in runs:
         print(f"  {run.run_id}")
+
+
+def _load_experiment(path: str) -> dict:
+    """The experiment file validated, its warnings printed as `snakemake -n` prints them."""
+    from ftbench.experiment import config
+
+    experiment = config.load_config(path)
+    for message in config.experiment_warnings(experiment):
+        print(f"ftbench: warning: {message}", file=sys.stderr)
+    return experiment
 
 
 def plan(argv: list[str]) -> None:
@@ -196,7 +202,7 @@ def plan(argv: list[str]) -> None:
     GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
     fits there; then per GPU its predicted tokens/s, the hours and dollars of the experiment's budget (a calibrated
     step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits."""
-    from ftbench.experiment import config, memory_plan
+    from ftbench.experiment import memory_plan
     from ftbench.measure import gpu_table
     from ftbench.report import cost, prediction
 
@@ -212,7 +218,7 @@ def plan(argv: list[str]) -> None:
                              "calibration for the GPU models they ran on (default: %(default)s)")
     args = parser.parse_args(argv)
     gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
-    experiment = config.load_config(args.experiment)
+    experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
     calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
