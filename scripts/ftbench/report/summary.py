@@ -27,7 +27,8 @@ ADVICE = {
     # Its row is kept whatever walltime a rerun gets: only a removed row trains again (the commands: retrain_lines).
     # Its walltime may have been the estimate, a --set-resources or an administrator's: the cause names none of them.
     "timeout": "retry with more time: its job's walltime ended it before all its steps, and a rerun keeps its row "
-               "whatever walltime it gets: remove the row, then rerun with the walltime its steps need",
+               "whatever walltime it gets: remove the row, then rerun with --set-resources train:runtime= the minutes "
+               "its steps need (the commands below)",
     "oom": "fix, a retry would run out again: a smaller batch_size, gradient_checkpointing: true, auto_batch_size: true "
            "or a GPU with more memory",
     "diverged": "fix, a retry would diverge again (same seed): a lower learning_rate, or bf16 / fp32 instead of fp16",
