@@ -955,6 +955,14 @@ def test_numbers_written_in_exponent_form_or_as_whole_floats_are_those_numbers(t
     assert config["budget"] == {"tokens": 1e9, "epochs": 1.0}
 
 
+def test_a_config_built_models_overrides_take_numbers_in_exponent_form(tmp_path):
+    """transformers config settings the schema leaves open: rms_norm_eps: 1e-6 is a number, n_embd: 3.2e1 a size."""
+    config = lm_experiment(tmp_path, config_model(layer_norm_epsilon="1e-6", n_embd="3.2e1"))
+    ftbench_config.validate_config(config)
+    overrides = config["models"]["gpt2ish"]["source"]["overrides"]
+    assert overrides["layer_norm_epsilon"] == 1e-6 and overrides["n_embd"] == 32 and type(overrides["n_embd"]) is int
+
+
 @pytest.mark.parametrize("where, value, message", [
     (("defaults", "batch_size"), 8.5, "config key defaults.batch_size: expected integer, got float 8.5"),
     (("defaults", "max_steps"), "6 steps", "config key defaults.max_steps: '6 steps' is not allowed"),

@@ -85,6 +85,12 @@ def normalise_numbers(config: dict, schema: dict) -> None:
     """Numbers as people write them, where the schema wants a number and no text: a string in exponent form (1e9
     and 5e-4 reach us as text from Snakemake's YAML 1.1 reader) becomes that number, and a whole float where an
     integer is required (16.0) that integer, in place. Anything else is left for the schema check to refuse."""
+    for model in (config.get("models") or {}).values():
+        # A config-built model's overrides are the transformers config's own settings, which the schema leaves
+        # open: rms_norm_eps: 1e-6 and rope_theta: 1e4 are numbers there too (whole ones integers, as sizes are).
+        source = model.get("source") if isinstance(model, dict) else None
+        if isinstance(source, dict) and isinstance(source.get("overrides"), dict):
+            source["overrides"] = _exponent_numbers(source["overrides"])
     validator = _StrictIntegers(schema)
     for _ in range(1000):  # each pass fixes every value it can reach; a oneOf branch can hide the next
         fixes = {}
@@ -99,6 +105,18 @@ def normalise_numbers(config: dict, schema: dict) -> None:
             for part in path[:-1]:
                 parent = parent[part]
             parent[path[-1]] = number
+
+
+def _exponent_numbers(value: Any) -> Any:
+    """``value`` with every string in exponent form made a number (an int where whole), at any depth."""
+    if isinstance(value, dict):
+        return {key: _exponent_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_exponent_numbers(item) for item in value]
+    if isinstance(value, str) and user_yaml.EXPONENT_NUMBER.match(value.strip()):
+        number = float(value.strip().replace("_", ""))
+        return int(number) if number.is_integer() else number
+    return value
 
 
 def _leaf_errors(errors) -> Iterable[jsonschema.ValidationError]:
