@@ -1146,3 +1146,12 @@ def test_plan_prints_the_experiments_warnings_as_the_dry_run_does(tmp_path, tiny
                              capture_output=True, text=True)
     assert process.returncode == 0, process.stderr[-2000:]
     assert "ftbench: warning: config key exclude[0]" in process.stderr
+
+
+def test_check_refuses_a_price_choice_that_prices_nothing_as_the_dry_run_does(tmp_path, tiny_config_factory):
+    table = _file(tmp_path, "prices.yaml", "models: [{name: A100, match: A100}]\nproviders: {a: {on_demand: {A100: 1.0}}}\n")
+    path = write_config(tmp_path, tiny_config_factory(prices={"table": str(table), "pricing": "spot"}))
+    process = subprocess.run([sys.executable, "-m", "ftbench", "check", str(path)], capture_output=True, text=True)
+    assert process.returncode == 1 and "Traceback" not in process.stderr
+    assert process.stderr.strip().splitlines()[-1].startswith("ftbench: config key prices.pricing: provider 'a' of price "
+                                                             "table")

@@ -99,7 +99,7 @@ def collect(argv: list[str] | None = None) -> None:
     prices = cost.resolve(settings)
     frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
                                    gpu_peaks=args.gpu_peaks, summary_path=args.summary, target=json.loads(args.target))
-    print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
+    print(f"collected {_count(len(frame), 'run')} -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
 def report(argv: list[str] | None = None) -> None:
@@ -182,16 +182,26 @@ def check(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
-    print(f"{args.experiment}: valid; {len(runs)} run{'s' if len(runs) != 1 else ''}")
+    print(f"{args.experiment}: valid; {_count(len(runs), 'run')}")
     for run in runs:
         print(f"  {run.run_id}")
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 run``, ``2 runs`` (as the closing summary writes them)."""
+    from ftbench.report.summary import count  # deferred: the summary module reads pandas
+
+    return count(number, noun)
 
 
 def _load_experiment(path: str) -> dict:
     """The experiment file validated, its warnings printed as `snakemake -n` prints them."""
     from ftbench.experiment import config
 
+    from ftbench.report import cost
+
     experiment = config.load_config(path)
+    cost.resolve(experiment.get("prices") or {})  # a price choice that prices nothing is refused here too
     for message in config.experiment_warnings(experiment):
         print(f"ftbench: warning: {message}", file=sys.stderr)
     return experiment
@@ -222,7 +232,7 @@ def plan(argv: list[str]) -> None:
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
     calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
-    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
+    print(f"{args.experiment}: {_count(len(runs), 'run')}; memory per GPU (MiB; fits: estimate +-10% against capacity); "
           + prediction.plan_heading(calibration, prices, budget))
     for run in runs:
         planned = memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)
