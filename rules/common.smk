@@ -10,6 +10,8 @@ import sys
 
 # ftbench is installed (pip install -e .): see the README.
 from ftbench.experiment import config as ftbench_config
+from ftbench.data import prepared as ftbench_prepared
+from ftbench.experiment import base_evaluation as ftbench_base_evaluation
 from ftbench.experiment import matrix
 from ftbench.cluster import job_clock as ftbench_job_clock
 from ftbench.cluster import kept_rows as ftbench_kept_rows
@@ -96,6 +98,8 @@ def check_given_walltime():
 RUNS = {run.run_id: run for run in matrix.expand_runs(config)}
 DATA_PREPARATIONS = matrix.data_preparations(list(RUNS.values()))
 SHARD_SIZE_MB = matrix.shard_size_mb(config)
+# base_eval_id -> the run (on one device) whose model the shared evaluation before training builds and scores.
+BASE_EVALS = ftbench_base_evaluation.shared_evaluations(RUNS.values())
 
 
 wildcard_constraints:
@@ -265,3 +269,64 @@ def get_train_runtime(wildcards, attempt=1):
 
 def get_train_mem_mb(wildcards, attempt=1):
     return ftbench_resources.train_mem_mb(RUNS[wildcards.run_id], attempt)
+
+
+# The prepared data (rules/data.smk)
+
+
+def say_stale_data():
+    """One line per prepared data folder of an earlier layout (its manifest version): its prepare_data job runs
+    again (the version is one of its params), and so do the runs trained on it. Not inside a cluster job."""
+    if workflow.remote_exec:
+        return
+    for data_id in DATA_PREPARATIONS:
+        manifest = Path("results", "data", data_id, ftbench_prepared.MANIFEST_NAME)
+        with contextlib.suppress(OSError, ValueError):
+            version = json.loads(manifest.read_text(encoding="utf-8")).get("manifest_version")
+            if version != ftbench_prepared.MANIFEST_VERSION:
+                sys.stderr.write(f"ftbench: note: results/data/{data_id} was prepared by an earlier ftbench (data version "
+                                 f"{version}; now {ftbench_prepared.MANIFEST_VERSION}: each split stored in a seeded "
+                                 "stratified order): it is prepared again, and the runs on it train again\n")
+
+
+# The shared evaluation before training (rules/base_eval.smk)
+
+
+def get_run_base_eval(wildcards):
+    """The shared evaluation a run's train job reads: none for a run that scores its own (or none at all)."""
+    run = RUNS[wildcards.run_id]
+    return [ftbench_base_evaluation.base_eval_path(run)] if ftbench_base_evaluation.shares_base_evaluation(run) else []
+
+
+def get_base_eval_key_json(wildcards):
+    """What the evaluation depends on, and nothing else: another experiment whose first run of these weights has
+    other settings (a learning rate, a LoRA rank) finds it unchanged and scores nothing again."""
+    return json.dumps(ftbench_base_evaluation.base_eval_key(BASE_EVALS[wildcards.base_eval_id]), sort_keys=True)
+
+
+def get_base_eval_spec_file(wildcards):
+    """The spec of the run the job builds, in a file (not a param: which run of these weights stands for them
+    changes nothing the job computes)."""
+    from ftbench import atomic
+
+    path = Path(".snakemake", "ftbench", "base_eval_specs", f"{wildcards.base_eval_id}.json")
+    text = BASE_EVALS[wildcards.base_eval_id].to_json()
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        atomic.write_text(path, text)
+    return str(path)
+
+
+def _base_eval_run(wildcards):
+    return BASE_EVALS[wildcards.base_eval_id]
+
+
+def get_base_eval_threads(wildcards):
+    return ftbench_resources.train_threads(_base_eval_run(wildcards), local=not _cluster_jobs(), cores=workflow.cores,
+                                           nodes=_train_nodes())
+
+
+def get_base_eval_runtime(wildcards, attempt=1):
+    """The train job's estimate for the same run (get_train_runtime: the speed decided once per invocation):
+    ample for one evaluation, and the same number wherever it is evaluated."""
+    os.environ.setdefault(ftbench_resources.TRAIN_SPEED_ENV, ftbench_resources.train_speed(local=not _cluster_jobs()))
+    return ftbench_resources.train_runtime_minutes(_base_eval_run(wildcards), attempt)

@@ -1,21 +1,4 @@
-from ftbench.data import prepared as ftbench_prepared
-
-
-def say_stale_data():
-    """One line per prepared data folder of an earlier layout (its manifest version): its prepare_data job runs
-    again (the version is one of its params), and so do the runs trained on it. Not inside a cluster job."""
-    if workflow.remote_exec:
-        return
-    for data_id in DATA_PREPARATIONS:
-        manifest = Path("results", "data", data_id, ftbench_prepared.MANIFEST_NAME)
-        with contextlib.suppress(OSError, ValueError):
-            version = json.loads(manifest.read_text(encoding="utf-8")).get("manifest_version")
-            if version != ftbench_prepared.MANIFEST_VERSION:
-                sys.stderr.write(f"ftbench: note: results/data/{data_id} was prepared by an earlier ftbench (data version "
-                                 f"{version}; now {ftbench_prepared.MANIFEST_VERSION}: each split stored in a seeded "
-                                 "stratified order): it is prepared again, and the runs on it train again\n")
-
-
+# Prepared data of an earlier layout is said once, before the plan (rules/common.smk: say_stale_data).
 say_stale_data()
 
 

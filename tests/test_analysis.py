@@ -178,6 +178,23 @@ def test_step_figures_scale_the_table_throughput_and_skip_runs_without_a_window(
     assert figured["tokens_per_s_low"].notna().sum() == 1
 
 
+def test_a_rate_from_one_measured_step_is_flagged_too_short_in_the_row_and_the_report():
+    """A run stopped at its target after one measured step: its tokens/s and $ are one step's. The row says so
+    (unstable, with the reason) and so does the report's note, never a bare figure."""
+    from ftbench.report import report_page
+
+    runs = analysis.prepare(fixture_runs("mixed")[0])
+    first, second = runs["run_id"].iloc[0], runs["run_id"].iloc[1]
+    steps = pd.concat([window([0.5], run_id=first), window([1.0, 1.01, 0.99] * 10, run_id=second)])
+    figured = analysis.add_step_figures(runs, steps).set_index("run_id")
+    assert figured.loc[first, "unstable"] == True and figured.loc[first, "window_steps"] == 1  # noqa: E712
+    assert figured.loc[first, "unstable_reason"] == analysis.TOO_SHORT_REASON
+    assert pd.isna(figured.loc[first, "tokens_per_s_low"])  # no interval from one step
+    assert figured.loc[second, "unstable"] == False  # noqa: E712
+    notes = report_page.unstable_notes(figured.reset_index())
+    assert any(note.startswith(f"Run {first}: one measured step: too short to measure a rate") for note in notes), notes
+
+
 def test_ties_are_configurations_whose_intervals_overlap_the_best():
     from test_report import fixture_runs as runs_and_steps
 

@@ -9,6 +9,7 @@ import sys
 
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import make_rows, tiny_config, tiny_dataset_def, write_config
 from ftbench.tasks import registry
@@ -915,3 +916,242 @@ def test_a_default_the_user_did_not_write_is_not_warned_about(tiny_config_factor
     config["datasets"]["tiny"].update(train_size=80, eval_size=20)
     config["defaults"].update(eval_every=2)
     assert ftbench_config.experiment_warnings(config) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers as people write them
+
+
+NUMBERS_AS_WRITTEN = """\
+models:
+  tiny: {{source: {{kind: path, path: {model}}}, task: classification}}
+datasets:
+  tiny: {{source: {{kind: path, path: {csv}}}, text_column: text, label_column: label, train_size: 100, eval_size: 50}}
+defaults: {{method: lora, precision: fp32, batch_size: 8.0, seq_len: 32, lora_rank: 4, learning_rate: 5e-4,
+           max_steps: 6.0, warmup_steps: 2, lora_targets: [query, value]}}
+matrix: {{model: [tiny], dataset: [tiny], lora_rank: [4.0, 8]}}
+budget: {{tokens: 1.0e9, epochs: 1e0}}
+"""
+
+
+def test_numbers_written_in_exponent_form_or_as_whole_floats_are_those_numbers(tmp_path, tiny_model_dir, tiny_csv,
+                                                                             snakemake_runner):
+    """YAML 1.1 (PyYAML, Snakemake) reads 1.0e9 and 5e-4 as text and 16.0 as a float: the dry run, check and the
+    runs take them as the numbers they are, integers where an integer is required (b8, never b8.0)."""
+    text = NUMBERS_AS_WRITTEN.format(model=tiny_model_dir, csv=tiny_csv)
+    process = dry_run(tmp_path, text, snakemake_runner)
+    assert process.returncode == 0 and "Traceback" not in process.stderr, process.stderr[-3000:]
+    checked = subprocess.run([sys.executable, "-m", "ftbench", "check", str(tmp_path / "config.yaml")],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    run_ids = checked.stdout.split()[4:]
+    assert len(run_ids) == 2 and all("-b8-" in run_id and ".0" not in run_id for run_id in run_ids), run_ids
+    assert all(run_id in process.stdout for run_id in run_ids)  # the dry run's jobs are the same runs
+    config = ftbench_config.load_config(tmp_path / "config.yaml")
+    from ftbench.experiment import matrix
+
+    run = matrix.expand_runs(config)[0]
+    assert (run.batch_size, run.max_steps, run.learning_rate) == (8, 6, 5e-4) and type(run.batch_size) is int
+    assert config["budget"] == {"tokens": 1e9, "epochs": 1.0}
+
+
+def test_a_config_built_models_overrides_take_numbers_in_exponent_form(tmp_path):
+    """transformers config settings the schema leaves open: rms_norm_eps: 1e-6 is a number, n_embd: 3.2e1 a size."""
+    config = lm_experiment(tmp_path, config_model(layer_norm_epsilon="1e-6", n_embd="3.2e1"))
+    ftbench_config.validate_config(config)
+    overrides = config["models"]["gpt2ish"]["source"]["overrides"]
+    assert overrides["layer_norm_epsilon"] == 1e-6 and overrides["n_embd"] == 32 and type(overrides["n_embd"]) is int
+
+
+@pytest.mark.parametrize("where, value, message", [
+    (("defaults", "batch_size"), 8.5, "config key defaults.batch_size: expected integer, got float 8.5"),
+    (("defaults", "max_steps"), "6 steps", "config key defaults.max_steps: '6 steps' is not allowed"),
+    (("budget", "tokens"), "1,000,000", "config key budget.tokens: expected number, got str '1,000,000'"),
+])
+def test_a_number_that_is_not_one_is_refused_in_one_line_naming_the_key(tiny_config_factory, where, value, message):
+    config = tiny_config_factory(budget={"tokens": 1})
+    config[where[0]][where[1]] = value
+    with pytest.raises(FtbenchError) as raised:
+        ftbench_config.validate_config(config)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_the_other_yaml_files_users_write_read_numbers_in_exponent_form(tmp_path):
+    """Price and GPU tables and calibrations are read by one loader: 2.1e0 is a price, 9.894e2 a peak."""
+    from ftbench.measure import gpu_table
+    from ftbench.report import cost
+
+    prices = _file(tmp_path, "prices.yaml", "models: [{name: A100, match: A100}]\n"
+                                            "providers: {aws: {on_demand: {A100: 2.1e0}}}\nelectricity_per_kwh: 1.5e-1\n")
+    resolved = cost.resolve({"table": str(prices)})
+    assert resolved.per_device_hour == {"A100": 2.1} and resolved.electricity_per_kwh == 0.15
+    gpus = _file(tmp_path, "gpus.yaml", "gpus: [{name: X, match: X, memory_gb: 8e1, dense_tflops: {bf16: 9.894e2}}]\n")
+    assert gpu_table.load_peaks(gpus)[0]["dense_tflops"]["bf16"] == 989.4
+
+
+def _documented_snippets() -> list[tuple[str, str]]:
+    """(where, YAML) of every experiment example the user documents give: the yaml blocks of config/README.md, and
+    each inline `key: {...}` or `key: value` of README.md and config/README.md whose key is an experiment section."""
+    import re
+
+    from conftest import ROOT
+
+    sections = set(ftbench_config.load_schema()["properties"]) - {"models", "datasets", "defaults", "matrix"}
+    found = []
+    for name in ("README.md", "config/README.md"):
+        text = (ROOT / name).read_text(encoding="utf-8")
+        for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
+            found.append((f"{name} yaml block", block))
+        for inline in re.findall(r"`([a-z_]+: [^`]+)`", text):
+            key = inline.split(":")[0]
+            if key in sections and "<" not in inline and "..." not in inline:
+                found.append((f"{name}: `{inline}`", inline))
+    return found
+
+
+def test_every_experiment_example_of_the_user_documents_is_accepted(tiny_config_factory):
+    """What the documents show is what a user copies: each example parses and validates, numbers as numbers."""
+    from ftbench import user_yaml
+
+    snippets = _documented_snippets()
+    assert len(snippets) >= 5 and any("budget: {tokens: 1.0e9}" in text for _, text in snippets)
+    for where, text in snippets:
+        parsed = user_yaml.loads(text, where)
+        # The reference's block names its models and datasets NAME: the tiny ones stand in for them.
+        sections = {key: value for key, value in parsed.items() if key not in ("models", "datasets", "defaults", "matrix")}
+        config = tiny_config_factory(**yaml.safe_load(yaml.safe_dump(sections).replace("NAME", "tiny")))
+        config["matrix"]["method"] = ["full", "lora", "qlora"]  # what the block's exclude and overrides name
+        try:
+            ftbench_config.validate_config(config)
+        except FtbenchError as error:
+            pytest.fail(f"{where}: {error}")
+        if "budget" in sections:
+            assert all(isinstance(value, (int, float)) for value in config["budget"].values()), where
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings that contradict each other or their metric
+
+
+@pytest.mark.parametrize("metric, value, message", [
+    ("eval_accuracy", 70, "config key target.value: 70 is outside [0, 1], where eval_accuracy lies; it is a proportion: 0.70?"),
+    ("eval_accuracy", 1.5, "config key target.value: 1.5 is outside [0, 1], where eval_accuracy lies"),
+    ("eval_loss", -0.1, "config key target.value: -0.1 is below 0, the least eval_loss can be"),
+    ("eval_perplexity", 0.5, "config key target.value: 0.5 is below 1, the least eval_perplexity can be"),
+])
+def test_a_target_its_metric_cannot_take_is_refused_naming_the_value(tmp_path, tiny_config_factory, metric, value, message):
+    if metric == "eval_accuracy":
+        config = tiny_config_factory(target={"metric": metric, "value": value})
+    else:  # a language model's figures
+        config = {**lm_experiment(tmp_path, config_model()), "target": {"metric": metric, "value": value}}
+    with pytest.raises(FtbenchError) as raised:
+        ftbench_config.validate_config(config)
+    assert str(raised.value).startswith(message)
+
+
+def test_a_reachable_target_is_accepted(tmp_path):
+    config = {**lm_experiment(tmp_path, config_model()), "target": {"metric": "eval_perplexity", "value": 1.0}}
+    ftbench_config.validate_config(config)
+
+
+def test_a_budget_of_tokens_and_samples_is_refused(tiny_config_factory):
+    """The two sizes agree for no run (tokens per sample differ run to run); the projection would use one silently."""
+    with pytest.raises(FtbenchError, match=r"^config key budget.samples: the budget gives tokens \(1e\+09\) and samples "
+                                           r"\(200000\), which agree for no run"):
+        ftbench_config.validate_config(tiny_config_factory(budget={"tokens": 1e9, "samples": 200000}))
+
+
+@pytest.mark.parametrize("table, settings, message", [
+    ("providers: {a: {on_demand: {A100: 1.0}}, b: {on_demand: {A100: 2.0}}}\n", {},
+     r"config key prices.provider: price table .*prices.yaml has providers 'a', 'b' and no default_provider; choose one"),
+    ("providers: {a: {on_demand: {A100: 1.0}}}\n", {"pricing": "spot"},
+     r"config key prices.pricing: provider 'a' of price table .*prices.yaml has no spot prices, so every cost would be "
+     r"empty; expected 'on_demand'"),
+    ("default_provider: b\nproviders: {a: {on_demand: {A100: 1.0}}}\n", {},
+     r"config key prices.provider: 'b' is not in price table"),
+])
+def test_a_price_table_choice_that_prices_nothing_or_guesses_is_refused(tmp_path, table, settings, message):
+    from ftbench.report import cost
+
+    path = _file(tmp_path, "prices.yaml", "models: [{name: A100, match: A100}]\n" + table)
+    with pytest.raises(FtbenchError, match=f"^{message}"):
+        cost.resolve({**settings, "table": str(path)})
+    if not settings:  # one provider needs no choosing
+        one = _file(tmp_path, "one.yaml", "models: [{name: A100, match: A100}]\nproviders: {a: {on_demand: {A100: 1.0}}}\n")
+        assert cost.resolve({"table": str(one)}).provider == "a"
+
+
+def test_a_target_or_floor_on_random_labels_is_warned_about(tiny_config_factory):
+    config = tiny_config_factory(target={"metric": "eval_accuracy", "value": 0.7}, recommend={"min_accuracy": 0.6})
+    config["datasets"]["random"] = {"source": {"kind": "synthetic"}}
+    config["matrix"]["dataset"] = ["tiny", "random"]
+    ftbench_config.validate_config(config)
+    messages = ftbench_config.experiment_warnings(config)
+    target = [m for m in messages if m.startswith("config key target:")]
+    floor = [m for m in messages if m.startswith("config key recommend.min_accuracy:")]
+    assert len(target) == 1 and "synthetic data, whose labels are random" in target[0] and "tiny-random-" in target[0]
+    assert len(floor) == 1 and "tiny-tiny-" not in floor[0]
+    config["matrix"]["dataset"] = ["tiny"]
+    assert not [m for m in ftbench_config.experiment_warnings(config) if "synthetic" in m]
+
+
+@pytest.mark.parametrize("rows, warned", [(1, True), (3, True), (4, False)])
+def test_an_eval_subset_too_small_to_separate_anything_is_warned_naming_it(tiny_config_factory, rows, warned):
+    """With fewer than 4 rows, the 95% intervals of none right and all right overlap: the curve is noise."""
+    config = tiny_config_factory()
+    config["defaults"].update(eval_every=2, eval_subset=rows)
+    ftbench_config.validate_config(config)
+    messages = [m for m in ftbench_config.experiment_warnings(config) if m.startswith("config key defaults.eval_subset")]
+    assert bool(messages) == warned
+    if warned:
+        assert "too few to tell any two evaluations apart" in messages[0] and "expected eval_subset >= 4" in messages[0]
+
+
+# Nullable settings whose null stands for something the parse cannot know (the model's or processor's own choice,
+# the data's size, the run's length): null and a value are two recipes as far as the experiment can tell.
+NULL_DECIDED_ELSEWHERE = {"model", "dataset", "max_steps", "attn_implementation", "warmup_max_steps", "image_size",
+                          "max_eval_samples", "eval_every", "eval_subset"}
+
+
+@pytest.mark.parametrize("setting, settings", [
+    ("lora_base_dtype", {"method": "lora", "precision": "bf16"}),
+    ("qlora_compute_dtype", {"method": "qlora", "precision": "bf16"}),
+    ("fsdp_reduce_dtype", {"parallel": "fsdp", "num_gpus": 2, "precision": "bf16", "method": "full"}),
+    ("lora_alpha", {"method": "lora", "lora_rank": 4}),
+])
+def test_a_settings_null_and_what_it_means_are_one_run(tiny_config_factory, setting, settings):
+    """lora_base_dtype: null and compute are one recipe, so one run id; so for every setting whose null stands for a
+    value the run's other settings decide (RunSpec's null_means), and a test names every nullable setting."""
+    from ftbench import runspec
+    from ftbench.experiment import matrix
+
+    fields = {field.name: field for field in runspec.settings_fields()}
+    meaning = fields[setting].metadata["setting"].null_means
+    assert meaning is not None
+    ids = []
+    for value in (None, meaning({**runspec.RunSpec().to_dict(), **settings})):
+        config = tiny_config_factory()
+        config["defaults"].update(settings, **{setting: value})
+        config["matrix"].pop("method")
+        ids.append([run.run_id for run in matrix.expand_runs(config)])
+    assert ids[0] == ids[1]
+    nullable = {name for name, field in fields.items() if "null" in str(field.metadata["setting"].schema) or field.default is None}
+    explained = {name for name, field in fields.items() if field.metadata["setting"].null_means is not None}
+    assert nullable - explained == NULL_DECIDED_ELSEWHERE
+
+
+def test_plan_prints_the_experiments_warnings_as_the_dry_run_does(tmp_path, tiny_config_factory):
+    path = write_config(tmp_path, tiny_config_factory(exclude=[{"method": "qlora"}]))
+    process = subprocess.run([sys.executable, "-m", "ftbench", "plan", str(path), "--results", str(tmp_path / "none.parquet")],
+                             capture_output=True, text=True)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert "ftbench: warning: config key exclude[0]" in process.stderr
+
+
+def test_check_refuses_a_price_choice_that_prices_nothing_as_the_dry_run_does(tmp_path, tiny_config_factory):
+    table = _file(tmp_path, "prices.yaml", "models: [{name: A100, match: A100}]\nproviders: {a: {on_demand: {A100: 1.0}}}\n")
+    path = write_config(tmp_path, tiny_config_factory(prices={"table": str(table), "pricing": "spot"}))
+    process = subprocess.run([sys.executable, "-m", "ftbench", "check", str(path)], capture_output=True, text=True)
+    assert process.returncode == 1 and "Traceback" not in process.stderr
+    assert process.stderr.strip().splitlines()[-1].startswith("ftbench: config key prices.pricing: provider 'a' of price "
+                                                             "table")

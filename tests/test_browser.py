@@ -307,3 +307,23 @@ def test_chromium_leaves_no_process(tmp_path):
     instance.close()
     assert instance.process.poll() is not None
     shutil.rmtree(tmp_path / "chromium", ignore_errors=True)
+
+
+TABLE_WIDTH = """(id => {
+  const table = document.getElementById(id);
+  const cells = Array.from(table.querySelectorAll('thead th')).map(th => [th.textContent, Math.round(th.getBoundingClientRect().width)]);
+  return {right: table.getBoundingClientRect().right, width: table.scrollWidth, page: document.documentElement.clientWidth,
+          scrolls: document.documentElement.scrollWidth > document.documentElement.clientWidth, cells};
+})"""
+
+
+@pytest.mark.parametrize("fixture", ["mixed", "cpu_default"])
+def test_the_per_method_table_fits_a_laptop_window(tmp_path, browser, fixture):
+    """The cheapest configuration per method, at a laptop's 1366 px: no wider than the window (its headers wrap after
+    an underscore, its list of ties wraps)."""
+    build(tmp_path, fixture, **DEFAULT_RECOMMEND)
+    browser.open(tmp_path / fixture / "report.html", width=1366, height=900)
+    facts = browser.evaluate(f"{TABLE_WIDTH}('recommend-per-method')")
+    print(f"screenshot: {browser.screenshot(tmp_path / 'per-method.png', full_page=True)}; columns: {facts['cells']}")
+    assert facts["right"] <= facts["page"] and facts["width"] <= facts["page"], facts
+    assert browser.problems() == []

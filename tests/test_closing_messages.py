@@ -52,6 +52,31 @@ def test_a_run_its_walltime_ended_is_told_the_walltime_to_ask_for(tmp_path, monk
     assert "rerun snakemake with the walltime their lines give to retry them" in told
 
 
+def test_a_run_slurm_ended_after_keeping_its_row_is_told_what_trains_it_again(tmp_path, monkeypatch, capsys):
+    """SLURM's limit ended the job (every retry too) after it kept a timeout row: a rerun keeps that row whatever
+    walltime it gets, so the closing lines say to remove the row, with the walltime the job's line names."""
+    monkeypatch.chdir(tmp_path)
+    started = time.time() - 60
+    line = ("ftbench: run r9 reached its time limit (1 min) before it stopped itself: give it more time: --set-resources "
+            "train:runtime=7; its timeout row (3 steps, not evaluated) is kept in results/runs/r9/kept and a rerun keeps "
+            "it instead of training (delete results/runs/r9/ to train the run again)")
+    write_log(tmp_path, "logs/train/r9.log", line, mtime=started + 30)
+    (tmp_path / "results" / "runs" / "r9" / "kept").mkdir(parents=True)
+    summary.print_outcome(started, failed_jobs=True)
+    told = capsys.readouterr().err
+    assert "1 run kept a timeout row, which a rerun keeps whatever walltime it gets: remove the row" in told
+    assert "       rm -r results/runs/r9/ && snakemake <your arguments> --set-resources train:runtime=7\n" in told
+    assert "runtime=<" not in told and "1 runs" not in told
+    assert told.rstrip("=\n").endswith("the runs that kept a timeout row train again only once it is removed (the "
+                                        "commands above)")
+
+
+def test_one_run_is_one_run():
+    frame = pd.DataFrame([{"run_id": "a", "status": "ok", "status_reason": None}])
+    assert summary.outcome_summary(frame, "t").startswith("ftbench: 1 run: 1 ok, ")
+    assert summary.outcome_summary(pd.concat([frame, frame]), "t").startswith("ftbench: 2 runs: 2 ok, ")
+
+
 def test_a_job_killed_without_a_word_and_a_named_error_each_get_their_own_advice(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     started = time.time() - 60
@@ -133,8 +158,12 @@ def test_a_timed_out_run_is_told_the_walltime_its_steps_need():
     row = {"run_id": "slow", "status": "timeout", "status_reason": "stopped before the job's time limit (2 min) at step 10 of 1000",
            "last_step": 9, "total_steps": 1000, "train_time_s": 40.0, "wall_time_s": 70.0}
     assert summary.more_time(pd.Series(row)) == 84
-    (advice,) = summary.advice_lines(pd.DataFrame([row]))
+    advice, command = summary.advice_lines(pd.DataFrame([row]))
     assert advice.startswith("  -> timeout (slow: runtime=84): retry with more time")
+    # A rerun keeps the row whatever walltime it gets: what retrains it, with the number in the command. The walltime
+    # may have been the user's or an administrator's: the cause blames no estimate.
+    assert command == "       rm -r results/runs/slow/ && snakemake <your arguments> --set-resources train:runtime=84"
+    assert "estimate" not in advice and "<minutes>" not in advice
     unknown = {**row, "train_time_s": None}
     assert summary.more_time(pd.Series(unknown)) == 4  # twice what it had
     assert summary.more_time(pd.Series({**row, "status_reason": "stopped before the job's time limit at step 10 of 1000"})) is None

@@ -105,9 +105,10 @@ def test_a_job_written_row_goes_to_kept_first_then_to_the_outputs(tmp_path, spec
     assert json.loads(out.read_text()) == json.loads((kept_rows.kept_dir(out) / "metrics.json").read_text())
 
 
-def test_a_run_the_time_limit_ends_keeps_a_timeout_row_for_the_next_job(tmp_path, spec, monkeypatch, keep_sigterm):
+def test_a_run_the_time_limit_ends_keeps_a_timeout_row_for_the_next_job(tmp_path, spec, monkeypatch, keep_sigterm, capfd):
     """SLURM's limit (a SIGTERM at it) ends the job mid-run: no outputs (Snakemake deletes a failed job's), but a
-    `timeout` row of its steps in kept/, a line naming the walltime to ask for, and the next job keeps that row."""
+    `timeout` row of its steps in kept/, a line naming the walltime to ask for, and the next job keeps that row,
+    saying the first job's line again (Snakemake's retry writes the run's log anew)."""
     out = tmp_path / "runs" / spec.run_id / "metrics.json"
     monkeypatch.setenv("SLURM_JOB_START_TIME", repr(time.time() - 118))  # 2 minutes, 2 s left
     monkeypatch.setenv("SLURM_JOB_ID", "7")
@@ -132,8 +133,12 @@ def test_a_run_the_time_limit_ends_keeps_a_timeout_row_for_the_next_job(tmp_path
     assert kept["status"] == "timeout" and kept["status_reason"].startswith("the scheduler's time limit (2 min) ended its job after 3 of 50 steps")
 
     monkeypatch.setattr(trainer, "train_run", lambda *a, **k: pytest.fail("the kept row is kept, not trained again"))
+    capfd.readouterr()
     assert job.run_job(spec, str(tmp_path), out=out, time_limit_s=240)["status"] == "timeout"
     assert out.is_file()
+    retry_log = capfd.readouterr().out
+    assert f"ftbench: an earlier job of this run ended: {line}\n" in retry_log
+    assert retry_log.index("an earlier job of this run ended") < retry_log.index(f"run {spec.run_id}: kept the row")
 
 
 def test_a_cancelled_run_is_not_an_error_and_keeps_nothing(tmp_path, spec, monkeypatch, keep_sigterm):

@@ -135,3 +135,12 @@ def parsed_experiments() -> dict[str, str]:
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda path: path.name)
 def test_shipped_experiment_parses_without_torch(parsed_experiments, path):
     assert parsed_experiments[str(path)] == "ok", parsed_experiments[str(path)]
+
+
+def test_snakemakes_lint_finds_nothing():
+    """Snakemake's own rules for a workflow (functions in rules/common.smk or the package, not beside the rules)."""
+    beside = Path(sys.executable).with_name("snakemake")
+    command = [str(beside)] if beside.is_file() else [sys.executable, "-m", "snakemake"]
+    result = subprocess.run([*command, "--lint"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0 and "Lints for" not in report, report[-3000:]

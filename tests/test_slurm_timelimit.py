@@ -139,7 +139,11 @@ def test_the_job_runs_with_the_limit_it_was_submitted_with(cluster, workdir, lon
     assert result["status_reason"].startswith("the scheduler's time limit (1 min) ended its job after "), result
     assert result["last_step"] >= 0 and result.get("eval_accuracy") is None, result  # its steps; no time to evaluate
     kept_line = f"ftbench: run {run.run_id}: kept the row (status timeout)"
-    assert kept_line in (workdir / "logs" / "train" / f"{run.run_id}.log").read_text()  # the retry did not train
+    retry_log = (workdir / "logs" / "train" / f"{run.run_id}.log").read_text()
+    assert kept_line in retry_log  # the retry did not train
+    # ...and its log, written anew, still says why the first job ended and the walltime to ask for
+    assert f"ftbench: an earlier job of this run ended: run {run.run_id} reached its time limit (1 min)" in retry_log
+    assert "--set-resources train:runtime=" in retry_log
 
 
 def _wait_for_progress(log: Path, timeout_s: float) -> None:

@@ -99,7 +99,7 @@ def collect(argv: list[str] | None = None) -> None:
     prices = cost.resolve(settings)
     frame = collect_module.collect(args.results, args.parquet, args.csv, prices=prices, budget=json.loads(args.budget),
                                    gpu_peaks=args.gpu_peaks, summary_path=args.summary, target=json.loads(args.target))
-    print(f"collected {len(frame)} runs -> {args.parquet} (prices: {prices.table_path} {prices.label})")
+    print(f"collected {_count(len(frame), 'run')} -> {args.parquet} (prices: {prices.table_path} {prices.label})")
 
 
 def report(argv: list[str] | None = None) -> None:
@@ -177,18 +177,34 @@ def schema(argv: list[str] | None = None) -> None:
 def check(argv: list[str]) -> None:
     """Snakemake reports a YAML syntax error in a --configfile only as "not valid JSON or YAML", before
     ftbench can see the file: this names the file, line and column (and every other config problem)."""
-    from ftbench.experiment import config
-
     parser = argparse.ArgumentParser(prog="python -m ftbench check", description=check.__doc__)
     parser.add_argument("experiment", help="experiment YAML file (what you pass to snakemake --configfile)")
     args = parser.parse_args(argv)
-    experiment = config.load_config(args.experiment)
-    for message in config.experiment_warnings(experiment):
-        print(f"ftbench: warning: {message}", file=sys.stderr)
+    experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
-    print(f"{args.experiment}: valid; {len(runs)} runs")
+    print(f"{args.experiment}: valid; {_count(len(runs), 'run')}")
     for run in runs:
         print(f"  {run.run_id}")
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 run``, ``2 runs`` (as the closing summary writes them)."""
+    from ftbench.report.summary import count  # deferred: the summary module reads pandas
+
+    return count(number, noun)
+
+
+def _load_experiment(path: str) -> dict:
+    """The experiment file validated, its warnings printed as `snakemake -n` prints them."""
+    from ftbench.experiment import config
+
+    from ftbench.report import cost
+
+    experiment = config.load_config(path)
+    cost.resolve(experiment.get("prices") or {})  # a price choice that prices nothing is refused here too
+    for message in config.experiment_warnings(experiment):
+        print(f"ftbench: warning: {message}", file=sys.stderr)
+    return experiment
 
 
 def plan(argv: list[str]) -> None:
@@ -196,7 +212,7 @@ def plan(argv: list[str]) -> None:
     GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
     fits there; then per GPU its predicted tokens/s, the hours and dollars of the experiment's budget (a calibrated
     step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits."""
-    from ftbench.experiment import config, memory_plan
+    from ftbench.experiment import memory_plan
     from ftbench.measure import gpu_table
     from ftbench.report import cost, prediction
 
@@ -212,11 +228,11 @@ def plan(argv: list[str]) -> None:
                              "calibration for the GPU models they ran on (default: %(default)s)")
     args = parser.parse_args(argv)
     gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
-    experiment = config.load_config(args.experiment)
+    experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
     calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
-    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
+    print(f"{args.experiment}: {_count(len(runs), 'run')}; memory per GPU (MiB; fits: estimate +-10% against capacity); "
           + prediction.plan_heading(calibration, prices, budget))
     for run in runs:
         planned = memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)

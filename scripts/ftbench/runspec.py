@@ -39,12 +39,15 @@ class Setting:
     applies: Callable[[dict], bool] | None = None
     # The same in words, for the warning when a setting is given but no run uses it ("method lora or qlora").
     applies_when: str | None = None
+    # For a setting whose null stands for a value its run's settings decide (the run's precision, ...): that value.
+    # normalise writes null and that value one way, so the two spellings of one recipe share one run id.
+    null_means: Callable[[dict], Any] | None = None
 
 
 def setting(default: Any, doc: str, schema: dict, column: str | None = None, name_part=None, applies=None,
-            applies_when: str | None = None):
+            applies_when: str | None = None, null_means=None):
     meta = Setting(doc=doc, schema=schema, column=column, name_part=name_part, applies=applies,
-                   applies_when=applies_when or APPLIES_WHEN.get(applies))
+                   applies_when=applies_when or APPLIES_WHEN.get(applies), null_means=null_means)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata={"setting": meta})
     return field(default=default, metadata={"setting": meta})
@@ -174,7 +177,7 @@ class RunSpec:
     fsdp_reduce_dtype: str | None = setting(
         None, "fsdp: dtype of the gradient reduce-scatter (null: the run's precision; fp32 for exact reductions of 16-bit "
         "gradients)", {"enum": [None, "fp32", "bf16", "fp16"]}, "string",
-        applies=_is_fsdp)
+        applies=_is_fsdp, null_means=lambda settings: compute_dtype(settings["precision"]))
     num_gpus: int = setting(1, "GPUs per node the run asks for (0: CPU); with no GPU visible a 1-GPU run falls back to the CPU",
                             {"type": "integer", "minimum": 0, "maximum": 64}, "Int64")
     num_nodes: int = setting(1, "nodes of a ddp/fsdp run (SLURM only): one torchrun per node, num_gpus on each",
@@ -183,7 +186,8 @@ class RunSpec:
 
     # --- LoRA / QLoRA details
     lora_alpha: float | None = setting(None, "LoRA scaling alpha (null: 2 x rank); null for full fine-tuning",
-                                       _nullable({"type": "number", "exclusiveMinimum": 0}), "Float64", applies=_is_adapter)
+                                       _nullable({"type": "number", "exclusiveMinimum": 0}), "Float64", applies=_is_adapter,
+                                       null_means=lambda settings: 2 * settings["lora_rank"])
     lora_dropout: float = setting(0.05, "dropout on the LoRA branch", {"type": "number", "minimum": 0, "maximum": 0.9},
                                   applies=_is_adapter)
     lora_targets: Any = setting("all-linear", "module names to adapt, or all-linear", LORA_TARGETS_SCHEMA, applies=_is_adapter)
@@ -192,9 +196,11 @@ class RunSpec:
         "adapters under autocast: PEFT's convention, as Axolotl, LLaMA-Factory, Unsloth and torchtune run it) | fp32 (an "
         "fp32 base under autocast, TRL's SFTTrainer default for a bare model id: twice the base's memory)",
         {"enum": [None, "compute", "fp32"]}, "string",
-        name_part=lambda s: "fp32base" if s.lora_base_dtype == "fp32" else None, applies=_has_lora_base_choice)
+        name_part=lambda s: "fp32base" if s.lora_base_dtype == "fp32" else None, applies=_has_lora_base_choice,
+        null_means=lambda settings: "compute")
     qlora_compute_dtype: str | None = setting(None, "QLoRA compute dtype; null: the run's precision",
-                                              {"enum": [None, "fp32", "fp16", "bf16"]}, "string", applies=_is_qlora)
+                                              {"enum": [None, "fp32", "fp16", "bf16"]}, "string", applies=_is_qlora,
+                                              null_means=lambda settings: compute_dtype(settings["precision"]))
 
     # --- optimisation
     learning_rate: float = setting(5e-4, "peak learning rate", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "Float64")
@@ -421,12 +427,16 @@ def spec_columns() -> dict[str, tuple[str, str]]:
 
 
 def normalise(settings: dict) -> dict:
-    """Drop what does not affect a run so that equivalent runs share one id."""
+    """Drop what does not affect a run, and write each setting's null and what it stands for one way, so that
+    equivalent runs share one id."""
     settings = dict(settings)
     for f in settings_fields():
-        applies = f.metadata["setting"].applies
-        if applies is not None and not applies(settings):
+        meta = f.metadata["setting"]
+        if meta.applies is not None and not meta.applies(settings):
             settings[f.name] = None
+        elif meta.null_means is not None and settings[f.name] in (None, meta.null_means(settings)):
+            # The default's spelling, which earlier ids were hashed with: null where the default is null.
+            settings[f.name] = None if f.default is None else meta.null_means(settings)
     if settings["method"] != "full" and settings["lora_alpha"] is None:
         settings["lora_alpha"] = 2 * settings["lora_rank"]  # the common choice that keeps the update scale stable
     if settings["parallel"] == "single":

@@ -28,6 +28,23 @@ KEPT = "kept"
 ROW_FILES = ("steps.parquet", "evals.parquet", "metrics.json")
 
 
+# The line of the job that kept the row (why the scheduler ended it, the walltime to ask for): a retry that keeps the
+# row says it again, since Snakemake's retry writes the run's log anew.
+ENDING = "ending.txt"
+
+
+def keep_ending(out: Path, line: str) -> None:
+    atomic.write_text(kept_dir(out) / ENDING, line + "\n")
+
+
+def kept_ending(out: Path) -> str | None:
+    """The line the job that kept the row of ``out`` ended with, or None."""
+    try:
+        return (kept_dir(out) / ENDING).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
 def kept_dir(out: Path) -> Path:
     """Where the row of the run whose metrics.json is ``out`` is kept."""
     return Path(out).parent / KEPT

@@ -64,8 +64,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ftbench import atomic
-from ftbench.errors import FtbenchError
+from ftbench import atomic, user_yaml
+from ftbench.errors import ConfigError, FtbenchError
 from ftbench.experiment import step_time
 from ftbench.measure import metrics
 
@@ -223,8 +223,8 @@ def load(path: str | Path) -> Calibration:
     if not path.is_file():
         raise FtbenchError(f"calibration {path}: not found (config/calibration.yaml is the shipped one)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
+        data = user_yaml.loads(path.read_text(encoding="utf-8"), str(path)) or {}  # 1e-3 a number, as people write it
+    except ConfigError as exc:
         raise FtbenchError(f"calibration {path}: not YAML ({' '.join(str(exc).split())})") from None
     problem = _problem(data)
     if problem:

@@ -17,10 +17,11 @@ from typing import Any, Iterable
 import jsonschema
 import yaml
 
-from ftbench import runspec
+from ftbench import runspec, user_yaml
 from ftbench.data import images, sources
 from ftbench.errors import ConfigError
 from ftbench.experiment import feasibility
+from ftbench.measure import intervals
 from ftbench.runspec import RunSpec
 from ftbench.tasks import registry
 from ftbench.tasks.base import is_proportion
@@ -48,50 +49,8 @@ def schema_yaml() -> str:
     return header + yaml.safe_dump(load_schema(), sort_keys=False, width=120, allow_unicode=True)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key, line: int, first_line: int):
-        super().__init__(key)
-        self.key, self.line, self.first_line = key, line, first_line
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a mapping with the same key twice is an error: plain YAML
-    loaders (Snakemake's too) keep the last value silently, so a second model of the same name would
-    replace the first unnoticed."""
-
-    def construct_mapping(self, node, deep=False):
-        first_lines: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                if key in first_lines:
-                    raise _DuplicateKey(key, key_node.start_mark.line + 1, first_lines[key])
-                first_lines[key] = key_node.start_mark.line + 1
-            except TypeError:  # an unhashable key: the base loader reports it
-                pass
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml(path: str | Path) -> Any:
-    """A YAML file with duplicate keys and syntax errors reported as one line naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path}: not found")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.load(handle, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as exc:
-        raise ConfigError(
-            f"config file {path}, line {exc.line}: duplicate key {exc.key!r} (first given on line {exc.first_line}); "
-            "YAML would keep only the last one: rename or remove one of them"
-        ) from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
-        raise ConfigError(f"config file {path}{where}: not valid YAML ({problem})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+# The experiment file is read as every YAML file a user writes (numbers in exponent form, a key given twice refused).
+load_yaml = user_yaml.load_yaml
 
 
 def load_config(path: str | Path) -> dict:
@@ -102,15 +61,83 @@ def load_config(path: str | Path) -> dict:
 
 
 def validate_config(config: Any, schema: dict | None = None) -> None:
-    """Schema check plus cross-references. Raises ConfigError naming the first offending key."""
+    """Schema check plus cross-references. Raises ConfigError naming the first offending key. Numbers are
+    normalised in place first (``normalise_numbers``): what the runs are built from is the checked config."""
     if not isinstance(config, dict):
         raise ConfigError("config: expected a mapping at the top level (models, datasets, matrix, ...)")
     schema = schema or load_schema()
+    normalise_numbers(config, schema)
     validator = jsonschema.Draft202012Validator(schema)
     errors = list(validator.iter_errors(config))
     if errors:
         raise ConfigError(describe_schema_error(_most_specific(errors), schema))
     check_references(config)
+
+
+# An integer is an int here, never a float: 16.0 from a script would validate as an integer and then name its runs
+# b16.0 and reach range() in a job. normalise_numbers makes such a value the integer it is.
+_WHOLE_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool))
+_StrictIntegers = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_WHOLE_TYPES)
+
+
+def normalise_numbers(config: dict, schema: dict) -> None:
+    """Numbers as people write them, where the schema wants a number and no text: a string in exponent form (1e9
+    and 5e-4 reach us as text from Snakemake's YAML 1.1 reader) becomes that number, and a whole float where an
+    integer is required (16.0) that integer, in place. Anything else is left for the schema check to refuse."""
+    for model in (config.get("models") or {}).values():
+        # A config-built model's overrides are the transformers config's own settings, which the schema leaves
+        # open: rms_norm_eps: 1e-6 and rope_theta: 1e4 are numbers there too (whole ones integers, as sizes are).
+        source = model.get("source") if isinstance(model, dict) else None
+        if isinstance(source, dict) and isinstance(source.get("overrides"), dict):
+            source["overrides"] = _exponent_numbers(source["overrides"])
+    validator = _StrictIntegers(schema)
+    for _ in range(1000):  # each pass fixes every value it can reach; a oneOf branch can hide the next
+        fixes = {}
+        for error in _leaf_errors(validator.iter_errors(config)):
+            number = _as_number(error)
+            if number is not None:
+                fixes[tuple(error.absolute_path)] = number
+        if not fixes:
+            return
+        for path, number in fixes.items():
+            parent = config
+            for part in path[:-1]:
+                parent = parent[part]
+            parent[path[-1]] = number
+
+
+def _exponent_numbers(value: Any) -> Any:
+    """``value`` with every string in exponent form made a number (an int where whole), at any depth."""
+    if isinstance(value, dict):
+        return {key: _exponent_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_exponent_numbers(item) for item in value]
+    if isinstance(value, str) and user_yaml.EXPONENT_NUMBER.match(value.strip()):
+        number = float(value.strip().replace("_", ""))
+        return int(number) if number.is_integer() else number
+    return value
+
+
+def _leaf_errors(errors) -> Iterable[jsonschema.ValidationError]:
+    for error in errors:
+        yield error
+        yield from _leaf_errors(error.context or ())
+
+
+def _as_number(error: jsonschema.ValidationError) -> int | float | None:
+    """The number a type error's value is, where its key wants a number and the value is one written otherwise."""
+    if error.validator != "type":
+        return None
+    expected = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+    value = error.instance
+    if isinstance(value, str) and user_yaml.EXPONENT_NUMBER.match(value.strip()):
+        value = float(value.strip().replace("_", ""))
+    if isinstance(value, bool) or not isinstance(value, float) or value != value or value in (float("inf"), float("-inf")):
+        return None
+    if "integer" in expected and value.is_integer():
+        return int(value)
+    return value if "number" in expected and value is not error.instance else None
 
 
 def key_path(parts: Iterable[Any]) -> str:
@@ -290,6 +317,27 @@ def check_budget(config: dict) -> None:
             f"config key budget: give tokens or samples (the size of the training run to project), got only "
             f"{', '.join(sorted(budget))}; or leave budget out"
         )
+    if budget is not None and "tokens" in budget and "samples" in budget:
+        # A sample's tokens differ run to run (each run's measured tokens per sample): the two sizes agree for no run.
+        raise ConfigError(
+            f"config key budget.samples: the budget gives tokens ({budget['tokens']:g}) and samples ({budget['samples']:g}), "
+            "which agree for no run (each run's tokens per sample is its own); give one of them"
+        )
+
+
+# The least each lower-is-better figure can be: a loss is a cross-entropy (>= 0), a perplexity its exponential (>= 1).
+METRIC_FLOORS = {"eval_loss": 0.0, "eval_perplexity": 1.0}
+
+
+def _target_value_problem(metric: str, value: float) -> str | None:
+    """Why ``value`` is not a value ``metric`` can take, or None."""
+    if is_proportion(metric) and not 0 <= value <= 1:
+        hint = f"; it is a proportion: {value / 100:.2f}?" if 1 < value <= 100 else ""
+        return f"{value:g} is outside [0, 1], where {metric} lies{hint}"
+    floor = METRIC_FLOORS.get(metric)
+    if floor is not None and value < floor:
+        return f"{value:g} is below {floor:g}, the least {metric} can be, so no run can reach it; expected a value >= {floor:g}"
+    return None
 
 
 def check_target(config: dict, runs: list[RunSpec]) -> None:
@@ -304,8 +352,9 @@ def check_target(config: dict, runs: list[RunSpec]) -> None:
             raise ConfigError(f"config key target.metric: {target['metric']!r} is not an eval figure of any run's task"
                               f"{f'; did you mean {hint!r}?' if hint else ''}; expected one of "
                               f"{', '.join(map(repr, produced))} (what these runs' tasks produce)")
-        if is_proportion(target["metric"]) and not 0 <= target["value"] <= 1:
-            raise ConfigError(f"config key target.value: {target['value']} is outside [0, 1], where {target['metric']} lies")
+        problem = _target_value_problem(target["metric"], target["value"])
+        if problem:
+            raise ConfigError(f"config key target.value: {problem}")
     for run in runs:
         if not run.stop_at_target:
             continue
@@ -421,7 +470,23 @@ def _too_small(run: RunSpec) -> list[tuple[str, Any, str]]:
     if run.eval_every is not None and run.eval_subset is not None and scored is not None and run.eval_subset >= scored:
         found.append(("eval_subset", run.eval_subset, f"{run.eval_subset} is not below the {scored} eval rows the run "
                       "scores, so each evaluation during training scores them all (as eval_subset null)"))
+    elif run.eval_every is not None and run.eval_subset is not None and run.eval_subset < SEPARABLE_ROWS:
+        found.append(("eval_subset", run.eval_subset, f"{run.eval_subset} row(s) are too few to tell any two evaluations "
+                      "apart: the 95% interval of a score of none right overlaps that of all right, so the curve and "
+                      f"when it reached the target are noise; expected eval_subset >= {SEPARABLE_ROWS}, or null"))
     return found
+
+
+def _fewest_separable_rows() -> int:
+    """The fewest scored rows at which two evaluations can differ beyond noise: none right and all right no longer
+    share a 95% Wilson interval."""
+    rows = 1
+    while intervals.wilson(0.0, rows)[1] >= intervals.wilson(1.0, rows)[0]:
+        rows += 1
+    return rows
+
+
+SEPARABLE_ROWS = _fewest_separable_rows()
 
 
 def _off_the_gpu(run: RunSpec) -> list[tuple[str, Any, str]]:
@@ -463,10 +528,19 @@ def _report_ineffective(config: dict, runs: list[RunSpec]) -> list[str]:
                         f"needs at least 3 repeats; with repeats {repeats} every configuration is scored by its median; "
                         "set repeats: 3 or more")
     floor = (config.get("recommend") or {}).get("min_accuracy")
-    if floor is not None and runs and all(run.dataset_def["source"]["kind"] == "synthetic" for run in runs):
+    synthetic = [run.run_id for run in runs if run.dataset_def["source"]["kind"] == "synthetic"]
+    if floor is not None and runs and len(synthetic) == len(runs):
         messages.append("config key recommend.min_accuracy: every run trains on synthetic data, which has no quality "
                         "figure, so no configuration can meet the floor and the report recommends none; use real data "
                         "or leave min_accuracy null")
+    elif floor is not None and synthetic:
+        messages.append(f"config key recommend.min_accuracy: synthetic data, whose labels are random, in "
+                        f"{_runs_named(synthetic)}: their accuracy is chance, so the floor judges them by noise; use real "
+                        "data for the runs the floor should judge")
+    if config.get("target") is not None and synthetic:
+        messages.append(f"config key target: synthetic data, whose labels are random, in {_runs_named(synthetic)}: "
+                        "when they reach the target (tokens, hours and cost to target) is chance, not what training "
+                        "bought; use real data for the runs the target should judge, or leave target out")
     return messages
 
 

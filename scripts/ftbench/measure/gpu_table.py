@@ -11,17 +11,16 @@ import re
 import warnings
 from pathlib import Path
 
-import yaml
-
-from ftbench.errors import FtbenchError
+from ftbench import user_yaml
+from ftbench.errors import ConfigError, FtbenchError
 
 
 def load_peaks(path: str | Path) -> list[dict]:
     """The ``gpus`` entries of a GPU table (layout of config/gpus.yaml)."""
     path = Path(path)
     try:
-        peaks = yaml.safe_load(path.read_text(encoding="utf-8"))["gpus"]
-    except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
+        peaks = user_yaml.loads(path.read_text(encoding="utf-8"), str(path))["gpus"]
+    except (OSError, UnicodeDecodeError, ConfigError, TypeError, KeyError) as exc:
         raise FtbenchError(f"GPU table {path}: cannot read its `gpus` list ({' '.join(str(exc).split())})") from None
     problem = _entries_problem(peaks)
     if problem:

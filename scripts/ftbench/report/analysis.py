@@ -270,6 +270,10 @@ def window_figures(steps: pd.DataFrame) -> dict:
     (one process or all)."""
     times = steps["step_time_s"].astype(float).to_numpy()
     tokens = steps["tokens"].astype(float).to_numpy()
+    if len(times) == 1 and times.sum() > 0 and tokens.sum() > 0:
+        # A rate from one step (a run stopped at its target, or cut short, right after warmup): no interval, no
+        # stability to judge, and nothing to say the step was typical. The row and the report say so.
+        return {"window_steps": 1, "unstable": True, "unstable_reason": TOO_SHORT_REASON}
     if len(times) < 2 or times.sum() <= 0 or tokens.sum() <= 0:
         return {"window_steps": len(times)}
     ratio, low, high = uncertainty.ratio_interval(list(tokens), list(times))
@@ -289,6 +293,8 @@ def window_figures(steps: pd.DataFrame) -> dict:
             "unstable_reason": "; ".join(reasons) or None}
 
 
+TOO_SHORT_REASON = ("one measured step: too short to measure a rate (stopped at its target or cut short right after "
+                    "warmup), so its tokens/s and costs rest on that one step, with no interval")
 WINDOW_COLUMNS = ["window_steps", "low_ratio", "high_ratio", "mean_vs_median", "drift", "unstable", "unstable_reason"]
 # The figures each run's window gives (add_step_figures) that collect stores in the table (columns.py): a run
 # without steps (a result set compared without them) keeps what collect computed from its steps.
@@ -332,9 +338,11 @@ def add_step_figures(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         "unstable_reason": pd.array(table["unstable_reason"].to_numpy(), dtype="string"),
     }
     has_window = table["low_ratio"].notna().to_numpy()
+    judged = table["unstable"].notna().to_numpy()  # a one-step window is judged (too short) without an interval
     for column, values in fresh.items():
         values = pd.Series(values, index=runs.index)
-        runs[column] = values.where(has_window, runs[column].astype(values.dtype)) if column in runs else values
+        fresh_here = judged if column in ("unstable", "unstable_reason") else has_window
+        runs[column] = values.where(fresh_here, runs[column].astype(values.dtype)) if column in runs else values
     runs["window_steps"] = pd.array(table["window_steps"].to_numpy(), dtype="Int64")
     runs["mean_vs_median"] = pd.array(ratios[2], dtype="Float64")
     runs["drift"] = pd.array(ratios[3], dtype="Float64")

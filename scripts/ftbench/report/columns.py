@@ -198,7 +198,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                                              "below tokens_per_s: a stretch of fast steps, above: slow ones"),
     "unstable": ("boolean", "tokens_per_s and tokens_per_s_median_based differ by more than 3% of the latter, or the median "
                             "step time of the window's second half differs from its first half's by more than 5%: "
-                            "tokens_per_s is not a stable figure; null without a measured window"),
+                            "tokens_per_s is not a stable figure; also true for a window of one measured step (too short to "
+                            "measure a rate: unstable_reason says so); null without a measured window"),
     "unstable_reason": ("string", "why the run is unstable, with the figures (the report's note); null when it is not"),
     "cost_per_1m_tokens_low": ("Float64", "95% interval of cost_per_1m_tokens, low end: at tokens_per_s_high (cost = price / throughput)"),
     "cost_per_1m_tokens_high": ("Float64", "95% interval of cost_per_1m_tokens, high end: at tokens_per_s_low (inf when that is 0)"),

@@ -123,7 +123,12 @@ def resolve(settings: dict | None = None, default_table: str | Path = DEFAULT_PR
     table_path = settings.get("table") or default_table
     table = load_table(table_path)
     providers = table["providers"]
-    provider = settings.get("provider") or table.get("default_provider") or next(iter(providers), None)
+    provider = settings.get("provider") or table.get("default_provider")
+    if provider is None and len(providers) == 1:
+        provider = next(iter(providers))
+    if provider is None:  # choosing one of several would be a guess
+        raise ConfigError(f"config key prices.provider: price table {table_path} has providers "
+                          f"{', '.join(repr(name) for name in providers)} and no default_provider; choose one")
     if provider not in providers:
         raise ConfigError(
             f"config key prices.provider: {provider!r} is not in price table {table_path}; "
@@ -135,6 +140,11 @@ def resolve(settings: dict | None = None, default_table: str | Path = DEFAULT_PR
     per_hour = {name: float(price) for name, price in (providers[provider].get(pricing) or {}).items() if price is not None}
     names = [entry["name"] for entry in table["models"]]
     overrides = settings.get("per_device_hour") or {}
+    if not per_hour and not overrides:  # every cost would be empty
+        has = [name for name in PRICINGS if (providers[provider] or {}).get(name)]
+        raise ConfigError(f"config key prices.pricing: provider {provider!r} of price table {table_path} has no "
+                          f"{pricing} prices, so every cost would be empty; expected "
+                          f"{' or '.join(map(repr, has)) if has else 'a provider with prices'}")
     for name, price in overrides.items():
         if name not in names:
             raise ConfigError(

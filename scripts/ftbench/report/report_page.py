@@ -426,6 +426,10 @@ def unstable_notes(runs: pd.DataFrame) -> list[str]:
                          "table): read their throughput and cost with care.")
             said |= of_kind
     for _, row in windowed[unstable & ~said].iterrows():
+        if row.get("unstable_reason") == analysis.TOO_SHORT_REASON:
+            notes.append(f"Run {row['run_id']}: {analysis.TOO_SHORT_REASON}; read its tokens/s ({fmt(row['tokens_per_s'])}) "
+                         "and $ as a single step's, not a measured rate.")
+            continue
         notes.append(f"Unstable run {row['run_id']}: {row['unstable_reason']}; its window-mean tokens/s ({fmt(row['tokens_per_s'])}, "
                      f"median-based {fmt(row['tokens_per_s_median_based'])}) is not a stable figure.")
     return notes

@@ -24,8 +24,11 @@ REASON_CHARS = 160
 RUN_IN_THE_LOG = "logs/train/<run_id>.log"
 UNEXPECTED = "failed, unexpected error"
 ADVICE = {
-    "timeout": "retry with more time: it was slower than its walltime estimate; delete results/runs/<run_id>/ and rerun "
-               "snakemake with --set-resources train:runtime=<minutes>",
+    # Its row is kept whatever walltime a rerun gets: only a removed row trains again (the commands: retrain_lines).
+    # Its walltime may have been the estimate, a --set-resources or an administrator's: the cause names none of them.
+    "timeout": "retry with more time: its job's walltime ended it before all its steps, and a rerun keeps its row "
+               "whatever walltime it gets: remove the row, then rerun with --set-resources train:runtime= the minutes "
+               "its steps need (the commands below)",
     "oom": "fix, a retry would run out again: a smaller batch_size, gradient_checkpointing: true, auto_batch_size: true "
            "or a GPU with more memory",
     "diverged": "fix, a retry would diverge again (same seed): a lower learning_rate, or bf16 / fp32 instead of fp16",
@@ -61,7 +64,24 @@ def advice_lines(not_ok: pd.DataFrame) -> list[str]:
                 for run_id, (_, row) in zip(rows["run_id"], rows.iterrows())]
         named = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
         lines.append(f"  -> {kind} ({named}): {ADVICE[kind]}")
+        if kind == "timeout":
+            lines += retrain_lines([(run_id, more_time(row)) for run_id, (_, row) in zip(rows["run_id"], rows.iterrows())])
     return lines
+
+
+def retrain_lines(runs: list[tuple[str, int | None]]) -> list[str]:
+    """The commands that train (a few of) these runs again with more time, each with its walltime in minutes (None:
+    unknown): its row removed first, since a rerun keeps a run's row whatever walltime it gets."""
+    lines = [f"       rm -r results/runs/{run_id}/ && snakemake <your arguments> --set-resources "
+             f"train:runtime={minutes if minutes is not None else '<minutes, more than it had>'}" for run_id, minutes in runs[:3]]
+    if len(runs) > 3:
+        lines.append(f"       ... and {len(runs) - 3} more the same way (the table's status_reason names each one's walltime)")
+    return lines
+
+
+def count(number: int, noun: str) -> str:
+    """``1 run``, ``2 runs``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def more_time(row) -> int | None:
@@ -80,7 +100,7 @@ def outcome_summary(frame: pd.DataFrame, table_path: str) -> str:
     counts = frame["status"].value_counts()
     others = sorted(set(counts.index) - set(OUTCOMES))
     tally = ", ".join(f"{int(counts.get(status, 0))} {status}" for status in (*OUTCOMES, *others))
-    lines = [f"ftbench: {len(frame)} runs: {tally}"]
+    lines = [f"ftbench: {count(len(frame), 'run')}: {tally}"]
     not_ok = frame[frame["status"] != "ok"].copy()
     not_ok["order"] = not_ok["status"].map({status: i for i, status in enumerate(OUTCOMES)}).fillna(len(OUTCOMES))
     for _, row in not_ok.sort_values(["order", "run_id"]).head(MAX_LISTED).iterrows():
@@ -104,7 +124,7 @@ FIX, CANCELLED, TIME_LIMIT, KILLED = "fix", "cancelled", "time limit", "no line"
 JOB_ADVICE = {
     FIX: "fix what its line names, then rerun snakemake (a rerun alone fails again)",
     TIME_LIMIT: "its walltime ended it: rerun snakemake with the walltime its line gives (--set-resources "
-                "train:runtime=N, after the targets); a row it kept is kept by that rerun",
+                "train:runtime=N, after the targets)",
     CANCELLED: "cancelled or preempted, nothing to fix: a rerun trains it again",
     KILLED: "killed without a word (out of host memory, a node or network fault): a rerun retries it; its log shows "
             "how far it got",
@@ -188,22 +208,38 @@ def _told_by_slurm(log: Path, kind: str, line: str, started: float) -> tuple[str
     return slurm_ending(log.stem, started) or (kind, line)
 
 
-def failed_jobs_lines(started: float) -> list[str]:
+def _runtime_in(line: str) -> int | None:
+    """The walltime (minutes) a job's line asks for (``--set-resources train:runtime=N``), or None."""
+    found = re.search(r"train:runtime=(\d+)", line)
+    return int(found.group(1)) if found else None
+
+
+def failed_jobs_lines(started: float, results: Path = Path("results")) -> list[str]:
     """This invocation's failed jobs, each with its own last line, and what each kind needs: only a named error is
     one to fix; a cancelled or preempted run is not; a run its walltime ended gets the walltime to ask for."""
-    jobs = failed_jobs(started)
+    jobs = failed_jobs(started, results=results)
     lines = [f"  {kind} {log}: {' '.join(line.split())[:JOB_LINE_CHARS] or '(empty log)'}" for log, kind, line in jobs[:MAX_LISTED]]
     if len(jobs) > MAX_LISTED:
         lines.append(f"  ... and {len(jobs) - MAX_LISTED} more failed jobs")
     kinds = [kind for _, kind, _ in jobs]
+    # A run whose timeout row its job kept (cluster/kept_rows.py) is not trained by a rerun, whatever its walltime.
+    kept = [(log.stem, _runtime_in(line)) for log, kind, line in jobs
+            if kind == TIME_LIMIT and log.parent.name == "train" and (results / "runs" / log.stem / "kept").is_dir()]
     for kind in (k for k in JOB_ADVICE if k in kinds):
-        lines.append(f"  -> {kind} ({kinds.count(kind)}): {JOB_ADVICE[kind]}")
+        advice = JOB_ADVICE[kind]
+        if kind == TIME_LIMIT and kept:
+            advice += (f"; {count(len(kept), 'run')} kept a timeout row, which a rerun keeps whatever walltime it gets: "
+                       "remove the row to train it again")
+        lines.append(f"  -> {kind} ({kinds.count(kind)}): {advice}")
+        if kind == TIME_LIMIT and kept:
+            lines += retrain_lines(kept)
     if FIX in kinds:
         lines.append("ftbench: some jobs failed on an error to fix (listed above): fix what each names, then rerun "
                      "snakemake (a rerun alone fails again); any other failed job is retried by that rerun")
     elif jobs:
         more = " with the walltime their lines give" if TIME_LIMIT in kinds else ""
-        lines.append(f"ftbench: some jobs failed, nothing to fix (listed above): rerun snakemake{more} to retry them")
+        rows = "; the runs that kept a timeout row train again only once it is removed (the commands above)" if kept else ""
+        lines.append(f"ftbench: some jobs failed, nothing to fix (listed above): rerun snakemake{more} to retry them{rows}")
     else:
         lines.append("ftbench: some jobs failed (their logs are named above), none on an error ftbench named (killed, out "
                      "of host memory, a node or network fault): rerun snakemake to retry them")

@@ -101,6 +101,9 @@ def adopt_kept_row(spec: RunSpec, out: Path, data_dir: str) -> dict | None:
     if result is None:
         return None
     metrics = result.get("metrics") or {}
+    ending = kept_rows.kept_ending(out)
+    if ending:  # the earlier attempt's log was written anew by this one: its last word stays in the log
+        print(f"ftbench: an earlier job of this run ended: {ending}", flush=True)
     print(f"ftbench: run {spec.run_id}: kept the row (status {metrics.get('status')}) that an earlier job wrote before "
           f"the scheduler ended it ({kept_rows.kept_dir(out)}); not trained again (delete {out.parent}/ to train it "
           "again)", flush=True)
@@ -170,10 +173,12 @@ def ended_at_time_limit(spec: RunSpec, out: Path, metrics: dict, steps: list[dic
     row = {**metrics, "status": "timeout",
            "status_reason": f"the scheduler's time limit ({limit}) ended its job after {len(steps)} of "
                             f"{metrics.get('total_steps', '?')} steps, before it stopped itself; not evaluated"}
-    write_row(kept_rows.kept_dir(out), spec, row, steps)
-    return (f"{head} before it stopped itself: {more}; its timeout row ({len(steps)} steps, not evaluated) is kept in "
+    line = (f"{head} before it stopped itself: {more}; its timeout row ({len(steps)} steps, not evaluated) is kept in "
             f"{kept_rows.kept_dir(out)} and a rerun keeps it instead of training (delete {out.parent}/ to train the "
             "run again)")
+    kept_rows.keep_ending(out, line)  # before the row: a kept row always has its line
+    write_row(kept_rows.kept_dir(out), spec, row, steps)
+    return line
 
 
 def _measure(spec: RunSpec, data_dir: str, out: Path, threads: int | None, time_limit_s: float | None,
