@@ -7,6 +7,7 @@
     python -m ftbench compare ...        merge result sets from several machines into one report
     python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
     python -m ftbench plan X.yaml        before training: what fits each GPU, and each GPU's predicted speed, hours and $
+    python -m ftbench probe-gpu          a minute on this GPU: its matmul, bandwidth, kernel and host figures for plan
     python -m ftbench projection-check M.parquet   short runs' projections of the long runs of the same configuration, vs measured
     python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
@@ -267,6 +268,80 @@ def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
     return "\n".join(lines)
 
 
+def _peaks(text: str | None) -> dict | None:
+    """--peak-tflops "bf16=989,fp16=989,fp32=67" as dtype -> TFLOP/s."""
+    if not text:
+        return None
+    try:
+        return {key.strip(): float(value) for key, value in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise FtbenchError(f"--peak-tflops {text!r}: expected dtype=TFLOP/s pairs, e.g. bf16=989.4,fp16=989.4,fp32=66.9") from None
+
+
+def probe_gpu(argv: list[str]) -> None:
+    """Measure this GPU and its host for a minute at most (matmuls at the examples' widths in bf16, fp16, fp32;
+    elementwise and optimizer bandwidth; the kernel floor; the host's time per operation) and write its GPU model's
+    probe into a probe file that plan and the report read beside the calibration (measure/gpu_probe.py,
+    experiment/probes.py)."""
+    from ftbench.experiment import calibration as calibrations
+    from ftbench.experiment import probes
+    from ftbench.measure import environment, gpu_probe, gpu_table
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench probe-gpu", description=probe_gpu.__doc__)
+    parser.add_argument("--out", default=str(probes.DEFAULT_PROBES), help="probe file to add to (default: %(default)s)")
+    parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table (default: %(default)s)")
+    parser.add_argument("--calibration", default="config/calibration.yaml",
+                        help="calibration whose width_half and reference the printed parameters use (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", help="torch device to probe (default: %(default)s; cpu for a try)")
+    parser.add_argument("--name", default=None, help="GPU model name for a GPU the table lacks (default: the device's)")
+    parser.add_argument("--peak-tflops", default=None, help="a GPU the table lacks: its datasheet dense peaks, "
+                        "e.g. bf16=362,fp16=362,fp32=91.6")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="a GPU the table lacks: its datasheet memory bandwidth in GB/s")
+    args = parser.parse_args(argv)
+    calibration = calibrations.load(args.calibration)  # a broken file is said before a minute of measuring
+    probe_figures, added = probes.load(args.out)
+    gpus = probes.merged_gpus(gpu_table.load_peaks(args.gpus), added)
+    import torch  # deferred on purpose: only this command needs it, and the others stay torch-free
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FtbenchError("probe-gpu: no CUDA device visible (--device cpu probes the CPU, for a try)")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu, new_entry = _probed_gpu(device_name, gpus, args, probes)
+    # the CPU device is a try of the command, not a figure anyone predicts with: small shapes, seconds not minutes
+    small = {"widths": gpu_probe.WIDTHS[:2], "tokens": 256, "elements": 2**20} if device.type == "cpu" else {}
+    result = gpu_probe.run_probe(torch, device, **small)
+    if new_entry is not None and result.memory_gb:
+        new_entry["memory_gb"] = result.memory_gb
+    figures = {**result.figures(), "host": environment.cpu_model(), "torch": str(torch.__version__),
+               "cuda": None if torch.version.cuda is None else str(torch.version.cuda)}
+    print("\n".join(gpu_probe.summary(result, gpu.get("dense_tflops"), gpu.get("memory_bandwidth_gbs"))))
+    probe_figures[gpu["name"]] = figures
+    mapped = probes.with_probes(calibration, probe_figures, probes.merged_gpus(gpus, [new_entry] if new_entry else []))
+    params = mapped.probed.get(gpu["name"], {})
+    print(f"{gpu['name']} ({params.get('from_probe', 'direct')}): " + ", ".join(
+        f"{name} {params[name]:.4g}" for name in (*calibrations.PER_GPU, *calibrations.PROBED_GLOBALS) if name in params))
+    probes.save(args.out, gpu["name"], figures, new_entry)
+    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else ""))
+
+
+def _probed_gpu(device_name: str, gpus: list[dict], args, probes) -> tuple[dict, dict | None]:
+    """(the probed device's GPU table entry, the entry to add where the table lacks it), or a one-line error before
+    anything is measured where the table lacks it and its datasheet figures are not given."""
+    from ftbench.measure import gpu_table
+
+    known = gpu_table.entry_for(device_name, gpus)
+    if known is not None and not args.peak_tflops:
+        return known, None
+    peaks = _peaks(args.peak_tflops)
+    if peaks is None or args.bandwidth_gbs is None:
+        raise FtbenchError(f"probe-gpu: {device_name!r} matches no GPU of {args.gpus}: give its datasheet figures, "
+                           "--peak-tflops bf16=...,fp16=...,fp32=... --bandwidth-gbs N (dense, without sparsity)")
+    entry = probes.new_gpu_entry(args.name or device_name, device_name, None, peaks, args.bandwidth_gbs)
+    return entry, entry
+
+
 def projection_check(argv: list[str]) -> None:
     """The projection checked against reality: runs of one configuration that differ only in their steps (as
     config/examples/projection-check.yaml makes them), the short run's projected job time for the long run's
@@ -311,6 +386,7 @@ COMMANDS = {
     "compare": compare,
     "check": check,
     "plan": plan,
+    "probe-gpu": probe_gpu,
     "projection-check": projection_check,
     "repair-data": repair_data,
     "schema": schema,

@@ -103,6 +103,9 @@ PER_GPU = {
     "compute_efficiency": Param(0.7, 0.6, "logit", "matmul efficiency at large width, of the dense peak"),
     "memory_efficiency": Param(0.8, 0.5, "logit", "achieved share of the datasheet memory bandwidth"),
 }
+# The global parameters a probe of a GPU model and its host gives that model its own values of
+# (experiment/probes.py): the kernel floor and the host's terms.
+PROBED_GLOBALS = ("gpu_op_s", "host_op_s", "host_step_s")
 MEASUREMENT_SD = 0.05  # a run's step time scatters by a few percent from job to job (host-bound runs more)
 # NVML's utilisation is a sampled share (a sample counts busy if any kernel ran in it): the GPU time it gives is
 # looser than the step clock's time.
@@ -147,20 +150,32 @@ class Calibration:
     source: str = "priors"  # where it came from (a file, or the runs it was fitted to)
     notes: tuple[str, ...] = field(default=())
     uninformed: tuple[str, ...] = field(default=())  # global parameters no run of it informs (module docstring)
+    # GPU model name -> the parameters a probe of it gave (``probed_params``); a calibrated entry takes precedence
+    probed: dict = field(default_factory=dict)
 
     def calibrated(self, gpu_name: str) -> bool:
         return gpu_name in self.gpus
 
+    def is_probed(self, gpu_name: str) -> bool:
+        """Whether this GPU model's parameters come from a probe of it (and no measured run calibrated it)."""
+        return gpu_name in self.probed and gpu_name not in self.gpus
+
     def params_for(self, gpu_name: str) -> dict:
-        """Every parameter for one GPU model: its own where calibrated, else the calibrated models' median."""
+        """Every parameter for one GPU model: its own where calibrated, its probe's where probed (efficiencies and
+        host terms), else the calibrated models' median."""
         own = self.gpus.get(gpu_name)
+        if own is None and gpu_name in self.probed:
+            return {**self.params, **{name: value for name, value in self.probed[gpu_name].items()
+                                      if name in PER_GPU or name in PROBED_GLOBALS}}
         if own is None:
             own = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
         return {**self.params, **{name: own[name] for name in PER_GPU}}
 
     def spread(self, gpu_name: str, host_share: float) -> float:
         """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
-        the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it."""
+        the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it. A GPU model
+        no run calibrated takes ``transfer_sd``, probed or not: how far a probe's figures carry over to training
+        runs is unmeasured until a transfer check measures it, so a probe keeps the datasheet prior's width."""
         own = self.gpus.get(gpu_name)
         if own is None:
             return self.transfer_sd
@@ -184,7 +199,7 @@ class Calibration:
 
     def over(self, base: "Calibration") -> "Calibration":
         """This calibration's GPU models (the user's own) taking precedence over ``base``'s (the shipped one)."""
-        return replace(self, gpus={**base.gpus, **self.gpus})
+        return replace(self, gpus={**base.gpus, **self.gpus}, probed={**base.probed, **self.probed})
 
 
 def _median(values: list[float], default: float) -> float:
