@@ -211,12 +211,16 @@ def plan(argv: list[str]) -> None:
     parser.add_argument("--results", default="results/metrics.parquet",
                         help="your measured runs, where there are some: shown as measured, and fitted over the "
                              "calibration for the GPU models they ran on (default: %(default)s)")
+    parser.add_argument("--probes", default=str(prediction.probes.DEFAULT_PROBES),
+                        help="GPU probes (python -m ftbench probe-gpu), where there are some (default: %(default)s)")
     args = parser.parse_args(argv)
-    gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
+    calibration, gpus = prediction.with_probe_file(prediction.load_calibration(args.calibration),
+                                                   gpu_table.load_peaks(args.gpus), args.probes)
+    gpus = [gpu for gpu in gpus if gpu.get("memory_gb")]
     experiment = config.load_config(args.experiment)
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
-    calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
+    calibration, measured = prediction.own_calibration(args.results, gpus, calibration)
     print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
           + prediction.plan_heading(calibration, prices, budget))
     for run in runs:

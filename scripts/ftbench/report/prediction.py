@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench.experiment import calibration as calibrations
-from ftbench.experiment import memory_plan, prediction, step_time
+from ftbench.experiment import memory_plan, prediction, probes, step_time
 from ftbench.measure import gpu_table
 from ftbench.report import cost
 from ftbench.report.analysis import is_missing
@@ -118,6 +118,15 @@ def hosts_of(measured: list[MeasuredRun]) -> str | None:
 def load_calibration(path: str | Path | None) -> calibrations.Calibration:
     """The calibration at ``path`` (the shipped config/calibration.yaml by default)."""
     return calibrations.load(path or DEFAULT_CALIBRATION)
+
+
+def with_probe_file(calibration: calibrations.Calibration, gpus: list[dict],
+                    probe_path: str | Path | None) -> tuple[calibrations.Calibration, list[dict]]:
+    """(``calibration`` with the probed GPU models of a probe file (experiment/probes.py), the GPU table with the
+    entries the file adds); no file: both as they are."""
+    figures, added = probes.load(probe_path)
+    gpus = probes.merged_gpus(gpus, added)
+    return probes.with_probes(calibration, figures, gpus), gpus
 
 
 # --- the priced table -----------------------------------------------------------------------------------------
