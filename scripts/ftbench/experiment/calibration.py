@@ -279,12 +279,14 @@ def _problem(data) -> str | None:
     return None
 
 
-def save(calibration: Calibration, path: str | Path, measured_on: list[str] | None = None) -> None:
+def save(calibration: Calibration, path: str | Path, measured_on: list[str] | None = None,
+         fitted: str | None = None) -> None:
     """Write a calibration file (atomically), with the header that says what it holds and, where given, lines
-    saying what its runs were measured on (card, software, the commands)."""
+    saying what its runs were measured on (card, software, the commands). ``fitted``: the date it stands for (the
+    latest its runs were collected, so a refit of the same runs writes the same file); default today."""
     body = {
         "source": calibration.source,
-        "fitted": datetime.date.today().isoformat() if calibration.gpus else None,
+        "fitted": (fitted or datetime.date.today().isoformat()) if calibration.gpus else None,
         "host": calibration.host,
         "combine": calibration.combine,
         "transfer_sd": round(calibration.transfer_sd, 4),
