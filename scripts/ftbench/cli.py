@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from ftbench.errors import FtbenchError
@@ -195,8 +196,10 @@ def check(argv: list[str]) -> None:
 def plan(argv: list[str]) -> None:
     """Before anything trains: each run's memory estimate (from its model's config alone), whether it fits each
     GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
-    fits there; then per GPU its predicted tokens/s, the hours and dollars of the experiment's budget (a calibrated
-    step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits."""
+    fits there; per GPU its predicted tokens/s, $ per 1M tokens and the hours and dollars of the experiment's budget
+    (a calibrated step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits.
+    By default a matrix of configurations by GPUs (the budget's $, else $ per 1M tokens); --detail: per run, each
+    GPU's memory verdict and figures."""
     from ftbench.experiment import config, memory_plan
     from ftbench.measure import gpu_table
     from ftbench.report import cost, prediction
@@ -213,6 +216,8 @@ def plan(argv: list[str]) -> None:
                              "calibration for the GPU models they ran on (default: %(default)s)")
     parser.add_argument("--probes", default=str(prediction.probes.DEFAULT_PROBES),
                         help="GPU probes (python -m ftbench probe-gpu), where there are some (default: %(default)s)")
+    parser.add_argument("--detail", action="store_true",
+                        help="per run: its memory estimate and, per GPU, fits, largest batch, tokens/s, hours and $")
     args = parser.parse_args(argv)
     calibration, gpus = prediction.with_probe_file(prediction.load_calibration(args.calibration),
                                                    gpu_table.load_peaks(args.gpus), args.probes)
@@ -221,15 +226,44 @@ def plan(argv: list[str]) -> None:
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
     calibration, measured = prediction.own_calibration(args.results, gpus, calibration)
-    print(f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
-          + prediction.plan_heading(calibration, prices, budget))
+    heading = (f"{args.experiment}: {len(runs)} runs; memory per GPU (MiB; fits: estimate +-10% against capacity); "
+               + prediction.plan_heading(calibration, prices, budget))
+    print(heading if args.detail else textwrap.fill(heading, 120))
+    tables, unpriced = [], []
     for run in runs:
         planned = memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)
         rows = prediction.priced_table([run], gpus, calibration, prices, budget, measured, args.data_root,
                                        {run.run_id: planned})
-        pick = prediction.cheapest(rows)
-        print("\n".join([plan_table(run, planned, rows)]
-                        + prediction.plan_footer(rows, None if pick.empty else pick.iloc[0].to_dict())))
+        if args.detail:
+            pick = prediction.cheapest(rows, prediction.cost_column(rows))
+            print("\n".join([plan_table(run, planned, rows)]
+                            + prediction.plan_footer(rows, None if pick.empty else pick.iloc[0].to_dict())))
+        tables.append(rows)
+        if planned.get("unsupported"):
+            unpriced.append(f"{run.run_id}: unsupported, recorded without training ({planned['unsupported']})")
+    if not args.detail:
+        print("\n".join(_plan_matrix(tables, runs, unpriced)))
+
+
+def _plan_matrix(tables: list, runs: list[RunSpec], unpriced: list[str]) -> list[str]:
+    """The plan's default output: the price matrix (report/price_matrix.py) within 120 columns, then the runs it
+    leaves out and the predictions' notes, each once."""
+    import pandas as pd
+
+    from ftbench.report import price_matrix
+
+    table = pd.concat([part for part in tables if not part.empty] or [pd.DataFrame(columns=["gpu"])], ignore_index=True)
+    labels = price_matrix.short_labels({run.config_id: run.run_id.rsplit("-", 1)[0] for run in runs})  # no hash
+    lines = [""]
+    if table["gpu"].notna().any():
+        lines += price_matrix.text_lines(price_matrix.price_matrix(table, labels))
+    missing = table[table["gpu"].isna()] if "note" in table else table.iloc[0:0]
+    unpriced = unpriced + [f"{row['run_id']}: {row['note']}" for row in missing.to_dict("records")]
+    notes = [] if "note" not in table else sorted(set(table.loc[table["gpu"].notna(), "note"].dropna()))
+    lines += [textwrap.fill(line, 120, subsequent_indent="  ") for line in unpriced]
+    lines += [textwrap.fill(f"note: {note}", 120, subsequent_indent="  ") for note in notes]
+    lines.append("per run and GPU (memory, largest batch, tokens/s, hours): python -m ftbench plan --detail")
+    return lines
 
 
 def _meta_model(run: RunSpec):

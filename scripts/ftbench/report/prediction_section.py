@@ -12,7 +12,7 @@ from markupsafe import Markup
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment.prediction import BASES
 from ftbench.measure.metrics import HOST_BOUND_BUSY_SHARE
-from ftbench.report import cost, figures, pages, prediction
+from ftbench.report import cost, figures, pages, prediction, price_matrix
 from ftbench.report.analysis import is_missing
 
 TEMPLATE = "prediction.html.j2"
@@ -65,12 +65,18 @@ def section(metrics_path: str | Path, gpus: list[dict], figures_dir: str | Path,
     no_prediction = [f"{row['run_id']}: {row['note']}" for row in table[table["gpu"].isna()].to_dict("records")
                      if not is_missing(row["note"])]
     html = pages.TEMPLATES.get_template(TEMPLATE).render(
+        matrix=price_matrix.price_matrix(table, labels), marked=price_matrix.marked, cell_class=_cell_class,
         table=pages.table(shown, list(prediction.SECTION_COLUMNS), table_id="prediction-table",
-                          row_class=_row_class, titles=prediction.SECTION_COLUMNS),
-        cheapest=pages.table(prediction.cheapest_frame(table, labels), list(prediction.cheapest_frame(table, labels).columns),
-                             table_id="cheapest-table"),
+                          row_class=_row_class, titles=prediction.SECTION_COLUMNS, headers=prediction.SECTION_HEADERS),
         figure=block, host_bound=host_bound_notes(runs), notes=calibration_notes(calibration) + no_prediction)
     return Markup(html), written
+
+
+def _cell_class(cell: price_matrix.MatrixCell) -> str:
+    kinds = ["measured" if cell.measured else "predicted"]
+    kinds += ["cheapest"] if cell.cheapest else []
+    kinds += ["nofit"] if cell.fits == "no" else ["none"] if not cell.interval else []
+    return " ".join(kinds)
 
 
 def _row_class(row: pd.Series) -> str:
