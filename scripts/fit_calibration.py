@@ -9,8 +9,9 @@ tables named, this refits config/calibration.yaml from them, and the same tables
     python scripts/fit_calibration.py --experiment config/examples/calibration.yaml      # config/calibration.yaml
 
 Tables may also be results tables (results/metrics.parquet, with results/runs/<run_id>/metrics.json beside it for
-each run's spec), read in place. Reads every finished GPU run of the tables, fits the parameters (scripts/ftbench/experiment/calibration.py: per GPU
-model its efficiencies, globally the traffic multipliers and the host terms), sets each GPU model's interval from
+each run's spec), read in place; --add of a results table copied without its runs' folders takes the specs from
+--experiment, expanded again. Reads every finished GPU run of the tables, fits the parameters
+(scripts/ftbench/experiment/calibration.py: per GPU model its efficiencies, globally the traffic multipliers and the host terms), sets each GPU model's interval from
 its runs each predicted by a fit of the other folds (calibration.held_out_spread), prints each run's predicted /
 measured step time under the fit, and writes the file with a header saying what the runs were measured on (their
 cards, driver, torch and library versions, host CPU; --experiment names the config that made them).
@@ -87,13 +88,19 @@ def report_fit(samples: list[calibrations.Sample], fitted: calibrations.Calibrat
     return lines
 
 
-def add(metrics: str, to: str | None, gpus: list[dict]) -> None:
-    """--add: a results table's finished GPU runs as a compact table (report/calibration_runs.py)."""
+def add(metrics: str, to: str | None, gpus: list[dict], experiment: str | None) -> None:
+    """--add: a results table's finished GPU runs as a compact table (report/calibration_runs.py); the runs' specs
+    from results/runs/ beside it, else from --experiment expanded again (a run_id names one spec)."""
     if not to:
         raise FtbenchError("--add: expected --to naming the table to write, e.g. config/calibration-runs/h200-a.csv")
     if Path(to).suffix != ".csv":
         raise FtbenchError(f"--to {to}: expected a .csv file")
-    rows = calibration_runs.from_results(metrics, gpus)
+    specs = None
+    if experiment:
+        from ftbench.experiment import config, matrix
+
+        specs = {run.run_id: run for run in matrix.expand_runs(config.load_config(experiment))}
+    rows = calibration_runs.from_results(metrics, gpus, specs)
     calibration_runs.write(to, rows)
     gpus_seen = sorted({str(row["device_name"]) for row in rows})
     print(f"wrote {to}: {len(rows)} finished GPU runs of {metrics} ({', '.join(gpus_seen)}); "
@@ -124,11 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth", help="how the terms make a step")
     parser.add_argument("--transfer-sd", type=float, default=None,
                         help="log spread of datasheet-only predictions, as check_predictions.py --transfer measured it")
-    parser.add_argument("--experiment", default=None, help="the experiment config that made the runs (for the header)")
+    parser.add_argument("--experiment", default=None, help="the experiment config that made the runs (for the header; "
+                        "with --add, the runs' specs where the results have no runs/ folder beside them)")
     args = parser.parse_args(argv)
     gpus = gpu_table.load_peaks(args.gpus)
     if args.add:
-        add(args.add, args.to, gpus)
+        add(args.add, args.to, gpus, args.experiment)
         return
     tables = args.tables or calibration_runs.tables()
     if not tables:

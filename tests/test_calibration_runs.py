@@ -95,6 +95,13 @@ def test_the_compact_table_holds_everything_the_fit_reads(tmp_path, monkeypatch,
     for path in (table, again):
         fit.main(["--add", str(metrics), "--to", str(path)])
     assert table.read_bytes() == again.read_bytes()
+    # a results table copied without its runs' folders: the specs from its experiment, expanded again
+    alone = tmp_path / "alone" / "metrics.parquet"
+    alone.parent.mkdir()
+    alone.write_bytes(metrics.read_bytes())
+    fit.main(["--add", str(alone), "--to", str(tmp_path / "alone.csv"), "--experiment", str(tmp_path / "experiment.yaml")])
+    assert ([row["spec"] for row in calibration_runs.read(tmp_path / "alone.csv")]
+            == [row["spec"] for row in calibration_runs.read(table)])
     assert table.read_text(encoding="utf-8").splitlines()[0] == ",".join(calibration_runs.COLUMNS)
     from_results = [item for item in calibration_runs.read_any(metrics, GPUS)]
     from_table = calibration_runs.read_any(table, GPUS)

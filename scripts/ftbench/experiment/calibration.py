@@ -227,8 +227,10 @@ HEADER = """\
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
 #   uninformed: parameters no run here depends on (they keep their starting values); a prediction that depends on
 #         one takes its prior width into its interval.
-# Written by scripts/fit_calibration.py from measured runs; a user's own results/metrics.parquet is fitted
-# over it at plan time and takes precedence for the GPU models measured there.
+# Written by scripts/fit_calibration.py from measured runs (the shipped file: from the tables of
+# config/calibration-runs/, which the command above refits into this file); a user's own results/metrics.parquet is
+# fitted over it at plan time and takes precedence for the GPU models measured there, and GPU probes
+# (config/calibration-probed.yaml) stand in for GPU models no run measured.
 """
 
 

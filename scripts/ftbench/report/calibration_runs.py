@@ -40,21 +40,22 @@ COLUMNS = {
 DEFAULT_FOLDER = Path("config/calibration-runs")
 
 
-def from_results(metrics_path: str | Path, gpus: list[dict]) -> list[dict]:
+def from_results(metrics_path: str | Path, gpus: list[dict], specs: dict[str, RunSpec] | None = None) -> list[dict]:
     """The compact rows of a results table's finished GPU runs (those the fit reads: report/prediction.py
-    read_measured), each with its spec and the date its table was collected."""
+    read_measured), each with its spec and the date its table was collected. ``specs``: run_id -> spec for a table
+    copied without its runs' folders (its experiment's runs, expanded again)."""
     metrics_path = Path(metrics_path)
     if not metrics_path.is_file():
         raise FtbenchError(f"--add {metrics_path}: not found (expected a results/metrics.parquet)")
     collected = datetime.date.fromtimestamp(metrics_path.stat().st_mtime).isoformat()
     rows = []
-    for item in prediction.read_measured(metrics_path, gpus):
+    for item in prediction.read_measured(metrics_path, gpus, specs):
         row = {name: item.row.get(name) for name in COLUMNS}
         row.update(collected=collected, spec=json.dumps(item.run.to_dict(), sort_keys=True, separators=(",", ":")))
         rows.append(row)
     if not rows:
-        raise FtbenchError(f"--add {metrics_path}: no finished GPU run with its runs/<run_id>/metrics.json beside it "
-                           "on a GPU of the table: nothing to add")
+        raise FtbenchError(f"--add {metrics_path}: no finished GPU run on a GPU of the table with a readable spec "
+                           "(runs/<run_id>/metrics.json beside it, or --experiment naming the config that made it)")
     return sorted(rows, key=lambda row: row["run_id"])
 
 
