@@ -358,8 +358,13 @@ def probe_gpu(argv: list[str]) -> None:
     probe_figures[gpu["name"]] = figures
     mapped = probes.with_probes(calibration, probe_figures, probes.merged_gpus(gpus, [new_entry] if new_entry else []))
     params = mapped.probed.get(gpu["name"], {})
-    print(f"{gpu['name']} ({params.get('from_probe', 'direct')}): " + ", ".join(
-        f"{name} {params[name]:.4g}" for name in (*calibrations.PER_GPU, *calibrations.PROBED_GLOBALS) if name in params))
+    names = (*calibrations.PER_GPU, *calibrations.PROBED_GLOBALS)
+    print(f"{gpu['name']} probed ({params.get('from_probe', 'direct')}): " + ", ".join(
+        f"{name} {params[name]:.4g}" for name in names if name in params))
+    if calibration.calibrated(gpu["name"]):  # a transfer check in one line: the probe beside what runs measured
+        fitted = calibration.params_for(gpu["name"])
+        print(f"{gpu['name']} calibrated (measured runs, which take precedence): "
+              + ", ".join(f"{name} {fitted[name]:.4g}" for name in names))
     probes.save(args.out, gpu["name"], figures, new_entry)
     print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else ""))
 
