@@ -189,7 +189,7 @@ def test_probe_gpu_writes_the_probe_and_a_new_gpus_entry(tmp_path, monkeypatch, 
     cli.run(cli.probe_gpu, ["--device", "cpu", "--out", str(out), "--name", "CPU test", "--peak-tflops",
                             "bf16=0.5,fp16=0.5,fp32=1", "--bandwidth-gbs", "20"])
     printed = capsys.readouterr().out
-    assert "CPU test (direct): compute_efficiency" in printed and f"wrote CPU test's probe to {out}" in printed
+    assert "CPU test probed (direct): compute_efficiency" in printed and f"wrote CPU test's probe to {out}" in printed
     loaded, added = probes.load(out)
     assert loaded["CPU test"]["device_name"] == "cpu" and added[0]["match"] == "cpu"
 
