@@ -104,7 +104,7 @@ def test_plan_without_a_budget_prints_the_matrix_in_dollars_per_1m_tokens(tmp_pa
     assert "python -m ftbench plan --detail" in out
     cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet"), "--detail"])
     detail = capsys.readouterr().out
-    assert "$/1M tokens [95%]" in detail and "cheapest that fits: RTX 4090 (yes), $" in detail
+    assert "$/1M tokens [95%]" in detail and "$/1k samples" in detail and "cheapest that fits: RTX 4090 (yes), $" in detail
     assert "per 1M tokens (datasheet only (uncalibrated))" in detail
 
 
@@ -112,3 +112,18 @@ def test_short_labels_drop_the_parts_every_configuration_shares():
     labels = price_matrix.short_labels({"a": "m1-tokens-full-bf16-b4", "b": "m1-tokens-lora-r16-bf16-b4",
                                         "c": "m2-tokens-full-bf16-b8"})
     assert labels == {"a": "m1-full-b4", "b": "m1-lora-r16-b4", "c": "m2-full-b8"}
+
+
+def test_the_reports_section_without_a_budget_shows_dollars_per_1m_tokens(tmp_path):
+    from ftbench.report import prediction_section
+    from test_prediction import H200, write_results
+
+    runs = runs_of(experiment(tmp_path, {"big": llama(2048, 16, 5632, 32, 4, 32000)}, {"method": ["full", "lora"]}))
+    metrics = write_results(tmp_path / "results", runs, H200, calibrations.load(SHIPPED))
+    frame = pd.read_parquet(metrics)
+    frame["projected_tokens"] = None  # the experiment set no budget
+    frame.to_parquet(metrics)
+    html, _ = prediction_section.section(metrics, GPUS, tmp_path / "figures", config_dir=ROOT / "config")
+    assert "<b>Cells: $ per 1M tokens</b>" in html and 'id="price-matrix"' in html
+    assert html.count('class="measured') >= len(runs) and "per 1k samples" in html
+    assert "cost_per_1m_tokens" not in html.split('id="prediction-table"')[0]  # no raw column name in the matrix

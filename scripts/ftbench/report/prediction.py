@@ -274,7 +274,8 @@ def _hours(value, low, high) -> str:
     return _span(value, low, high, digits=digits)
 
 
-PRICED_HEADER = f"{'tokens/s [95%]':>26} {'busy':>5} {'hours [95%]':>20} {'$ [95%]':>22} {'$/1M tokens [95%]':>22}  basis"
+PRICED_HEADER = (f"{'tokens/s [95%]':>26} {'busy':>5} {'hours [95%]':>20} {'$ [95%]':>22} {'$/1M tokens [95%]':>22} "
+                 f"{'$/1k samples':>12}  basis")
 
 
 def priced_cells(row: dict | None) -> str:
@@ -286,8 +287,8 @@ def priced_cells(row: dict | None) -> str:
     return (f"{_span(row['tokens_per_s'], row['tokens_per_s_low'], row['tokens_per_s_high']):>26} {busy:>5} "
             f"{_hours(row['budget_hours'], row['budget_hours_low'], row['budget_hours_high']):>20} "
             f"{_span(row['budget_cost'], row['budget_cost_low'], row['budget_cost_high'], '$'):>22} "
-            f"{_span(row['cost_per_1m_tokens'], row['cost_per_1m_tokens_low'], row['cost_per_1m_tokens_high'], '$'):>22}"
-            f"  {row['basis']}{flag}")
+            f"{_span(row['cost_per_1m_tokens'], row['cost_per_1m_tokens_low'], row['cost_per_1m_tokens_high'], '$'):>22} "
+            f"{_span(row['cost_per_1k_samples'], None, None, '$'):>12}  {row['basis']}{flag}")
 
 
 def plan_footer(rows: pd.DataFrame, pick: dict | None) -> list[str]:
@@ -377,11 +378,15 @@ SECTION_COLUMNS = {
     "cost_of_budget_measured": "$ of the budget's training steps at the measured tokens/s (GPUs x $/GPU-hour)",
     "cost_of_budget_predicted": "$ of the budget's training steps at the predicted tokens/s",
     "predicted $ 95%": "the predicted cost's 95% interval",
+    "cost_per_1m_tokens": "$ per 1M real tokens trained, budget or not (GPUs x $/GPU-hour at the measured tokens/s where "
+                          "measured here, else at the predicted)",
+    "cost_per_1k_samples": "$ per 1,000 training examples, as $ per 1M tokens at the run's tokens per example",
 }
 
 
 # The section's headers where a column's name is not words (it stays the name the budget figure reads).
-SECTION_HEADERS = {"cost_of_budget_measured": "measured $ of the budget", "cost_of_budget_predicted": "predicted $ of the budget"}
+SECTION_HEADERS = {"cost_of_budget_measured": "measured $ of the budget", "cost_of_budget_predicted": "predicted $ of the budget",
+                   "cost_per_1m_tokens": "$ per 1M tokens", "cost_per_1k_samples": "$ per 1k samples"}
 
 
 def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
@@ -401,9 +406,11 @@ def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFra
         "GPU busy": shown["busy_share"], "host-bound": shown["host_bound"],
         "cost_of_budget_measured": shown["budget_cost"].where(measured), "cost_of_budget_predicted": predicted_cost,
         "predicted $ 95%": [_range(low, high, money=True) for low, high in zip(cost_low, cost_high)],
+        "cost_per_1m_tokens": shown["cost_per_1m_tokens"], "cost_per_1k_samples": shown["cost_per_1k_samples"],
     })
     return frame.astype({"measured tokens/s": "Float64", "measured / predicted": "Float64", "GPU busy": "Float64",
-                         "cost_of_budget_measured": "Float64", "cost_of_budget_predicted": "Float64"})
+                         "cost_of_budget_measured": "Float64", "cost_of_budget_predicted": "Float64",
+                         "cost_per_1m_tokens": "Float64", "cost_per_1k_samples": "Float64"})
 
 
 def _range(low, high, money: bool = False) -> str:
