@@ -144,6 +144,10 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     # and the probe moves the prediction: the L4's efficiencies are its own, not the calibrated models' median
     assert merged.params_for("L4")["compute_efficiency"] == pytest.approx(0.5)
     assert shipped.params_for("L4")["compute_efficiency"] != pytest.approx(0.5)
+    # a probe without a 16-bit matmul figure keeps the calibrated models' compute efficiency, its other figures its own
+    partial = probes.with_probes(shipped, {"L4": {**figures, "matmul_tflops": {}}}, GPUS)
+    assert partial.params_for("L4")["compute_efficiency"] == shipped.params_for("L4")["compute_efficiency"]
+    assert partial.params_for("L4")["memory_efficiency"] == pytest.approx(0.6)
     # the user's own runs fitted over it keep the probe for the GPU models they did not run on
     assert calibrations.Calibration(shipped.params, {"H100 SXM": dict(shipped.gpus["H200"])}).over(merged).is_probed("L4")
 

@@ -164,12 +164,13 @@ class Calibration:
         """Every parameter for one GPU model: its own where calibrated, its probe's where probed (efficiencies and
         host terms), else the calibrated models' median."""
         own = self.gpus.get(gpu_name)
-        if own is None and gpu_name in self.probed:
-            return {**self.params, **{name: value for name, value in self.probed[gpu_name].items()
-                                      if name in PER_GPU or name in PROBED_GLOBALS}}
-        if own is None:
-            own = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
-        return {**self.params, **{name: own[name] for name in PER_GPU}}
+        if own is not None:
+            return {**self.params, **{name: own[name] for name in PER_GPU}}
+        median = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
+        # a probe's figures where it has them (a GPU without a 16-bit peak has no compute_efficiency from one)
+        probed = {name: value for name, value in self.probed.get(gpu_name, {}).items()
+                  if name in PER_GPU or name in PROBED_GLOBALS}
+        return {**self.params, **median, **probed}
 
     def spread(self, gpu_name: str, host_share: float) -> float:
         """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
