@@ -18,12 +18,14 @@ measured nothing) have one target in every split: the 95% interval contains the 
 printed is the prediction's 95% interval over the measurement (it contains 1 where that target is met).
 
     python scripts/check_predictions.py results/metrics.parquet
+    python scripts/check_predictions.py config/calibration-runs/*.csv             # the shipped calibration's runs
     python scripts/check_predictions.py results/metrics.parquet --heldout other/results/metrics.parquet
     python scripts/check_predictions.py results/metrics.parquet --heldout other/metrics.parquet --heldout-config other.yaml
     python scripts/check_predictions.py h200/metrics.parquet h100/metrics.parquet --only transfer
     python scripts/check_predictions.py results/metrics.parquet --combine sum     # the other ways of combining terms
 
-Runs are read as scripts/fit_calibration.py reads them (each table with results/runs/ beside it). A held-out table
+Runs are read as scripts/fit_calibration.py reads them (a compact table of config/calibration-runs/, or a results
+table with results/runs/ beside it). A held-out table
 copied without its runs' folders takes its runs' specs from its experiment's config (--heldout-config), expanded
 again: a run_id names one spec, so a run the config does not make is left out.
 """
@@ -42,7 +44,7 @@ from ftbench.experiment import calibration as calibrations
 from ftbench.experiment import config as experiment_config
 from ftbench.experiment import matrix, step_time
 from ftbench.measure import gpu_table
-from ftbench.report import prediction
+from ftbench.report import calibration_runs, prediction
 
 TARGETS = {"unseen family": 0.15, "calibrated family": 0.10}
 
@@ -124,7 +126,7 @@ def heldout_samples(table: str, config: str | None, gpus: list[dict],
     """The held-out table's runs as (sample, model, whether ``known_models`` holds its model definition); specs
     from --heldout-config where the table has no runs' folders beside it."""
     specs = {run.run_id: run for run in matrix.expand_runs(experiment_config.load_config(config))} if config else None
-    measured = prediction.read_measured(table, gpus, specs)
+    measured = calibration_runs.measured(table, gpus) if table.endswith(".csv") else prediction.read_measured(table, gpus, specs)
     if not measured:
         raise FtbenchError(f"--heldout {table}: no finished GPU run with a readable spec (runs/<run_id>/metrics.json "
                            "beside it, or --heldout-config naming the experiment that made it)")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth")
     args = parser.parse_args(argv)
     gpus = gpu_table.load_peaks(args.gpus)
-    measured = [item for table in args.tables for item in prediction.read_measured(table, gpus)]
+    measured = [item for table in args.tables for item in calibration_runs.read_any(table, gpus)]
     samples = prediction.samples(measured)
     model_of = {item.run.run_id: item.run.model for item in measured}
     models = [model_of[sample.run_id] for sample in samples]

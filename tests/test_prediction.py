@@ -456,7 +456,7 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
 
     models = {"big": llama(2048, 16, 5632, 32, 4, 32000)}
     path = experiment(tmp_path, models, {"method": ["full"]}, budget={"tokens": 1_000_000_000})
-    cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet")])
+    cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet"), "--detail"])
     out = capsys.readouterr().out
     assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H200" in out  # the shipped calibration
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] in
@@ -531,12 +531,12 @@ def test_the_report_section_keeps_measured_and_predicted_apart_and_names_host_bo
     html, written = prediction_section.section(metrics_path, GPUS, tmp_path / "figures")
     assert html is not None and "Predicted speed and cost per GPU" in html
     assert Path(written["budget_cost"]).is_file()
-    assert html.count('class="measured"') == 2  # each configuration on the H200 it ran on
-    assert html.count('class="predicted"') >= 2 * 8
+    assert html.count('<tr class="measured">') == 2  # each configuration on the H200 it ran on
+    assert html.count('<tr class="predicted">') >= 2 * 8
     assert "datasheet only (uncalibrated)" in html and "measured here" in html
     tiny = next(run for run in runs if run.model == "tiny")
     assert f"{tiny.run_id}: GPU busy" in html and "on a faster host or with compile this ordering may change" in html
-    assert "Cheapest GPU that fits each configuration" in html
+    assert 'id="price-matrix"' in html and "cheapest GPU that fits" in html
 
 
 def test_the_budget_figure_leaves_out_what_does_not_fit():
@@ -548,7 +548,7 @@ def test_the_budget_figure_leaves_out_what_does_not_fit():
     drawn = figures.draw(figures.BUDGET_COST, table)
     ax = drawn.axes[0]
     texts = sorted(text.get_text() for text in ax.texts if text.get_text())
-    assert texts == ["$10.00*", "$20.00", "$4.00"]  # a on L4 does not fit: blank
+    assert texts == ["$10.00(m)", "$20.00", "$4.00"]  # a on L4 does not fit: blank
     assert isinstance(figures.draw(figures.BUDGET_COST, table.assign(fits="no")), str)
 
 

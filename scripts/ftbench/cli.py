@@ -7,6 +7,7 @@
     python -m ftbench compare ...        merge result sets from several machines into one report
     python -m ftbench check X.yaml       check an experiment file: YAML, schema, references; list its runs
     python -m ftbench plan X.yaml        before training: what fits each GPU, and each GPU's predicted speed, hours and $
+    python -m ftbench probe-gpu          a minute on this GPU: its matmul, bandwidth, kernel and host figures for plan
     python -m ftbench projection-check M.parquet   short runs' projections of the long runs of the same configuration, vs measured
     python -m ftbench repair-data DIR    prepare a data folder again where shards were damaged, keeping results
     python -m ftbench schema             print the experiment schema (config/schema.yaml)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from ftbench.errors import FtbenchError
@@ -210,8 +212,10 @@ def _load_experiment(path: str) -> dict:
 def plan(argv: list[str]) -> None:
     """Before anything trains: each run's memory estimate (from its model's config alone), whether it fits each
     GPU of the table (the estimate's +-10% error band: yes / borderline / no) and the largest per-GPU batch that
-    fits there; then per GPU its predicted tokens/s, the hours and dollars of the experiment's budget (a calibrated
-    step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits."""
+    fits there; per GPU its predicted tokens/s, $ per 1M tokens and the hours and dollars of the experiment's budget
+    (a calibrated step-time model, with your own measured runs taking precedence), and the cheapest GPU that fits.
+    By default a matrix of configurations by GPUs (the budget's $, else $ per 1M tokens); --detail: per run, each
+    GPU's memory verdict and figures."""
     from ftbench.experiment import memory_plan
     from ftbench.measure import gpu_table
     from ftbench.report import cost, prediction
@@ -226,21 +230,56 @@ def plan(argv: list[str]) -> None:
     parser.add_argument("--results", default="results/metrics.parquet",
                         help="your measured runs, where there are some: shown as measured, and fitted over the "
                              "calibration for the GPU models they ran on (default: %(default)s)")
+    parser.add_argument("--probes", default=str(prediction.probes.DEFAULT_PROBES),
+                        help="GPU probes (python -m ftbench probe-gpu), where there are some (default: %(default)s)")
+    parser.add_argument("--detail", action="store_true",
+                        help="per run: its memory estimate and, per GPU, fits, largest batch, tokens/s, hours and $")
     args = parser.parse_args(argv)
-    gpus = [gpu for gpu in gpu_table.load_peaks(args.gpus) if gpu.get("memory_gb")]
+    calibration, gpus = prediction.with_probe_file(prediction.load_calibration(args.calibration),
+                                                   gpu_table.load_peaks(args.gpus), args.probes)
+    gpus = [gpu for gpu in gpus if gpu.get("memory_gb")]
     experiment = _load_experiment(args.experiment)
     runs = matrix.expand_runs(experiment)
     prices, budget = cost.resolve(experiment.get("prices") or {}), experiment.get("budget")
-    calibration, measured = prediction.own_calibration(args.results, gpus, prediction.load_calibration(args.calibration))
-    print(f"{args.experiment}: {_count(len(runs), 'run')}; memory per GPU (MiB; fits: estimate +-10% against capacity); "
-          + prediction.plan_heading(calibration, prices, budget))
+    calibration, measured = prediction.own_calibration(args.results, gpus, calibration)
+    heading = (f"{args.experiment}: {_count(len(runs), 'run')}; memory per GPU (MiB; fits: estimate +-10% against capacity); "
+               + prediction.plan_heading(calibration, prices, budget))
+    print(heading if args.detail else textwrap.fill(heading, 120))
+    tables, unpriced = [], []
     for run in runs:
         planned = memory_plan.plan_run(run, gpus, args.data_root, build=_meta_model)
         rows = prediction.priced_table([run], gpus, calibration, prices, budget, measured, args.data_root,
                                        {run.run_id: planned})
-        pick = prediction.cheapest(rows)
-        print("\n".join([plan_table(run, planned, rows)]
-                        + prediction.plan_footer(rows, None if pick.empty else pick.iloc[0].to_dict())))
+        if args.detail:
+            pick = prediction.cheapest(rows, prediction.cost_column(rows))
+            print("\n".join([plan_table(run, planned, rows)]
+                            + prediction.plan_footer(rows, None if pick.empty else pick.iloc[0].to_dict())))
+        tables.append(rows)
+        if planned.get("unsupported"):
+            unpriced.append(f"{run.run_id}: unsupported, recorded without training ({planned['unsupported']})")
+    if not args.detail:
+        print("\n".join(_plan_matrix(tables, runs, unpriced)))
+
+
+def _plan_matrix(tables: list, runs: list[RunSpec], unpriced: list[str]) -> list[str]:
+    """The plan's default output: the price matrix (report/price_matrix.py) within 120 columns, then the runs it
+    leaves out and the predictions' notes, each once."""
+    import pandas as pd
+
+    from ftbench.report import price_matrix
+
+    table = pd.concat([part for part in tables if not part.empty] or [pd.DataFrame(columns=["gpu"])], ignore_index=True)
+    labels = price_matrix.short_labels({run.config_id: run.run_id.rsplit("-", 1)[0] for run in runs})  # no hash
+    lines = [""]
+    if table["gpu"].notna().any():
+        lines += price_matrix.text_lines(price_matrix.price_matrix(table, labels))
+    missing = table[table["gpu"].isna()] if "note" in table else table.iloc[0:0]
+    unpriced = unpriced + [f"{row['run_id']}: {row['note']}" for row in missing.to_dict("records")]
+    notes = [] if "note" not in table else sorted(set(table.loc[table["gpu"].notna(), "note"].dropna()))
+    lines += [textwrap.fill(line, 120, subsequent_indent="  ") for line in unpriced]
+    lines += [textwrap.fill(f"note: {note}", 120, subsequent_indent="  ") for note in notes]
+    lines.append("per run and GPU (memory, largest batch, tokens/s, hours): python -m ftbench plan --detail")
+    return lines
 
 
 def _meta_model(run: RunSpec):
@@ -281,6 +320,85 @@ def plan_table(run: RunSpec, planned: dict, priced=None) -> str:
         lines.append(f"  {row['gpu']:<12} {row['capacity_mib']:>10,.0f} {row['fits']:>11} {row['largest_batch'] or 'none':>14}"
                      + (f" {prediction.priced_cells(by_gpu.get(row['gpu'])) or NO_PEAK:>26}" if by_gpu else ""))
     return "\n".join(lines)
+
+
+def _peaks(text: str | None) -> dict | None:
+    """--peak-tflops "bf16=989,fp16=989,fp32=67" as dtype -> TFLOP/s."""
+    if not text:
+        return None
+    try:
+        return {key.strip(): float(value) for key, value in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise FtbenchError(f"--peak-tflops {text!r}: expected dtype=TFLOP/s pairs, e.g. bf16=989.4,fp16=989.4,fp32=66.9") from None
+
+
+def probe_gpu(argv: list[str]) -> None:
+    """Measure this GPU and its host for a minute at most (matmuls at the examples' widths in bf16, fp16, fp32;
+    elementwise and optimizer bandwidth; the kernel floor; the host's time per operation) and write its GPU model's
+    probe into a probe file that plan and the report read beside the calibration (measure/gpu_probe.py,
+    experiment/probes.py)."""
+    from ftbench.experiment import calibration as calibrations
+    from ftbench.experiment import probes
+    from ftbench.measure import environment, gpu_probe, gpu_table
+
+    parser = argparse.ArgumentParser(prog="python -m ftbench probe-gpu", description=probe_gpu.__doc__)
+    parser.add_argument("--out", default=str(probes.DEFAULT_PROBES), help="probe file to add to (default: %(default)s)")
+    parser.add_argument("--gpus", default="config/gpus.yaml", help="GPU table (default: %(default)s)")
+    parser.add_argument("--calibration", default="config/calibration.yaml",
+                        help="calibration whose width_half and reference the printed parameters use (default: %(default)s)")
+    parser.add_argument("--device", default="cuda", help="torch device to probe (default: %(default)s; cpu for a try)")
+    parser.add_argument("--name", default=None, help="GPU model name for a GPU the table lacks (default: the device's)")
+    parser.add_argument("--peak-tflops", default=None, help="a GPU the table lacks: its datasheet dense peaks, "
+                        "e.g. bf16=362,fp16=362,fp32=91.6")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="a GPU the table lacks: its datasheet memory bandwidth in GB/s")
+    args = parser.parse_args(argv)
+    calibration = calibrations.load(args.calibration)  # a broken file is said before a minute of measuring
+    probe_figures, added = probes.load(args.out)
+    gpus = probes.merged_gpus(gpu_table.load_peaks(args.gpus), added)
+    import torch  # deferred on purpose: only this command needs it, and the others stay torch-free
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FtbenchError("probe-gpu: no CUDA device visible (--device cpu probes the CPU, for a try)")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu, new_entry = _probed_gpu(device_name, gpus, args, probes)
+    # the CPU device is a try of the command, not a figure anyone predicts with: small shapes, seconds not minutes
+    small = {"widths": gpu_probe.WIDTHS[:2], "tokens": 256, "elements": 2**20} if device.type == "cpu" else {}
+    result = gpu_probe.run_probe(torch, device, **small)
+    if new_entry is not None and result.memory_gb:
+        new_entry["memory_gb"] = result.memory_gb
+    figures = {**result.figures(), "host": environment.cpu_model(), "torch": str(torch.__version__),
+               "cuda": None if torch.version.cuda is None else str(torch.version.cuda)}
+    print("\n".join(gpu_probe.summary(result, gpu.get("dense_tflops"), gpu.get("memory_bandwidth_gbs"))))
+    probe_figures[gpu["name"]] = figures
+    mapped = probes.with_probes(calibration, probe_figures, probes.merged_gpus(gpus, [new_entry] if new_entry else []))
+    params = mapped.probed.get(gpu["name"], {})
+    names = (*calibrations.PER_GPU, *calibrations.PROBED_GLOBALS)
+    print(f"{gpu['name']} probed ({params.get('from_probe', 'direct')}): " + ", ".join(
+        f"{name} {params[name]:.4g}" for name in names if name in params))
+    if calibration.calibrated(gpu["name"]):  # a transfer check in one line: the probe beside what runs measured
+        fitted = calibration.params_for(gpu["name"])
+        print(f"{gpu['name']} calibrated (measured runs, which take precedence): "
+              + ", ".join(f"{name} {fitted[name]:.4g}" for name in names))
+    probes.save(args.out, gpu["name"], figures, new_entry)
+    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else ""))
+
+
+def _probed_gpu(device_name: str, gpus: list[dict], args, probes) -> tuple[dict, dict | None]:
+    """(the probed device's GPU table entry, the entry to add where the table lacks it), or a one-line error before
+    anything is measured where the table lacks it and its datasheet figures are not given."""
+    from ftbench.measure import gpu_table
+
+    known = gpu_table.entry_for(device_name, gpus)
+    if known is not None and not args.peak_tflops:
+        return known, None
+    peaks = _peaks(args.peak_tflops)
+    if peaks is None or args.bandwidth_gbs is None:
+        raise FtbenchError(f"probe-gpu: {device_name!r} matches no GPU of {args.gpus}: give its datasheet figures, "
+                           "--peak-tflops bf16=...,fp16=...,fp32=... --bandwidth-gbs N (dense, without sparsity)")
+    entry = probes.new_gpu_entry(args.name or device_name, device_name, None, peaks, args.bandwidth_gbs)
+    return entry, entry
 
 
 def projection_check(argv: list[str]) -> None:
@@ -327,6 +445,7 @@ COMMANDS = {
     "compare": compare,
     "check": check,
     "plan": plan,
+    "probe-gpu": probe_gpu,
     "projection-check": projection_check,
     "repair-data": repair_data,
     "schema": schema,

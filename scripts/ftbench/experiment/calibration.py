@@ -103,6 +103,9 @@ PER_GPU = {
     "compute_efficiency": Param(0.7, 0.6, "logit", "matmul efficiency at large width, of the dense peak"),
     "memory_efficiency": Param(0.8, 0.5, "logit", "achieved share of the datasheet memory bandwidth"),
 }
+# The global parameters a probe of a GPU model and its host gives that model its own values of
+# (experiment/probes.py): the kernel floor and the host's terms.
+PROBED_GLOBALS = ("gpu_op_s", "host_op_s", "host_step_s")
 MEASUREMENT_SD = 0.05  # a run's step time scatters by a few percent from job to job (host-bound runs more)
 # NVML's utilisation is a sampled share (a sample counts busy if any kernel ran in it): the GPU time it gives is
 # looser than the step clock's time.
@@ -147,20 +150,33 @@ class Calibration:
     source: str = "priors"  # where it came from (a file, or the runs it was fitted to)
     notes: tuple[str, ...] = field(default=())
     uninformed: tuple[str, ...] = field(default=())  # global parameters no run of it informs (module docstring)
+    # GPU model name -> the parameters a probe of it gave (``probed_params``); a calibrated entry takes precedence
+    probed: dict = field(default_factory=dict)
 
     def calibrated(self, gpu_name: str) -> bool:
         return gpu_name in self.gpus
 
+    def is_probed(self, gpu_name: str) -> bool:
+        """Whether this GPU model's parameters come from a probe of it (and no measured run calibrated it)."""
+        return gpu_name in self.probed and gpu_name not in self.gpus
+
     def params_for(self, gpu_name: str) -> dict:
-        """Every parameter for one GPU model: its own where calibrated, else the calibrated models' median."""
+        """Every parameter for one GPU model: its own where calibrated, its probe's where probed (efficiencies and
+        host terms), else the calibrated models' median."""
         own = self.gpus.get(gpu_name)
-        if own is None:
-            own = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
-        return {**self.params, **{name: own[name] for name in PER_GPU}}
+        if own is not None:
+            return {**self.params, **{name: own[name] for name in PER_GPU}}
+        median = {name: _median([entry[name] for entry in self.gpus.values()], param.start) for name, param in PER_GPU.items()}
+        # a probe's figures where it has them (a GPU without a 16-bit peak has no compute_efficiency from one)
+        probed = {name: value for name, value in self.probed.get(gpu_name, {}).items()
+                  if name in PER_GPU or name in PROBED_GLOBALS}
+        return {**self.params, **median, **probed}
 
     def spread(self, gpu_name: str, host_share: float) -> float:
         """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
-        the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it."""
+        the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it. A GPU model
+        no run calibrated takes ``transfer_sd``, probed or not: how far a probe's figures carry over to training
+        runs is unmeasured until a transfer check measures it, so a probe keeps the datasheet prior's width."""
         own = self.gpus.get(gpu_name)
         if own is None:
             return self.transfer_sd
@@ -184,7 +200,7 @@ class Calibration:
 
     def over(self, base: "Calibration") -> "Calibration":
         """This calibration's GPU models (the user's own) taking precedence over ``base``'s (the shipped one)."""
-        return replace(self, gpus={**base.gpus, **self.gpus})
+        return replace(self, gpus={**base.gpus, **self.gpus}, probed={**base.probed, **self.probed})
 
 
 def _median(values: list[float], default: float) -> float:
@@ -212,8 +228,10 @@ HEADER = """\
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
 #   uninformed: parameters no run here depends on (they keep their starting values); a prediction that depends on
 #         one takes its prior width into its interval.
-# Written by scripts/fit_calibration.py from measured runs; a user's own results/metrics.parquet is fitted
-# over it at plan time and takes precedence for the GPU models measured there.
+# Written by scripts/fit_calibration.py from measured runs (the shipped file: from the tables of
+# config/calibration-runs/, which the command above refits into this file); a user's own results/metrics.parquet is
+# fitted over it at plan time and takes precedence for the GPU models measured there, and GPU probes
+# (config/calibration-probed.yaml) stand in for GPU models no run measured.
 """
 
 
@@ -264,12 +282,14 @@ def _problem(data) -> str | None:
     return None
 
 
-def save(calibration: Calibration, path: str | Path, measured_on: list[str] | None = None) -> None:
+def save(calibration: Calibration, path: str | Path, measured_on: list[str] | None = None,
+         fitted: str | None = None) -> None:
     """Write a calibration file (atomically), with the header that says what it holds and, where given, lines
-    saying what its runs were measured on (card, software, the commands)."""
+    saying what its runs were measured on (card, software, the commands). ``fitted``: the date it stands for (the
+    latest its runs were collected, so a refit of the same runs writes the same file); default today."""
     body = {
         "source": calibration.source,
-        "fitted": datetime.date.today().isoformat() if calibration.gpus else None,
+        "fitted": (fitted or datetime.date.today().isoformat()) if calibration.gpus else None,
         "host": calibration.host,
         "combine": calibration.combine,
         "transfer_sd": round(calibration.transfer_sd, 4),

@@ -7,6 +7,9 @@ A pure function of the run's settings, its model's config, a GPU's row of config
 - measured here: a run of this configuration on this GPU model is in the results: the measurement is shown, not a
   prediction (the report and the plan take it from results/metrics.parquet);
 - calibrated on this GPU model: the calibration holds runs measured on it (the user's own take precedence);
+- probed on this GPU model: no run calibrated it, but a probe of it did (``python -m ftbench probe-gpu``,
+  experiment/probes.py): its own matmul, bandwidth, kernel and host figures, with the datasheet-only interval (how
+  well a probe carries over to training runs is unmeasured until a check on its runs measures it);
 - datasheet only (uncalibrated): its datasheet peak and bandwidth with the calibrated models' efficiencies, and a
   wider interval (the calibration's ``transfer_sd``).
 The interval is the calibration's residual spread for the GPU model, its GPU's and host's parts weighed by how much
@@ -25,6 +28,7 @@ from ftbench.runspec import RunSpec
 BASES = {
     "measured": "measured here",
     "calibrated": "calibrated on this GPU model",
+    "probed": "probed on this GPU model",
     "datasheet": "datasheet only (uncalibrated)",
 }
 HOST_BOUND_NOTE = ("host-bound: the GPU waits on the host's kernel launches, so on a faster host or with `compile` "
@@ -35,7 +39,9 @@ def basis(gpu_name: str, calibration: calibrations.Calibration, measured: bool =
     """What a number for this GPU model rests on (``BASES``' key)."""
     if measured:
         return "measured"
-    return "calibrated" if calibration.calibrated(gpu_name) else "datasheet"
+    if calibration.calibrated(gpu_name):
+        return "calibrated"
+    return "probed" if calibration.is_probed(gpu_name) else "datasheet"
 
 
 def predict_on(load: step_time.Workload, gpu: dict, calibration: calibrations.Calibration) -> dict | None:

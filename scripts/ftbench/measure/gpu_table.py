@@ -22,13 +22,13 @@ def load_peaks(path: str | Path) -> list[dict]:
         peaks = user_yaml.loads(path.read_text(encoding="utf-8"), str(path))["gpus"]
     except (OSError, UnicodeDecodeError, ConfigError, TypeError, KeyError) as exc:
         raise FtbenchError(f"GPU table {path}: cannot read its `gpus` list ({' '.join(str(exc).split())})") from None
-    problem = _entries_problem(peaks)
+    problem = entries_problem(peaks)
     if problem:
         raise FtbenchError(f"GPU table {path}: {problem}")
     return peaks
 
 
-def _entries_problem(peaks) -> str | None:
+def entries_problem(peaks) -> str | None:
     """What is wrong with a table's ``gpus`` list, in its layout's terms; None when it can be used."""
     if not isinstance(peaks, list):
         return f"gpus: expected a list of {{name, match, memory_gb, dense_tflops}}, got {type(peaks).__name__}"

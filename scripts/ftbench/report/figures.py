@@ -506,7 +506,8 @@ def figure_throughput_ratio(devices: pd.DataFrame):
 
 def figure_budget_cost(table: pd.DataFrame):
     """The budget's dollars per configuration (rows) on each GPU of the table (columns), from
-    report/prediction.py's section table: measured where it ran there (marked *), else predicted; a GPU the
+    report/prediction.py's section table: measured where it ran there (marked (m), as the price matrix marks it;
+    its * is the cheapest GPU that fits), else predicted; a GPU the
     configuration does not fit is left blank, and the figure's note names them."""
     cost = table["cost_of_budget_measured"].fillna(table["cost_of_budget_predicted"])
     shown = table.assign(cost=cost.astype(float))[table["fits"].isin(["yes", "borderline"]) & cost.notna()]
@@ -517,13 +518,13 @@ def figure_budget_cost(table: pd.DataFrame):
         index="configuration", columns="GPU", values="mark", aggfunc="first", sort=False).reindex_like(grid)
     text = grid.map(lambda value: "" if pd.isna(value) else f"${value:,.0f}" if value >= 100
                     else f"${value:.2f}" if value >= 1 else f"${value:.3g}")
-    text = text.where(marks.isna() | ~marks.astype("boolean").fillna(False), text + "*")
+    text = text.where(marks.isna() | ~marks.astype("boolean").fillna(False), text + "(m)")
     figure, ax = plt.subplots(figsize=(1.6 + 0.9 * grid.shape[1], _height(grid.shape[0])))
     sns.heatmap(np.log10(grid.astype(float)), annot=text, fmt="", cmap="viridis_r", cbar=False, ax=ax,
                 linewidths=0.5, linecolor="white", annot_kws={"fontsize": 7})
     ax.set_xlabel("GPU (blank: does not fit)")
     ax.set_ylabel("")
-    ax.set_title("$ of the budget's training steps (* measured, others predicted)", fontsize=9)
+    ax.set_title("$ of the budget's training steps ((m) measured, others predicted)", fontsize=9)
     return figure
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from ftbench.experiment import calibration as calibrations
-from ftbench.experiment import memory_plan, prediction, step_time
+from ftbench.experiment import memory_plan, prediction, probes, step_time
 from ftbench.measure import gpu_table
 from ftbench.report import cost
 from ftbench.report.analysis import is_missing
@@ -120,13 +120,24 @@ def load_calibration(path: str | Path | None) -> calibrations.Calibration:
     return calibrations.load(path or DEFAULT_CALIBRATION)
 
 
+def with_probe_file(calibration: calibrations.Calibration, gpus: list[dict],
+                    probe_path: str | Path | None) -> tuple[calibrations.Calibration, list[dict]]:
+    """(``calibration`` with the probed GPU models of a probe file (experiment/probes.py), the GPU table with the
+    entries the file adds); no file: both as they are."""
+    figures, added = probes.load(probe_path)
+    gpus = probes.merged_gpus(gpus, added)
+    return probes.with_probes(calibration, figures, gpus), gpus
+
+
 # --- the priced table -----------------------------------------------------------------------------------------
 
 PRICED_COLUMNS = ["run_id", "config_id", "gpu", "fits", "largest_batch", "basis", "tokens_per_s", "tokens_per_s_low",
                   "tokens_per_s_high", "predicted_tokens_per_s", "predicted_tokens_per_s_low",
                   "predicted_tokens_per_s_high", "busy_share", "host_bound", "budget_tokens",
                   "budget_hours", "budget_hours_low", "budget_hours_high", "devices", "price_per_device_hour",
-                  "budget_cost", "budget_cost_low", "budget_cost_high", "note"]
+                  "budget_cost", "budget_cost_low", "budget_cost_high", "tokens_per_sample", "cost_per_1m_tokens",
+                  "cost_per_1m_tokens_low", "cost_per_1m_tokens_high", "cost_per_1k_samples", "cost_per_1k_samples_low",
+                  "cost_per_1k_samples_high", "note"]
 
 
 def price_of(gpu: dict, prices: cost.Prices) -> float | None:
@@ -167,7 +178,8 @@ def run_rows(run: RunSpec, gpus: list[dict], calibration: calibrations.Calibrati
                "predicted_tokens_per_s_low": figures["tokens_per_s_low"],
                "predicted_tokens_per_s_high": figures["tokens_per_s_high"],
                "busy_share": figures["busy_share"], "host_bound": figures["host_bound"],
-               "budget_tokens": figures.get("budget_tokens"), "devices": run.devices, "note": predicted["note"]}
+               "budget_tokens": figures.get("budget_tokens"), "devices": run.devices, "note": predicted["note"],
+               "tokens_per_sample": predicted["workload"].tokens_per_step / predicted["workload"].samples_per_step}
         row.update(_measured_figures(measured.get((prediction.speed_key(run), gpu), [])))
         rows.append(_priced(row, price_of(next(g for g in gpus if g["name"] == gpu), prices)))
     return rows
@@ -189,14 +201,23 @@ def _measured_figures(items: list[MeasuredRun]) -> dict:
 
 
 def _priced(row: dict, price: float | None) -> dict:
-    """The budget's hours and dollars at the row's tokens/s and its interval (training steps only)."""
+    """The budget's hours and dollars at the row's tokens/s and its interval (training steps only), and, budget or
+    not, $ per 1M tokens and per 1k samples (every GPU the run holds, at the row's tokens/s)."""
     tokens = row.get("budget_tokens")
     row["price_per_device_hour"] = price
     for suffix, rate in (("", "tokens_per_s"), ("_low", "tokens_per_s_high"), ("_high", "tokens_per_s_low")):
         hours = tokens / row[rate] / 3600 if tokens and row.get(rate) else None
         row[f"budget_hours{suffix}"] = hours
         row[f"budget_cost{suffix}"] = hours * row["devices"] * price if hours is not None and price is not None else None
+        per_1m = row["devices"] * price / (row[rate] * 3600) * 1e6 if row.get(rate) and price is not None else None
+        row[f"cost_per_1m_tokens{suffix}"] = per_1m
+        row[f"cost_per_1k_samples{suffix}"] = None if per_1m is None else per_1m / 1e6 * row["tokens_per_sample"] * 1e3
     return row
+
+
+def cost_column(table: pd.DataFrame) -> str:
+    """What a table's costs are compared by: the budget's dollars where it has a budget, else $ per 1M tokens."""
+    return "budget_cost" if "budget_cost" in table and table["budget_cost"].notna().any() else "cost_per_1m_tokens"
 
 
 def priced_table(runs: list[RunSpec], gpus: list[dict], calibration: calibrations.Calibration,
@@ -212,22 +233,24 @@ def priced_table(runs: list[RunSpec], gpus: list[dict], calibration: calibration
     return pd.DataFrame(rows, columns=PRICED_COLUMNS)
 
 
-def cheapest(table: pd.DataFrame) -> pd.DataFrame:
-    """Per run: the GPU of the table with the lowest budget cost among those it fits ("yes"; "borderline" where
-    nothing fits surely), with that cost's interval and basis."""
+CHEAPEST_COLUMNS = ["run_id", "gpu", "fits", "budget_cost", "budget_cost_low", "budget_cost_high", "budget_hours",
+                    "cost_per_1m_tokens", "cost_per_1m_tokens_low", "cost_per_1m_tokens_high", "basis"]
+
+
+def cheapest(table: pd.DataFrame, column: str = "budget_cost") -> pd.DataFrame:
+    """Per run: the GPU of the table with the lowest ``column`` (the budget's cost, or $ per 1M tokens) among those
+    it fits ("yes"; "borderline" where nothing fits surely), with its costs' intervals and basis."""
     picks = []
     for run_id, rows in table.groupby("run_id", sort=False):
-        priced = rows[rows["budget_cost"].notna()]
+        priced = rows[rows[column].notna()]
         for verdict in ("yes", "borderline"):
             fitting = priced[priced["fits"] == verdict]
             if not fitting.empty:
-                best = fitting.loc[fitting["budget_cost"].idxmin()]
-                picks.append({"run_id": run_id, "gpu": best["gpu"], "fits": verdict, "budget_cost": best["budget_cost"],
-                              "budget_cost_low": best["budget_cost_low"], "budget_cost_high": best["budget_cost_high"],
-                              "budget_hours": best["budget_hours"], "basis": best["basis"]})
+                best = fitting.loc[fitting[column].astype(float).idxmin()]
+                picks.append({"run_id": run_id, "fits": verdict,
+                              **{key: best[key] for key in CHEAPEST_COLUMNS if key not in ("run_id", "fits")}})
                 break
-    return pd.DataFrame(picks, columns=["run_id", "gpu", "fits", "budget_cost", "budget_cost_low", "budget_cost_high",
-                                        "budget_hours", "basis"])
+    return pd.DataFrame(picks, columns=CHEAPEST_COLUMNS)
 
 
 # --- as text (the plan) ---------------------------------------------------------------------------------------
@@ -251,7 +274,8 @@ def _hours(value, low, high) -> str:
     return _span(value, low, high, digits=digits)
 
 
-PRICED_HEADER = f"{'tokens/s [95%]':>26} {'busy':>5} {'hours [95%]':>20} {'$ [95%]':>22}  basis"
+PRICED_HEADER = (f"{'tokens/s [95%]':>26} {'busy':>5} {'hours [95%]':>20} {'$ [95%]':>22} {'$/1M tokens [95%]':>22} "
+                 f"{'$/1k samples':>12}  basis")
 
 
 def priced_cells(row: dict | None) -> str:
@@ -262,7 +286,9 @@ def priced_cells(row: dict | None) -> str:
     flag = " (host-bound)" if row["host_bound"] is True else ""
     return (f"{_span(row['tokens_per_s'], row['tokens_per_s_low'], row['tokens_per_s_high']):>26} {busy:>5} "
             f"{_hours(row['budget_hours'], row['budget_hours_low'], row['budget_hours_high']):>20} "
-            f"{_span(row['budget_cost'], row['budget_cost_low'], row['budget_cost_high'], '$'):>22}  {row['basis']}{flag}")
+            f"{_span(row['budget_cost'], row['budget_cost_low'], row['budget_cost_high'], '$'):>22} "
+            f"{_span(row['cost_per_1m_tokens'], row['cost_per_1m_tokens_low'], row['cost_per_1m_tokens_high'], '$'):>22} "
+            f"{_span(row['cost_per_1k_samples'], None, None, '$'):>12}  {row['basis']}{flag}")
 
 
 def plan_footer(rows: pd.DataFrame, pick: dict | None) -> list[str]:
@@ -270,11 +296,12 @@ def plan_footer(rows: pd.DataFrame, pick: dict | None) -> list[str]:
     if rows.empty:
         return []
     lines = [f"  note: {note}" for note in rows["note"].dropna().unique()]
+    column = cost_column(rows)
     if pick:
+        what = "for the budget" if column == "budget_cost" else "per 1M tokens"
         lines.append(f"  cheapest that fits: {pick['gpu']} ({pick['fits']}), "
-                     f"{_span(pick['budget_cost'], pick['budget_cost_low'], pick['budget_cost_high'], '$')} "
-                     f"for the budget ({pick['basis']})")
-    elif rows["budget_cost"].notna().any():
+                     f"{_span(pick[column], pick[f'{column}_low'], pick[f'{column}_high'], '$')} {what} ({pick['basis']})")
+    elif rows[column].notna().any():
         lines.append("  cheapest that fits: none of the table's GPUs fits it")
     return lines
 
@@ -282,11 +309,13 @@ def plan_footer(rows: pd.DataFrame, pick: dict | None) -> list[str]:
 def plan_heading(calibration: calibrations.Calibration, prices: cost.Prices, budget: dict | None) -> str:
     """What the plan's prices rest on: the budget, the prices, the calibration and its GPU models."""
     calibrated = ", ".join(sorted(calibration.gpus)) or "none"
-    what = ("no budget: hours and $ left out" if not budget else
+    probed = ", ".join(sorted(name for name in calibration.probed if calibration.is_probed(name)))
+    what = ("no budget: $ per 1M tokens" if not budget else
             f"budget {budget.get('tokens') or budget.get('samples'):,} {'tokens' if budget.get('tokens') else 'samples'}"
             f" x {budget.get('epochs') or 1} epochs")
     return (f"speed and cost per GPU ({what}; training steps only, no evaluation or start-up; prices {prices.label} "
             f"from {prices.table_path}; calibration {calibration.source}, calibrated on: {calibrated}; "
+            + (f"probed: {probed} (their interval the datasheet-only width: unmeasured); " if probed else "") +
             f"[95%]: the calibration's residual spread, wider where it rests on a parameter no run calibrated)")
 
 
@@ -349,7 +378,15 @@ SECTION_COLUMNS = {
     "cost_of_budget_measured": "$ of the budget's training steps at the measured tokens/s (GPUs x $/GPU-hour)",
     "cost_of_budget_predicted": "$ of the budget's training steps at the predicted tokens/s",
     "predicted $ 95%": "the predicted cost's 95% interval",
+    "cost_per_1m_tokens": "$ per 1M real tokens trained, budget or not (GPUs x $/GPU-hour at the measured tokens/s where "
+                          "measured here, else at the predicted)",
+    "cost_per_1k_samples": "$ per 1,000 training examples, as $ per 1M tokens at the run's tokens per example",
 }
+
+
+# The section's headers where a column's name is not words (it stays the name the budget figure reads).
+SECTION_HEADERS = {"cost_of_budget_measured": "measured $ of the budget", "cost_of_budget_predicted": "predicted $ of the budget",
+                   "cost_per_1m_tokens": "$ per 1M tokens", "cost_per_1k_samples": "$ per 1k samples"}
 
 
 def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
@@ -369,24 +406,14 @@ def section_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFra
         "GPU busy": shown["busy_share"], "host-bound": shown["host_bound"],
         "cost_of_budget_measured": shown["budget_cost"].where(measured), "cost_of_budget_predicted": predicted_cost,
         "predicted $ 95%": [_range(low, high, money=True) for low, high in zip(cost_low, cost_high)],
+        "cost_per_1m_tokens": shown["cost_per_1m_tokens"], "cost_per_1k_samples": shown["cost_per_1k_samples"],
     })
     return frame.astype({"measured tokens/s": "Float64", "measured / predicted": "Float64", "GPU busy": "Float64",
-                         "cost_of_budget_measured": "Float64", "cost_of_budget_predicted": "Float64"})
+                         "cost_of_budget_measured": "Float64", "cost_of_budget_predicted": "Float64",
+                         "cost_per_1m_tokens": "Float64", "cost_per_1k_samples": "Float64"})
 
 
 def _range(low, high, money: bool = False) -> str:
     if is_missing(low) or is_missing(high):
         return ""
     return f"{pages_money(low)}-{pages_money(high)}" if money else f"{low:,.0f}-{high:,.0f}"
-
-
-def cheapest_frame(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
-    """Per configuration: the cheapest GPU of the table that fits it and the budget's $ there."""
-    picks = cheapest(table)
-    config_of = dict(zip(table["run_id"], table["config_id"]))
-    return pd.DataFrame({
-        "configuration": [(labels or {}).get(config_of[run_id], config_of[run_id]) for run_id in picks["run_id"]],
-        "cheapest GPU that fits": picks["gpu"], "fits": picks["fits"], "rests on": picks["basis"],
-        "cost_of_budget": picks["budget_cost"],
-        "95%": [_range(low, high, money=True) for low, high in zip(picks["budget_cost_low"], picks["budget_cost_high"])],
-        "budget hours": picks["budget_hours"]})

@@ -12,7 +12,7 @@ from markupsafe import Markup
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment.prediction import BASES
 from ftbench.measure.metrics import HOST_BOUND_BUSY_SHARE
-from ftbench.report import cost, figures, pages, prediction
+from ftbench.report import cost, figures, pages, prediction, price_matrix
 from ftbench.report.analysis import is_missing
 
 TEMPLATE = "prediction.html.j2"
@@ -31,8 +31,12 @@ def host_bound_notes(runs: pd.DataFrame) -> list[str]:
 def calibration_notes(calibration: calibrations.Calibration) -> list[str]:
     """What the predictions rest on."""
     calibrated = ", ".join(f"{name} ({entry.get('runs', '?')} runs)" for name, entry in sorted(calibration.gpus.items()))
-    return [f"Calibration: {calibration.source}; calibrated GPU models: {calibrated or 'none'}. Other GPU models are "
-            f"datasheet only: their interval is wider (x{pow(2.718281828, 1.96 * calibration.transfer_sd):.2f} either way).",
+    probed = ", ".join(sorted(name for name in calibration.probed if calibration.is_probed(name)))
+    width = f"x{pow(2.718281828, 1.96 * calibration.transfer_sd):.2f} either way"
+    return [f"Calibration: {calibration.source}; calibrated GPU models: {calibrated or 'none'}. "
+            + (f"Probed GPU models ({probed}): predicted from their probe's figures; how well a probe carries over to "
+               f"training runs is unmeasured, so their interval keeps the datasheet-only width ({width}). " if probed else "")
+            + f"Other GPU models are datasheet only: their interval is wider ({width}).",
             "Predicted hours and dollars cover the budget's training steps only (no evaluation or job start-up)."]
 
 
@@ -45,6 +49,7 @@ def section(metrics_path: str | Path, gpus: list[dict], figures_dir: str | Path,
     config_dir = Path(config_dir) if config_dir is not None else Path("config")
     calibration_path = config_dir / "calibration.yaml"
     shipped = calibrations.load(calibration_path) if calibration_path.is_file() else calibrations.priors()
+    shipped, gpus = prediction.with_probe_file(shipped, gpus, config_dir / prediction.probes.DEFAULT_PROBES.name)
     prices = prices or cost.resolve({}, default_table=config_dir / "prices.yaml")
     table, calibration = prediction.results_table(metrics_path, [g for g in gpus if g.get("memory_gb")], shipped, prices)
     shown = prediction.section_frame(table, labels)
@@ -60,12 +65,18 @@ def section(metrics_path: str | Path, gpus: list[dict], figures_dir: str | Path,
     no_prediction = [f"{row['run_id']}: {row['note']}" for row in table[table["gpu"].isna()].to_dict("records")
                      if not is_missing(row["note"])]
     html = pages.TEMPLATES.get_template(TEMPLATE).render(
+        matrix=price_matrix.price_matrix(table, labels), marked=price_matrix.marked, cell_class=_cell_class,
         table=pages.table(shown, list(prediction.SECTION_COLUMNS), table_id="prediction-table",
-                          row_class=_row_class, titles=prediction.SECTION_COLUMNS),
-        cheapest=pages.table(prediction.cheapest_frame(table, labels), list(prediction.cheapest_frame(table, labels).columns),
-                             table_id="cheapest-table"),
+                          row_class=_row_class, titles=prediction.SECTION_COLUMNS, headers=prediction.SECTION_HEADERS),
         figure=block, host_bound=host_bound_notes(runs), notes=calibration_notes(calibration) + no_prediction)
     return Markup(html), written
+
+
+def _cell_class(cell: price_matrix.MatrixCell) -> str:
+    kinds = ["measured" if cell.measured else "predicted"]
+    kinds += ["cheapest"] if cell.cheapest else []
+    kinds += ["nofit"] if cell.fits == "no" else ["none"] if not cell.interval else []
+    return " ".join(kinds)
 
 
 def _row_class(row: pd.Series) -> str:
