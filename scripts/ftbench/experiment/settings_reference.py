@@ -44,6 +44,11 @@ GROUPS: list[tuple[str, str, list[str]]] = [
     ("Measurement and evaluation", "", ["warmup_steps", "warmup_until_stable", "warmup_max_steps", "eval_batch_size",
                                         "max_eval_samples", "eval_before_training", "eval_every", "eval_subset",
                                         "stop_at_target", "gpu_sample_interval_s"]),
+    ("Answers generated", "Instruction data: what the model answers on the held-out prompts, scored against the "
+     "reference completion, at every evaluation (before, during and after training) and usable as the `target` "
+     "(`eval_generation_score`). A setting of the run, like the other evaluation settings; per dataset with "
+     "`overrides: [{when: {dataset: ...}, set: {answer_metric: ...}}]`.",
+     ["answer_metric", "answer_regex", "max_new_tokens"]),
 ]
 
 # Meanings of schema keys that carry no description of their own (the schema's own description wins when

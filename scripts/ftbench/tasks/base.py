@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ftbench.runspec import RunSpec
+from ftbench.tasks import generation
 
 IGNORE_INDEX = -100  # positions the loss skips (padding)
 # Eval figures a lower value of which is better; every other eval figure is a proportion in [0, 1] (accuracy,
@@ -42,6 +43,10 @@ def reaches(metric: str, value: float | None, target: float) -> bool:
     if value is None or value != value:  # None or NaN: no score
         return False
     return value >= target if higher_is_better(metric) else value <= target
+
+
+# The count an eval figure's interval is on, where it is not eval_samples (the rows the forward pass scored).
+SAMPLES_OF = {generation.SCORE: generation.ROWS}
 
 
 def is_proportion(metric: str) -> bool:
@@ -217,6 +222,28 @@ class TaskFamily:
     def eval_metrics(self) -> tuple[str, ...]:
         """The eval figures this family's scoring gives (its accumulator's METRICS), e.g. for a quality target."""
         return type(self.eval_accumulator()).METRICS
+
+    # Whether the family answers prompts by generation (tasks/generation.py): its rows are prompts and completions.
+    generates: bool = False
+
+    def run_eval_metrics(self, run: RunSpec) -> tuple[str, ...]:
+        """The eval figures a run of this family gives: eval_metrics, and the generation score where it generates."""
+        if self.generates and run.answer_metric not in (None, "none"):
+            return (*self.eval_metrics(), generation.SCORE)
+        return self.eval_metrics()
+
+    def generation_rows(self, split, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(prompt ids, reference completion ids) of a split's rows at ``indices``: a generating family's."""
+        raise NotImplementedError(f"{self.name} does not answer prompts by generation")
+
+    def generation_scores(self, model, split, indices: np.ndarray, spec: RunSpec, device, pad_id: int, fits=None,
+                          autocast: dict | None = None) -> dict:
+        """The generation figures (generation.FIGURES) of the rows at ``indices``: none unless the family generates and
+        the run's answer_metric asks for them. ``fits(rows)``: a time limit's budget, asked before each batch."""
+        if not self.generates or spec.answer_metric in (None, "none") or len(indices) == 0:
+            return {}
+        return generation.answer_rows(model, self.generation_rows(split, indices), spec, generation.tokenizer_of(spec),
+                                      device, pad_id, fits, autocast, synced=spec.parallel == "fsdp")
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         raise NotImplementedError
