@@ -1,0 +1,220 @@
+"""Scoring by generation (tasks/generation.py): the answer metrics on hand-written cases, the settings refused at parse
+time, and greedy decoding of left-padded batches on a tiny config-built Llama (the same tokens as one prompt at a time
+and as a decoding loop without a cache; the KV cache used; stop tokens; the tokens and time counted)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from ftbench.errors import ConfigError
+from ftbench.runspec import RunSpec
+from ftbench.tasks import generation
+from ftbench.tasks.generation import is_right, normalise
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scoring (pure)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("  Positive.  ", "positive"),
+    ("POSITIVE!!", "positive"),
+    ("New\n  York\tcity", "new york city"),
+    ("42.", "42"),
+    ("3.5", "3.5"),  # punctuation inside is kept
+    ("Straße", "strasse"),  # case-folded, not only lower-cased
+    ("...", ""),
+    ("", ""),
+])
+def test_normalise_strips_casefolds_collapses_whitespace_and_drops_trailing_punctuation(text, expected):
+    assert normalise(text) == expected
+
+
+@pytest.mark.parametrize("answer, reference, right", [
+    ("positive", "Positive", True),
+    (" Positive. ", "positive", True),
+    ("positive review", "positive", False),  # exact: nothing more
+    ("negative", "positive", False),
+    ("", "positive", False),
+])
+def test_exact_match(answer, reference, right):
+    assert is_right("exact_match", answer, reference) is right
+
+
+@pytest.mark.parametrize("answer, reference, right", [
+    ("It is Positive, clearly", "positive.", True),
+    ("negative", "positive", False),
+    ("anything", "  ", False),  # an empty reference is in every text: it matches nothing instead
+])
+def test_contains(answer, reference, right):
+    assert is_right("contains", answer, reference) is right
+
+
+GSM = re.compile(r"#### (\-?\d+)")
+
+
+@pytest.mark.parametrize("answer, reference, right", [
+    ("so 3 + 4 = 7\n#### 7", "She has 3 + 4 = 7 apples.\n#### 7", True),
+    ("#### 8", "work...\n#### 7", False),
+    ("the answer is 7", "work...\n#### 7", False),  # no match in the answer: wrong, not an error
+    ("#### 7 and then #### 9", "#### 7", True),  # the first match is the answer
+    ("#### 7", "7", True),  # a reference the pattern does not match is compared whole
+    ("#### 7", "7 apples", False),
+])
+def test_regex_extracts_the_answer_from_both(answer, reference, right):
+    assert is_right("regex", answer, reference, GSM) is right
+
+
+def test_a_regex_without_a_group_compares_its_whole_match():
+    assert is_right("regex", "I think: Yes!", "yes", re.compile(r"(?i)\b(?:yes|no)\b"))
+    assert not is_right("regex", "maybe", "yes", re.compile(r"(?i)\b(?:yes|no)\b"))
+
+
+def test_no_metric_scores_nothing():
+    with pytest.raises(ValueError):
+        is_right("none", "a", "a")
+
+
+@pytest.mark.parametrize("pattern, fragment", [("#### (\\d+", "is not a regular expression"),
+                                               ("(a)(b)", "expected at most one")])
+def test_a_bad_regex_is_one_line_naming_the_key(pattern, fragment):
+    with pytest.raises(ConfigError) as error:
+        generation.check_settings("regex", pattern, lambda name: f"defaults.{name}")
+    message = str(error.value)
+    assert message.startswith("config key defaults.answer_regex:") and fragment in message and "\n" not in message
+
+
+def test_regex_needs_a_pattern():
+    with pytest.raises(ConfigError, match="answer_regex: required with answer_metric regex"):
+        generation.check_settings("regex", None, lambda name: name)
+
+
+def test_prompt_and_reference_split_at_the_last_trained_span():
+    ids = np.arange(10, 20)
+    # system/user, assistant turn 1 (trained), user, assistant turn 2 (trained), a template newline (not trained)
+    trained = np.array([0, 0, 1, 1, 0, 0, 1, 1, 1, 0])
+    prompt, reference = generation.prompt_and_reference(ids, trained)
+    assert prompt.tolist() == list(range(10, 16)) and reference.tolist() == [16, 17, 18]
+    prompt, reference = generation.prompt_and_reference(ids, np.zeros(10))
+    assert len(reference) == 0 and prompt.tolist() == ids.tolist()
+
+
+def test_left_padding_puts_every_prompt_against_the_right_edge():
+    ids, mask = generation.left_padded([np.array([5, 6, 7]), np.array([8])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding on a tiny Llama
+
+
+VOCAB, PAD = 64, 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # the tests choose the stops
+    return model
+
+
+PROMPTS = [np.array([3, 9, 14, 27, 5, 8, 30]), np.array([7, 11]), np.array([40, 41, 42, 43]), np.array([6])]
+
+
+def greedy_without_cache(model, prompt: np.ndarray, steps: int) -> list[int]:
+    """The plain definition: the whole sequence through the model each step, the most likely next token appended."""
+    import torch
+
+    tokens = torch.tensor([prompt.tolist()])
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.cat([tokens, model(tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens[0, len(prompt):].tolist()
+
+
+def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(tiny_llama):
+    batched = generation.greedy(tiny_llama, PROMPTS, PAD, [], 6, "cpu")
+    alone = [generation.greedy(tiny_llama, [prompt], PAD, [], 6, "cpu")[0] for prompt in PROMPTS]
+    assert batched == alone
+    assert alone == [greedy_without_cache(tiny_llama, prompt, 6) for prompt in PROMPTS]
+
+
+def test_decoding_uses_the_kv_cache(tiny_llama):
+    lengths = []
+    handle = tiny_llama.model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None
+                                                    else kwargs["inputs_embeds"].shape[1]), with_kwargs=True)
+    try:
+        generation.greedy(tiny_llama, PROMPTS[:2], PAD, [], 5, "cpu")
+    finally:
+        handle.remove()
+    # The prompt once, then one new token per step: nothing already seen goes through the model again.
+    assert lengths == [len(PROMPTS[0])] + [1] * 4
+
+
+def test_an_answer_ends_at_a_stop_token_and_keeps_it(tiny_llama):
+    free = generation.greedy(tiny_llama, PROMPTS, PAD, [], 6, "cpu")
+    stop = free[0][2]  # the third token the first prompt generates
+    stopped = generation.greedy(tiny_llama, PROMPTS, PAD, [stop], 6, "cpu")
+    assert stopped[0] == free[0][:free[0].index(stop) + 1]
+    for row, answer in zip(free, stopped):
+        expected = row[:row.index(stop) + 1] if stop in row else row
+        assert answer == expected  # no padding after a stop counts as generated
+
+
+class WordTokenizer:
+    """Token i reads "w<i>"; 2 is the end of sequence and 63 a special end-of-turn token."""
+
+    eos_token_id, pad_token_id = 2, PAD
+    all_special_ids = [PAD, 2, 63]
+    added_tokens_decoder: dict = {}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i in self.all_special_ids))
+
+
+def spec(**settings) -> RunSpec:
+    return RunSpec(model="m", dataset="d", eval_batch_size=3, **{"answer_metric": "exact_match", "max_new_tokens": 4,
+                                                                **settings})
+
+
+def test_answer_rows_scores_counts_tokens_and_times_the_generation(tiny_llama):
+    tokenizer = WordTokenizer()
+    free = generation.greedy(tiny_llama, PROMPTS, PAD, [], 4, "cpu")
+    # References: the first two answers exactly (with the end-of-turn token after them), then two wrong ones.
+    references = [np.array(free[0] + [63]), np.array(free[1] + [63]), np.array([50, 63]), np.array([51, 63])]
+    figures = generation.answer_rows(tiny_llama, list(zip(PROMPTS, references)), spec(), tokenizer, "cpu", PAD)
+    assert figures[generation.ROWS] == 4
+    right = [free[2] == [50], free[3] == [51]]
+    assert figures[generation.SCORE] == pytest.approx((2 + sum(right)) / 4)
+    # 63 ends answers (it ends the references), so a generated 63 ends one early and counts as generated
+    expected_tokens = sum(len(answer[:answer.index(63) + 1]) if 63 in answer else len(answer) for answer in free)
+    assert figures[generation.TOKENS] == expected_tokens
+    assert figures[generation.SECONDS] > 0
+
+
+def test_a_time_limit_ends_generation_between_batches_and_counts_the_rows_answered(tiny_llama):
+    asked = []
+
+    def fits(rows: int) -> bool:
+        asked.append(rows)
+        return len(asked) == 1
+
+    rows = [(prompt, np.array([50, 2])) for prompt in PROMPTS]
+    figures = generation.answer_rows(tiny_llama, rows, spec(), WordTokenizer(), "cpu", PAD, fits=fits)
+    assert asked == [3, 1] and figures[generation.ROWS] == 3
+
+
+def test_stop_ids_hold_the_eos_and_the_end_of_turn_token_of_the_references():
+    assert generation.stop_ids(WordTokenizer(), [np.array([5, 6, 63])]) == [2, 63]
+    assert generation.stop_ids(WordTokenizer(), [np.array([5, 6])]) == [2]
