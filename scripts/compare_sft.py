@@ -1,0 +1,494 @@
+"""Instruction fine-tuning two ways on the same rows: TRL's SFTTrainer and ftbench.
+
+``check`` (CPU, seconds): does ftbench train on the tokens SFTTrainer trains on? For the first rows of each dataset
+format of TRL's documentation (language modelling, prompt-completion, conversational, conversational
+prompt-completion), under two chat templates (ChatML as SmolLM2-Instruct renders it, and Llama 3's), it compares
+
+- the token ids and the trained-token mask of every row: SFTTrainer's prepared ``input_ids`` and ``labels != -100``
+  against ftbench's prepared shards (the instruction family's ``prepare``, i.e. ``tasks.instruction_rows.encode_row``),
+  position by position (the first position excluded: nothing predicts it, in either);
+- the first optimizer step's loss, in fp32, over one batch holding all those rows: SFTTrainer's own training step
+  against ftbench's own (``train.trainer.train_run`` on the prepared shards), both from the same checkpoint; and
+  again with packing (SFTTrainer ``packing=True``, best-fit decreasing and padding-free; ftbench ``batching: pack``),
+  which must keep the masks and the sequence boundaries and so give the same loss.
+
+SFTTrainer's settings are the ones matching ftbench's defaults: ``completion_only_loss`` (its default) for
+prompt-completion data, ``assistant_only_loss=True`` for conversations, gradient checkpointing off, fp32. TRL computes an
+assistant-only mask only from a template with ``{% generation %}`` markers: Llama 3's template it recognises and swaps
+for its own marked copy; for ChatML (SmolLM2's template has no markers, and TRL refuses to guess) it is given this
+script's ChatML with markers around each assistant turn's tokens after the generation prompt, checked to render every
+row exactly as the plain one does.
+
+The tokenizer is byte-level BPE trained here on the rows themselves (no download), with both templates' special
+tokens; the model a two-layer Llama built from its config with seeded weights, saved once and loaded by both ways.
+
+``speed`` (GPU): tokens/s and peak allocated memory of SFTTrainer and of ftbench on one configuration: a Llama shape
+built from its config (random weights; the same shapes as compare_ecosystem.py), full fine-tuning or LoRA, bf16
+autocast, the same batch, seq_len, packing setting and synthetic instruction rows, each way in a process of its own.
+Warmup steps are excluded, the device is synchronised before each clock reading, and tokens are the rows' real tokens
+(no padding). Packing: SFTTrainer packs the dataset into rows of ``seq_len`` (``packing=True``) and its batch counts
+packed rows; ftbench's ``batching: pack`` packs a batch's sequences into rows of ``seq_len`` and its batch counts
+sequences, so ftbench is given the batch of sequences that fills as many packed rows (printed).
+
+    python scripts/compare_sft.py check
+    python scripts/compare_sft.py speed --shape 1b --method full --batch 4 --seq 2048 --packing
+    python scripts/compare_sft.py speed --shape 8b --method lora --batch 2 --seq 2048 --packing
+
+Needs TRL (requirements-compare.txt, installed with ``--no-deps``), peft and datasets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+FORMATS = ("language_modeling", "prompt_completion", "conversational", "conversational_prompt_completion")
+TEMPLATES = ("chatml", "llama3")
+LOSS_TOLERANCE = 1e-3  # fp32: the two ways' first-step losses must agree this closely
+CHECK_SEQ_LEN = 128
+SEED = 0
+
+# The first rows of each format: short, varied (a system turn or none, two assistant turns, punctuation at the
+# prompt/completion boundary, a completion already ending in a newline).
+CHECK_ROWS = {
+    "language_modeling": [
+        {"text": "The quick brown fox jumps over the lazy dog."},
+        {"text": "Rotten Tomatoes collects reviews of films; each one is fresh or rotten."},
+        {"text": "A short line"},
+        {"text": "Tokens are counted without padding, and trained tokens apart from processed ones.\n"},
+    ],
+    "prompt_completion": [
+        {"prompt": "Is this review positive or negative? A warm, funny film.", "completion": " positive"},
+        {"prompt": "What is the capital of France?", "completion": " Paris."},
+        {"prompt": "Translate to French: good morning\n", "completion": "bonjour\n"},
+        {"prompt": "Add 2 and 3.", "completion": " The sum is 5, so the answer is #### 5"},
+    ],
+    "conversational": [
+        {"messages": [{"role": "user", "content": "Is this review positive or negative? A dull, slow film."},
+                      {"role": "assistant", "content": "negative"}]},
+        {"messages": [{"role": "system", "content": "You answer in one word."},
+                      {"role": "user", "content": "What colour is the sky?"},
+                      {"role": "assistant", "content": "Blue."}]},
+        {"messages": [{"role": "user", "content": "Name a fruit."},
+                      {"role": "assistant", "content": "An apple."},
+                      {"role": "user", "content": "Another one?"},
+                      {"role": "assistant", "content": "A pear, then."}]},
+        {"messages": [{"role": "user", "content": "Say hello."},
+                      {"role": "assistant", "content": "Hello!"}]},
+    ],
+    "conversational_prompt_completion": [
+        {"prompt": [{"role": "user", "content": "Is this review positive or negative? Superb cast."}],
+         "completion": [{"role": "assistant", "content": "positive"}]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many legs has a cat?"}],
+         "completion": [{"role": "assistant", "content": "Four."}]},
+        {"prompt": [{"role": "user", "content": "Spell cat backwards."}],
+         "completion": [{"role": "assistant", "content": "tac"}]},
+        {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "Bye"}],
+         "completion": [{"role": "assistant", "content": "Goodbye!"}]},
+    ],
+}
+
+# The special tokens of both templates, and each tokenizer's roles for them (as SmolLM2-Instruct and Llama 3 Instruct
+# ship them: SmolLM2 adds no BOS and pads with its end-of-turn token; Llama 3 adds its BOS and has a pad token).
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>", "<|finetune_right_pad_id|>"]
+TOKENIZER_ROLES = {
+    "chatml": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "add_bos": False},
+    "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|finetune_right_pad_id|>",
+               "add_bos": True},
+}
+CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Templates, tokenizer and model (offline)
+
+
+def chatml_template(generation_markers: bool) -> str:
+    """ChatML as SmolLM2-Instruct's template renders it (a default system turn where the conversation has none).
+    With ``generation_markers``, each assistant turn's tokens after the generation prompt (its content and its
+    ``<|im_end|>`` line end) sit between ``{% generation %}`` markers: the span TRL's assistant-only mask trains."""
+    start, end = ("{% generation %}", "{% endgeneration %}") if generation_markers else ("", "")
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\n" + CHATML_DEFAULT_SYSTEM + "<|im_end|>\\n' }}{% endif %}"
+        "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+        + start + "{{ message['content'] + '<|im_end|>\\n' }}" + end +
+        "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+def llama3_template() -> str:
+    """Llama 3's chat template as TRL ships it for recognising it (trl/chat_templates/llama3.jinja): TRL swaps in its
+    own copy with generation markers for assistant_only_loss, so the user's template is the plain one."""
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / "llama3.jinja").read_text(encoding="utf-8")
+
+
+def plain_template(style: str) -> str:
+    return chatml_template(False) if style == "chatml" else llama3_template()
+
+
+def corpus_of(rows_by_format: dict) -> list[str]:
+    """Every string the rows and the templates hold: the BPE tokenizer's training text."""
+    texts = [CHATML_DEFAULT_SYSTEM, "system user assistant"]
+    for rows in rows_by_format.values():
+        for row in rows:
+            for value in row.values():
+                texts.extend([value] if isinstance(value, str) else [m["content"] for m in value])
+    return texts
+
+
+def build_tokenizer(folder: Path, style: str, texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on ``texts`` (GPT-2's pre-tokenisation, as Llama 3's and SmolLM2's are),
+    the special tokens of both templates, ``style``'s roles for them and its plain chat template; saved to ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    roles = TOKENIZER_ROLES[style]
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    model.train_from_iterator(texts, trainer)
+    if roles["add_bos"]:
+        bos = roles["bos_token"]
+        model.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                             special_tokens=[(bos, model.token_to_id(bos))])
+    else:
+        model.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=roles["bos_token"],
+                                        eos_token=roles["eos_token"], pad_token=roles["pad_token"])
+    tokenizer.chat_template = plain_template(style)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_checkpoint(folder: Path, style: str, rows_by_format: dict, vocab_size: int = 600):
+    """The check's checkpoint: tokenizer + a tiny Llama with seeded fp32 weights, in ``folder``."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(folder, style, corpus_of(rows_by_format), vocab_size)
+    config = transformers.LlamaConfig(**TINY_LLAMA, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's way
+
+
+def trl_template_file(folder: Path, style: str) -> Path | None:
+    """The template SFTTrainer is given for assistant-only loss (see the module docstring): ChatML with generation
+    markers; none for Llama 3 (TRL recognises the plain one and uses its own marked copy)."""
+    if style != "chatml":
+        return None
+    path = folder / "chatml_generation_markers.jinja"
+    path.write_text(chatml_template(True), encoding="utf-8")
+    return path
+
+
+def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: bool, style: str, out: Path,
+                model=None, batch: int | None = None, max_steps: int = 1, precision: str = "fp32", peft_config=None,
+                callbacks=()):
+    """SFTTrainer as a user sets it up for ``dataset`` (a datasets.Dataset), with the settings that match ftbench's
+    defaults (module docstring); its dataset is prepared when it returns (``trainer.train_dataset``)."""
+    import torch
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    conversational = row_format.startswith("conversational")
+    template = trl_template_file(out, style) if conversational else None
+    config = SFTConfig(
+        output_dir=str(out), max_length=seq_len, packing=packing, per_device_train_batch_size=batch or len(dataset),
+        max_steps=max_steps, learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, seed=SEED,
+        assistant_only_loss=row_format == "conversational", gradient_checkpointing=False,
+        bf16=precision == "bf16", fp16=False, chat_template_path=str(template) if template else None,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available())
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                         peft_config=peft_config, callbacks=list(callbacks))
+    trainer.remove_callback(transformers.PrinterCallback)  # its end-of-training dict on stdout: this script prints its own
+    return trainer
+
+
+def trl_rows(trainer) -> list[tuple[list[int], list[int]]]:
+    """(token ids, trained mask) of each prepared row, in the rows' order (SFTTrainer shuffles only when asked)."""
+    return [(list(row["input_ids"]), [int(label != -100) for label in row["labels"]]) for row in trainer.train_dataset]
+
+
+def record_losses(trainer) -> list[float]:
+    """The loss of every micro-batch SFTTrainer trains on, as its training step computes and backpropagates it."""
+    losses: list[float] = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        losses.append(float(loss.detach()))
+        return loss
+
+    trainer.compute_loss = recording
+    return losses
+
+
+def trl_first_loss(trainer) -> float:
+    """The loss of SFTTrainer's first optimizer step (one batch, one micro-batch)."""
+    losses = record_losses(trainer)
+    trainer.train()
+    return losses[0]
+
+
+def trl_side(folder: Path, style: str, data: Path, row_format: str, seq_len: int, scratch: Path) -> dict:
+    """SFTTrainer's prepared rows and its first-step loss, unpacked and packed, on the dataset folder's train split."""
+    import datasets
+
+    dataset = datasets.load_from_disk(str(data))["train"]
+    out = scratch / f"trl-{style}-{row_format}"
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, style, out)
+    prepared = trl_rows(trainer)
+    return {"rows": prepared, "loss": trl_first_loss(trainer),
+            "packed_loss": trl_first_loss(sft_trainer(folder, dataset, row_format, seq_len, True, style, out))}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ftbench's way: the instruction family's preparation and ftbench's training step
+
+
+def write_dataset(folder: Path, rows: list[dict], eval_rows: list[dict]) -> Path:
+    """The rows as a datasets folder (save_to_disk: a train and an eval split), the one copy both ways read."""
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "eval": datasets.Dataset.from_list(eval_rows)}).save_to_disk(str(folder))
+    return folder
+
+
+def ftbench_spec(model_dir: Path, data_dir: Path, row_format: str, seq_len: int, batch: int, batching: str,
+                 extra: dict | None = None, model_source: dict | None = None):
+    """The run ftbench trains: the instruction family on the dataset folder, with the check's settings (fp32, full
+    fine-tuning, the CPU, one batch holding every row) unless ``extra`` sets others."""
+    from ftbench.experiment import config as ftconfig
+    from ftbench.experiment import matrix
+
+    defaults = {"method": "full", "precision": "fp32", "batch_size": batch, "seq_len": seq_len, "max_steps": 2,
+                "warmup_steps": 1, "learning_rate": 2e-4, "device": "cpu", "num_gpus": 0, "eval_batch_size": batch,
+                "batching": batching, "seed": SEED, **(extra or {})}
+    config = {
+        "models": {"tiny": {"task": "instruction", "source": model_source or {"kind": "path", "path": str(model_dir)}}},
+        "datasets": {"rows": {"source": {"kind": "path", "path": str(data_dir)}, "instruction_format": row_format,
+                              "train_split": "train", "eval_split": "eval"}},
+        "defaults": defaults,
+        "matrix": {"model": ["tiny"], "dataset": ["rows"]},
+    }
+    ftconfig.validate_config(config)
+    (spec,) = matrix.expand_runs(config)
+    return spec
+
+
+def ftbench_prepare(spec, out: Path) -> Path:
+    """The family's preparation (what ``snakemake``'s prepare_data runs): shards and manifest in ``out``."""
+    from ftbench.tasks import registry
+
+    registry.prepare(spec.dataset, spec.dataset_def, spec.model_def, spec.seq_len, out)
+    return out
+
+
+def ftbench_rows(prepared_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """(token ids, trained mask) of each row of the prepared train split, as training reads it."""
+    from ftbench.data import prepared
+    from ftbench.tasks import registry
+
+    split = registry.load_split(prepared_dir, "train", prepared.read_manifest(prepared_dir))
+    taken = split.take(list(range(len(split))))
+    return [(ids.tolist(), mask.tolist()) for ids, mask in zip(taken.input_ids, taken.trained)]
+
+
+def ftbench_first_loss(spec, prepared_dir: Path) -> float:
+    """The loss of ftbench's first optimizer step (a warmup step: its loss is read before its update), trained by
+    train.trainer.train_run on the prepared shards."""
+    from ftbench.train import trainer
+
+    metrics, steps = trainer.train_run(spec, prepared_dir)
+    if metrics["status"] != "ok":
+        raise SystemExit(f"ftbench run {metrics['status']}: {metrics.get('status_reason')}")
+    return float(steps[0]["loss"])
+
+
+def ftbench_side(folder: Path, data: Path, row_format: str, seq_len: int, batch: int, scratch: Path) -> dict:
+    """ftbench's prepared rows and its first-step loss, unpacked (``batching: pad``) and packed (``pack``)."""
+    spec = ftbench_spec(folder, data, row_format, seq_len, batch, "pad")
+    prepared_dir = ftbench_prepare(spec, scratch / f"prepared-{data.name}")
+    packed = ftbench_spec(folder, data, row_format, seq_len, batch, "pack")
+    return {"rows": ftbench_rows(prepared_dir), "loss": ftbench_first_loss(spec, prepared_dir),
+            "packed_loss": ftbench_first_loss(packed, prepared_dir)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check
+
+
+# One held-out row per format: the eval split ftbench's run needs (its evaluations), no part of the comparison.
+CHECK_EVAL_ROWS = {
+    "language_modeling": [{"text": "An evaluation row."}],
+    "prompt_completion": [{"prompt": "Is this review positive or negative? Clever.", "completion": " positive"}],
+    "conversational": [{"messages": [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes."}]}],
+    "conversational_prompt_completion": [{"prompt": [{"role": "user", "content": "Say no."}],
+                                          "completion": [{"role": "assistant", "content": "No."}]}],
+}
+
+
+def same_rendering(tokenizer, rows: list[dict]) -> bool:
+    """Whether ChatML with generation markers (TRL's) renders every conversation exactly as the plain one (ftbench's)."""
+    for row in rows:
+        messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
+        texts = {tokenizer.apply_chat_template(messages, chat_template=chatml_template(markers), tokenize=False)
+                 for markers in (False, True)}
+        if len(texts) != 1:
+            return False
+    return True
+
+
+def compare_rows(trl: list[tuple[list[int], list[int]]], ftbench: list[tuple[list[int], list[int]]]) -> list[dict]:
+    """Per row of SFTTrainer's (in the dataset's order), ftbench's row of the same tokens and where the trained masks
+    differ (positions from 1: the first token is no target in either); a row whose tokens ftbench has not, the first
+    position where they part from ftbench's nearest row."""
+    theirs = {tuple(ids): mask for ids, mask in ftbench}
+    compared = []
+    for index, (ids, mask) in enumerate(trl):
+        other = theirs.get(tuple(ids))
+        if other is None:
+            nearest = max(ftbench, key=lambda row: _shared_prefix(row[0], ids))[0] if ftbench else []
+            compared.append({"row": index, "same_ids": False, "ids_part_at": _shared_prefix(nearest, ids),
+                             "trl_length": len(ids), "ftbench_length": len(nearest)})
+            continue
+        differ = [position for position in range(1, len(ids)) if mask[position] != other[position]]
+        compared.append({"row": index, "same_ids": True, "mask_differs_at": differ,
+                         "trained": sum(mask[1:]), "ftbench_trained": sum(other[1:])})
+    return compared
+
+
+def _shared_prefix(ids: list[int], other: list[int]) -> int:
+    count = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def check_format(folder: Path, style: str, row_format: str, seq_len: int, scratch: Path) -> dict:
+    """One template and format: both ways on the same dataset folder; the rows compared, both first-step losses."""
+    rows = CHECK_ROWS[row_format]
+    data = write_dataset(scratch / f"data-{style}-{row_format}", rows, CHECK_EVAL_ROWS[row_format])
+    trl = trl_side(folder, style, data, row_format, seq_len, scratch)
+    ours = ftbench_side(folder, data, row_format, seq_len, len(rows), scratch)
+    compared = compare_rows(trl["rows"], ours["rows"])
+    same = (len(ours["rows"]) == len(rows) and all(row["same_ids"] and not row["mask_differs_at"] for row in compared))
+    return {"template": style, "format": row_format, "rows": len(rows), "masks_equal": same, "rows_compared": compared,
+            **{f"{way}_{key}": side[key] for way, side in (("trl", trl), ("ftbench", ours))
+               for key in ("loss", "packed_loss")}}
+
+
+def check(args) -> list[dict]:
+    """Every template x format: see the module docstring. Returns one result per pair."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    results = []
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        for style in args.templates.split(","):
+            folder = scratch / f"model-{style}"
+            tokenizer = build_checkpoint(folder, style, {**CHECK_ROWS, "eval": sum(CHECK_EVAL_ROWS.values(), [])})
+            if style == "chatml" and not same_rendering(tokenizer, CHECK_ROWS["conversational"]
+                                                        + CHECK_ROWS["conversational_prompt_completion"]):
+                raise SystemExit("compare_sft: ChatML with generation markers renders the rows differently")
+            for row_format in args.formats.split(","):
+                result = check_format(folder, style, row_format, args.seq, scratch)
+                results.append(result)
+                print(json.dumps({k: v for k, v in result.items() if k != "rows_compared"}), flush=True)
+    return results
+
+
+def check_passes(result: dict) -> bool:
+    return result["masks_equal"] and all(
+        abs(result[f"trl_{key}"] - result[f"ftbench_{key}"]) <= LOSS_TOLERANCE for key in ("loss", "packed_loss"))
+
+
+def print_check(results: list[dict]) -> None:
+    print(f"\n{'template':8} {'format':33} {'rows':>4} {'masks':>6} {'TRL loss':>9} {'ftbench':>9} {'|diff|':>8} "
+          f"{'TRL packed':>10} {'ftbench':>9} {'|diff|':>8}")
+    for r in results:
+        print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {'equal' if r['masks_equal'] else 'DIFFER':>6} "
+              f"{r['trl_loss']:9.5f} {r['ftbench_loss']:9.5f} {abs(r['trl_loss'] - r['ftbench_loss']):8.1e} "
+              f"{r['trl_packed_loss']:10.5f} {r['ftbench_packed_loss']:9.5f} "
+              f"{abs(r['trl_packed_loss'] - r['ftbench_packed_loss']):8.1e}")
+        for row in r["rows_compared"]:
+            if not row["same_ids"]:
+                print(f"    row {row['row']}: token ids differ from position {row['ids_part_at']} "
+                      f"(TRL {row['trl_length']} tokens, ftbench's nearest {row['ftbench_length']})")
+            elif row["mask_differs_at"]:
+                print(f"    row {row['row']}: trained masks differ at positions {row['mask_differs_at']} "
+                      f"(TRL trains {row['trained']} tokens, ftbench {row['ftbench_trained']})")
+    failed = [r for r in results if not check_passes(r)]
+    print(f"\n{len(results) - len(failed)}/{len(results)} template x format pairs agree (masks equal, first-step "
+          f"losses within {LOSS_TOLERANCE:g}, unpacked and packed)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    check_mode = modes.add_parser("check", help="CPU: masks and first-step losses per format (seconds)")
+    check_mode.add_argument("--templates", default=",".join(TEMPLATES), help="chatml, llama3, or both comma-separated")
+    check_mode.add_argument("--formats", default=",".join(FORMATS))
+    check_mode.add_argument("--seq", type=int, default=CHECK_SEQ_LEN)
+    check_mode.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.mode == "check":
+        results = check(args)
+        print_check(results)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return 0 if all(check_passes(r) for r in results) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
