@@ -218,3 +218,92 @@ def test_a_time_limit_ends_generation_between_batches_and_counts_the_rows_answer
 def test_stop_ids_hold_the_eos_and_the_end_of_turn_token_of_the_references():
     assert generation.stop_ids(WordTokenizer(), [np.array([5, 6, 63])]) == [2, 63]
     assert generation.stop_ids(WordTokenizer(), [np.array([5, 6])]) == [2]
+
+
+def test_prompt_rows_read_the_prompt_reference_and_its_text_as_preparation_stored_them():
+    class Split:
+        input_ids = [np.array([1, 5, 6, 7, 8, 9, 0])]
+        trained = [np.array([0, 0, 0, 1, 1, 1, 0])]
+        prompt_lengths = np.array([3])
+        references = ["Yes"]
+
+        def take(self, indices):
+            return self
+
+    (prompt, reference, text), = generation.prompt_rows(Split(), np.array([0]))
+    assert prompt.tolist() == [1, 5, 6] and reference.tolist() == [7, 8, 9] and text == "Yes"
+
+
+def test_the_reference_text_is_scored_as_given_where_there_is_one(tiny_llama):
+    answer = generation.greedy(tiny_llama, PROMPTS[:1], PAD, [], 2, "cpu")[0]
+    text = WordTokenizer().decode(answer)
+    rows = [(PROMPTS[0], np.array([50]), text.upper() + ".")]
+    figures = generation.answer_rows(tiny_llama, rows, spec(max_new_tokens=2), WordTokenizer(), "cpu", PAD)
+    assert figures[generation.SCORE] == 1.0
+
+
+def test_the_time_asked_for_counts_generating_the_answers_of_every_evaluation():
+    from ftbench.cluster import resources
+
+    run = RunSpec(model="m", dataset="d", batch_size=4, max_steps=10, eval_batch_size=8, device="cpu", num_gpus=0,
+                  model_def={"task": "causal_lm", "source": {"kind": "config", "architecture": "LlamaConfig", "overrides": {
+                      "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "vocab_size": 1000}}},
+                  dataset_def={"source": {"kind": "synthetic"}, "train_size": 100, "eval_size": 40})
+    plain = resources.train_compute_seconds(run)
+    generating = run.replace(answer_metric="exact_match", max_new_tokens=16)
+    # 40 prompts in 5 batches of 8, 16 steps each: at least GENERATION_STEP_S a step
+    assert resources.train_compute_seconds(generating) - plain >= 5 * 16 * resources.GENERATION_STEP_S
+    longer = resources.train_compute_seconds(generating.replace(max_new_tokens=32)) - plain
+    assert longer == pytest.approx(2 * (resources.train_compute_seconds(generating) - plain))
+    # the evaluation before training answers the same prompts again, unless the shared step did
+    before = generating.replace(eval_before_training=True)
+    assert (resources.train_compute_seconds(before) - resources.train_compute_seconds(before.replace(answer_metric="none"))
+            == pytest.approx(2 * (resources.train_compute_seconds(generating) - plain)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parse time
+
+
+def parse_error(config: dict) -> str:
+    from ftbench.experiment import config as ftbench_config
+
+    with pytest.raises(ConfigError) as caught:
+        ftbench_config.validate_config(config)
+    return str(caught.value)
+
+
+def test_a_bad_regex_is_refused_when_the_experiment_is_read(tiny_config_factory):
+    config = tiny_config_factory()
+    config["defaults"].update(answer_metric="regex", answer_regex="#### (\\d+")
+    message = parse_error(config)
+    assert message.startswith("config key defaults.answer_regex:") and "\n" not in message, message
+
+
+def test_generation_on_a_family_without_prompts_is_refused_naming_the_key(tiny_config_factory):
+    config = tiny_config_factory()
+    config["defaults"]["answer_metric"] = "exact_match"
+    message = parse_error(config)
+    assert message.startswith("config key defaults.answer_metric:") and "classification" in message, message
+
+
+def test_a_target_on_the_generation_score_without_generation_is_refused(tiny_config_factory):
+    config = tiny_config_factory(target={"metric": "eval_generation_score", "value": 0.8})
+    message = parse_error(config)
+    assert message.startswith("config key target.metric:") and "answer_metric" in message and "\n" not in message
+
+
+def test_an_instruction_run_is_judged_by_its_answers_and_by_completion_tokens_where_it_generated_none():
+    import pandas as pd
+
+    from ftbench.report import analysis
+
+    runs = pd.DataFrame({"task": ["instruction", "instruction"], "eval_generation_score": [0.8, None],
+                         "base_eval_generation_score": [0.5, None], "eval_generation_rows": [200, None],
+                         "eval_token_accuracy": [0.6, 0.7], "base_eval_token_accuracy": [0.3, 0.4],
+                         "eval_samples": [200, 100]})
+    assert [analysis.quality_of(runs, i).name for i in runs.index] == ["answer score", "completion token accuracy"]
+    assert analysis.quality_column(runs)[0].tolist() == [0.8, 0.7]
+    assert analysis.quality_column(runs, analysis.BASE)[0].tolist() == [0.5, 0.4]  # like with like
+    assert [analysis.quality_of(runs, i).n_column for i in runs.index] == ["eval_generation_rows", "eval_samples"]

@@ -520,11 +520,11 @@ def _check_generation(run: RunSpec, setting_key, family) -> None:
     """Scoring by generation needs a family whose rows are prompts and completions, and a pattern that compiles."""
     if run.answer_metric in (None, "none"):
         return
+    generation.check_settings(run.answer_metric, run.answer_regex, lambda name: setting_key(name, getattr(run, name)))
     if not family.generates:
         raise ConfigError(f"config key {setting_key('answer_metric', run.answer_metric)}: run {run.run_id} trains a "
                           f"{family.name} model, whose rows are no prompts to answer; answer_metric applies to "
                           f"{', '.join(name for name, fam in registry.FAMILIES.items() if fam.generates) or 'no task'}")
-    generation.check_settings(run.answer_metric, run.answer_regex, lambda name: setting_key(name, getattr(run, name)))
 
 
 def _check_warmup(run: RunSpec, setting_key) -> None:

@@ -13,7 +13,17 @@ from ftbench.runspec import spec_columns
 
 # The eval figures an evaluation before training (eval_before_training) also gives as base_<figure>: every task's.
 BASE_FIGURES = ("eval_loss", "eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1",
-                "eval_recall_at_1_i2t", "eval_recall_at_1_t2i")
+                "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_generation_score")
+# What generating answers cost (tasks/generation.py), for the final evaluation and, as base_<name>, the one before
+# training: (dtype, meaning).
+GENERATION_COST = {
+    "eval_generation_s": ("Float64", "answer_metric: seconds of generating and scoring the answers (device synchronised "
+                                     "before and after), part of eval_time_s, never of train_time_s or tokens_per_s"),
+    "eval_generation_rows": ("Int64", "answer_metric: prompts answered (the n of eval_generation_score's interval: the "
+                                      "eval rows scored, fewer only where the job's time limit ended generation)"),
+    "eval_generated_tokens": ("Int64", "answer_metric: tokens generated, each answer's up to and including the token "
+                                       "that ended it (no padding)"),
+}
 
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
@@ -127,6 +137,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
+    "eval_generation_score": ("Float64", "instruction data with answer_metric: share of the eval prompts whose answer, "
+                                         "generated greedily, matches the reference completion (exact_match, contains or "
+                                         "regex after normalisation); its 95% interval: quality_low/high"),
+    **GENERATION_COST,
     "eval_majority_class_rate": ("Float64", "classification: share of the most common class among the eval rows the final "
                                            "evaluation scored (the whole eval split, or the seeded stratified sample "
                                            "max_eval_samples or a time limit left), the accuracy of always answering it: what "
@@ -138,6 +152,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
        for figure in BASE_FIGURES},
     "base_eval_samples": ("Int64", "eval_before_training: eval examples the base evaluation scored (eval_samples unless the "
                                    "job's time limit came first)"),
+    **{f"base_{name}": (dtype, f"eval_before_training: {meaning}") for name, (dtype, meaning) in GENERATION_COST.items()},
     "base_eval_time_s": ("Float64", "eval_before_training: seconds of the base evaluation, kept off the clock (not in "
                                     "train_time_s, eval_during_training_s or the measured window)"),
     # data: source rows preparation left out, by rule, summed over the source splits (the data manifest's

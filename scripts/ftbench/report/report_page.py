@@ -149,7 +149,7 @@ QUALITY = "QUALITY"
 
 def quality_columns(frame: pd.DataFrame) -> list[str]:
     """The per-task quality columns with_display_columns made: one per quality figure, named after it."""
-    return [name for name in frame.columns if name in {q.name.replace(" ", "_") for q in analysis.QUALITY.values()}]
+    return [name for name in frame.columns if name in {q.name.replace(" ", "_") for q in analysis.QUALITIES}]
 
 
 def span(low, high, column: str) -> str | None:
@@ -227,7 +227,7 @@ def configuration_rows(configs: pd.DataFrame, runs: pd.DataFrame | None = None) 
                                   zip(configs["accuracy"], configs["base_accuracy"], configs["majority_rate"])]
     # "accuracy" is both the configurations' quality column and classification's figure: read it first.
     value = configs["accuracy"].copy()
-    for quality in dict.fromkeys(q.name for q in analysis.QUALITY.values()):
+    for quality in dict.fromkeys(q.name for q in analysis.QUALITIES):
         configs[quality.replace(" ", "_")] = value.where(configs["quality_metric"].eq(quality))
     return configs
 
@@ -352,7 +352,7 @@ def _quality(row: pd.Series) -> str:
 
 def _quality_context(row: pd.Series) -> str:
     """' on 1,000 eval rows; base 0.523, majority 0.575': what a quality was scored on and is read against."""
-    counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
+    counted = next(q.n_note for q in analysis.QUALITIES if q.name == row["quality_metric"])
     rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
     against = read_against(row["base_accuracy"], row["majority_rate"])  # whether fine-tuning helped
     return f"{rows}; {against}" if against else rows

@@ -232,9 +232,10 @@ class TaskFamily:
             return (*self.eval_metrics(), generation.SCORE)
         return self.eval_metrics()
 
-    def generation_rows(self, split, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(prompt ids, reference completion ids) of a split's rows at ``indices``: a generating family's."""
-        raise NotImplementedError(f"{self.name} does not answer prompts by generation")
+    def generation_rows(self, split, indices: np.ndarray) -> list[tuple]:
+        """(prompt ids, reference ids, reference text) of a generating family's split's rows at ``indices``: by
+        default read from what preparation stored beside them (generation.prompt_rows)."""
+        return generation.prompt_rows(split, indices)
 
     def generation_scores(self, model, split, indices: np.ndarray, spec: RunSpec, device, pad_id: int, fits=None,
                           autocast: dict | None = None) -> dict:

@@ -123,6 +123,19 @@ def prompt_and_reference(ids: np.ndarray, trained: np.ndarray) -> tuple[np.ndarr
     return np.asarray(ids)[:start], np.asarray(ids)[start:end]
 
 
+def prompt_rows(split, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, str | None]]:
+    """(prompt ids, reference ids, reference text) of a split's rows at ``indices``, from what preparation stored
+    beside each row: ``prompt_lengths`` (the generation prompt's tokens), ``trained`` (the mask, whose last span
+    ends the reference) and ``references`` (the reference answer's text as the data gives it)."""
+    rows = split.take(np.asarray(indices))
+    out = []
+    for ids, trained, prompt_length, text in zip(rows.input_ids, rows.trained, rows.prompt_lengths, rows.references):
+        positions = np.flatnonzero(np.asarray(trained))
+        end = positions[-1] + 1 if len(positions) else len(ids)
+        out.append((np.asarray(ids)[:prompt_length], np.asarray(ids)[prompt_length:max(end, prompt_length)], text))
+    return out
+
+
 def stop_ids(tokenizer, references: list[np.ndarray], model=None) -> list[int]:
     """Token ids that end an answer: the tokenizer's end-of-sequence token, the model's (generation config), and the
     special tokens the reference completions hold (the template's end-of-turn token, which may not be the eos)."""
@@ -223,14 +236,15 @@ def tokenizer_of(spec):
     return _tokenizer(json.dumps(spec.model_def, sort_keys=True))
 
 
-def answer_rows(model, rows: list[tuple[np.ndarray, np.ndarray]], spec, tokenizer, device, pad_id: int,
-                fits=None, autocast: dict | None = None, synced: bool = False) -> dict:
-    """Generate an answer to each (prompt, reference) of ``rows`` and score them (the module's docstring):
+def answer_rows(model, rows: list[tuple], spec, tokenizer, device, pad_id: int, fits=None,
+                autocast: dict | None = None, synced: bool = False) -> dict:
+    """Generate an answer to each (prompt ids, reference ids[, reference text]) of ``rows`` and score them (the
+    module's docstring; the reference is its text where given, else its ids decoded up to a stop token):
     {eval_generation_score, eval_generation_rows, eval_generated_tokens, eval_generation_s}. ``fits(rows)`` (a time
     limit's budget, asked before each batch) may end it between batches: the rows answered are then counted."""
     pattern = compile_regex(spec.answer_regex) if spec.answer_regex else None
-    stops = stop_ids(tokenizer, [reference for _, reference in rows], model)
-    order = np.argsort([-len(prompt) for prompt, _ in rows], kind="stable")  # similar lengths batched: little padding
+    stops = stop_ids(tokenizer, [row[1] for row in rows], model)
+    order = np.argsort([-len(row[0]) for row in rows], kind="stable")  # similar lengths batched: little padding
     right = answered = generated = 0
     _synchronize(device)
     started = time.perf_counter()
@@ -238,12 +252,11 @@ def answer_rows(model, rows: list[tuple[np.ndarray, np.ndarray]], spec, tokenize
         batch = [rows[i] for i in order[first:first + spec.eval_batch_size]]
         if fits is not None and not fits(len(batch)):
             break
-        answers = greedy(model, [prompt for prompt, _ in batch], pad_id, stops, spec.max_new_tokens, device,
-                         autocast, synced)
-        for answer, (_, reference) in zip(answers, batch):
+        answers = greedy(model, [row[0] for row in batch], pad_id, stops, spec.max_new_tokens, device, autocast, synced)
+        for answer, row in zip(answers, batch):
             generated += len(answer)
-            right += is_right(spec.answer_metric, text_of(tokenizer, answer, set(stops)),
-                              text_of(tokenizer, reference, set(stops)), pattern)
+            reference = row[2] if len(row) > 2 and row[2] is not None else text_of(tokenizer, row[1], set(stops))
+            right += is_right(spec.answer_metric, text_of(tokenizer, answer, set(stops)), reference, pattern)
         answered += len(batch)
     _synchronize(device)
     return {SCORE: right / answered if answered else None, ROWS: answered, TOKENS: generated,
