@@ -307,3 +307,12 @@ def test_an_instruction_run_is_judged_by_its_answers_and_by_completion_tokens_wh
     assert analysis.quality_column(runs)[0].tolist() == [0.8, 0.7]
     assert analysis.quality_column(runs, analysis.BASE)[0].tolist() == [0.5, 0.4]  # like with like
     assert [analysis.quality_of(runs, i).n_column for i in runs.index] == ["eval_generation_rows", "eval_samples"]
+
+
+def test_the_majority_rate_of_generated_answers_is_the_most_common_reference_answer():
+    class Split:
+        references = ["Positive", "negative.", "positive ", "POSITIVE!", "negative"]
+
+    classes = generation.answer_classes(Split())
+    assert np.bincount(classes).max() / len(classes) == pytest.approx(3 / 5)
+    assert generation.answer_classes(object()) is None

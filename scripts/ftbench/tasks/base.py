@@ -206,8 +206,9 @@ class TaskFamily:
 
     def row_classes(self, split) -> np.ndarray | None:
         """The class id of every row of a loaded split (the majority-class rate of the rows an evaluation scored is
-        read from them); None for a family without classes."""
-        return None
+        read from them); None for a family without classes. A generating family's: the rows' reference answers
+        (generation.answer_classes)."""
+        return generation.answer_classes(split) if self.generates else None
 
     def row_strata(self, split) -> np.ndarray | None:
         """What a partial evaluation's rows are stratified by (train/evaluation.py): the rows' classes, where the

@@ -136,6 +136,16 @@ def prompt_rows(split, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray
     return out
 
 
+def answer_classes(split) -> np.ndarray | None:
+    """A class per row of a split: its normalised reference answer (rows with the same answer share one). The most
+    common one's share is the score of always giving that answer (the majority rate a generation score is read
+    against: exact match's, a bound for contains and regex); None for a split that keeps no references."""
+    references = getattr(split, "references", None)
+    if references is None:
+        return None
+    return np.unique([normalise(str(text)) for text in references], return_inverse=True)[1].astype(np.int64)
+
+
 def stop_ids(tokenizer, references: list[np.ndarray], model=None) -> list[int]:
     """Token ids that end an answer: the tokenizer's end-of-sequence token, the model's (generation config), and the
     special tokens the reference completions hold (the template's end-of-turn token, which may not be the eos)."""
