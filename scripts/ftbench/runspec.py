@@ -153,6 +153,12 @@ class RunSpec:
         "| padding_free (one row of all the batch's sequences, no padding; needs an attention that takes sequence bounds)",
         {"enum": ["pad", "group_by_length", "pack", "padding_free"]}, "string",
         name_part=lambda s: {"group_by_length": "grouped", "pack": "packed", "padding_free": "padfree"}.get(s.batching))
+    loss_on: str | None = setting(
+        "completion", "instruction data: the tokens the loss is computed on. completion (the completion of prompt-completion "
+        "rows, the assistant turns of conversations: TRL's completion_only_loss, and its assistant_only_loss, which TRL "
+        "leaves off by default) | all (every token but each row's first); evaluation scores the completion tokens "
+        "either way. Null for other tasks",
+        {"enum": [None, "completion", "all"]}, "string", name_part=lambda s: "lossall" if s.loss_on == "all" else None)
     kernels: str = setting("none", "fused-kernel library patched into the model: none | liger (Liger kernels: fused RMSNorm, "
                            "SwiGLU, RoPE, cross-entropy for Llama-family models; GPU only)",
                            {"enum": ["none", "liger"]}, "string",

@@ -75,8 +75,8 @@ def _matches(settings: dict, pattern: dict) -> bool:
 
 
 def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -> RunSpec:
-    settings = normalise(settings)
     model_def = config["models"][settings["model"]]
+    settings = registry.without_others_settings(normalise(settings), registry.model_family(model_def))
     dataset_def = config["datasets"][settings["dataset"]]
     spec = {
         **settings,

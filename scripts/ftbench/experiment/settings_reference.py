@@ -28,7 +28,7 @@ COMMAND = "python -m ftbench.experiment.settings_reference"
 # "Other settings", so a new RunSpec field is never left out of the reference; place it in a group here.
 GROUPS: list[tuple[str, str, list[str]]] = [
     ("What is trained", "Which model on which data, how, and for how long.",
-     ["model", "dataset", "method", "precision", "batch_size", "seq_len", "epochs", "max_steps", "seed"]),
+     ["model", "dataset", "method", "precision", "batch_size", "seq_len", "epochs", "max_steps", "seed", "loss_on"]),
     ("LoRA and QLoRA", "Ignored (and left out of the run id) for `method: full`; the `qlora_*` settings only "
      "apply to `method: qlora`.",
      ["lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_base_dtype", "qlora_quant_type",

@@ -90,6 +90,9 @@ class Batch:
     images: int = 0  # image families: images in the batch
     image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
     capacity_tokens: int = 0  # packed batches (batching.py): rows x row capacity; 0 when not packed
+    # Tokens the loss is computed on (labels not ignored), where a family masks some real tokens out of it
+    # (instruction: the prompt); 0 where it does not count them apart.
+    trained_tokens: int = 0
     # vision-language: tokens the vision tower processes (its class token included) and their sum of
     # squared lengths per image, for the FLOPs; not part of real_tokens (the decoder's)
     vision_tokens: int = 0
@@ -144,6 +147,9 @@ class TaskFamily:
     # which bounds a padded batch's row length), for rows often much shorter than seq_len says.
     estimate_reads_longest_row: bool = False
     separate_targets: bool = False  # labels are a separate decoder sequence (their tokens count apart)
+    masks_tokens: bool = False  # some real tokens are not trained (Batch.trained_tokens counts those that are)
+    # Run settings only this family reads: experiment/matrix.py nulls them for the families that do not list them.
+    reads_settings: tuple[str, ...] = ()
     images_beside_text: bool = False  # image tokens are not in input_ids (a dual encoder's pairs)
 
     def __repr__(self) -> str:
@@ -203,6 +209,19 @@ class TaskFamily:
 
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         raise NotImplementedError
+
+    def for_training(self, split, spec: RunSpec):
+        """The training split as the run trains on it (instruction: every token with ``loss_on: all``)."""
+        return split
+
+    def sequence_labels(self, rows) -> list[np.ndarray]:
+        """Each row's labels as a packed row holds them (batching.py): a decoder's tokens, the first ignored."""
+        labels = []
+        for ids in rows.input_ids:
+            row = np.array(ids, dtype=np.int64)
+            row[:1] = IGNORE_INDEX  # the first token is predicted by nothing of its own sequence
+            labels.append(row)
+        return labels
 
     def row_classes(self, split) -> np.ndarray | None:
         """The class id of every row of a loaded split (the majority-class rate of the rows an evaluation scored is
