@@ -283,3 +283,63 @@ def test_loss_on_is_null_for_other_tasks(tiny_config_factory):
 
     runs = matrix.expand_runs(tiny_config_factory(defaults={"loss_on": "all", "max_steps": 2}))
     assert {run.loss_on for run in runs} == {None}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Estimates: masking changes no compute
+
+
+def test_the_plan_prices_an_instruction_run_as_the_causal_lm_run_of_its_shape(tmp_path):
+    """Memory estimate, step-time prediction, job compute seconds and walltime of an instruction run equal those of
+    the causal_lm run with the same model, data shape and settings: the mask changes which tokens the loss keeps,
+    not what the model computes."""
+    from ftbench.cluster import resources
+    from ftbench.experiment import calibration, matrix, memory_plan, prediction
+    from ftbench.measure import gpu_table
+
+    llama = {"kind": "config", "architecture": "LlamaConfig", "overrides": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True}}
+    config = {
+        "models": {"lm": {"task": "causal_lm", "source": llama}, "chat": {"task": "instruction", "source": llama}},
+        "datasets": {"tokens": {"source": {"kind": "synthetic"}, "train_size": 512, "eval_size": 64}},
+        "defaults": {"batch_size": 8, "seq_len": 512, "max_steps": 20, "num_gpus": 1, "precision": "bf16"},
+        "matrix": {"model": ["lm", "chat"], "dataset": ["tokens"], "method": ["full", "lora"]},
+    }
+    runs = matrix.expand_runs(config)
+    gpus = gpu_table.load_peaks(Path(__file__).parents[1] / "config" / "gpus.yaml")
+    fit = calibration.load(Path(__file__).parents[1] / "config" / "calibration.yaml")
+    for method in ("full", "lora"):
+        lm, chat = (next(r for r in runs if r.model == name and r.method == method) for name in ("lm", "chat"))
+        assert chat.loss_on == "completion" and lm.loss_on is None
+        plan = memory_plan.plan_run(lm, gpus)
+        assert plan["memory_estimate_mb"] and plan["gpus"] and plan == memory_plan.plan_run(chat, gpus)
+        lm_speed, chat_speed = prediction.predict_run(lm, gpus, fit), prediction.predict_run(chat, gpus, fit)
+        assert lm_speed["gpus"] and lm_speed["gpus"] == chat_speed["gpus"]
+        assert resources.train_compute_seconds(lm, on_gpu=True) == resources.train_compute_seconds(chat, on_gpu=True)
+        assert resources.train_runtime_minutes(lm) == resources.train_runtime_minutes(chat)
+
+
+def test_a_template_files_edit_prepares_the_data_again(tmp_path, tokenizer_dir):
+    from ftbench.experiment import matrix
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(LLAMA3_TEMPLATE)
+    model_def = {"task": "instruction", "source": {"kind": "config", "tokenizer": {"kind": "path", "path": str(tokenizer_dir)}}}
+    dataset_def = {"source": {"kind": "path", "path": str(tmp_path / "rows.jsonl")}, "chat_template": str(template)}
+    before = matrix.data_id("chat", dataset_def, model_def, 64, {})
+    template.write_text(LLAMA3_TEMPLATE.replace("<|eot_id|>", "<|im_end|>"))
+    assert matrix.data_id("chat", dataset_def, model_def, 64, {}) != before
+    template.unlink()
+    with pytest.raises(ConfigError, match=r"datasets\.chat\.chat_template: .* neither a Jinja template .* nor a file"):
+        matrix.data_id("chat", dataset_def, model_def, 64, {})
+
+
+@needs_smollm2
+def test_a_gguf_models_plan_reads_its_header():
+    """SmolLM2's GGUF has no config.json: the plan reads the header's shape, its architecture and its tied output."""
+    from ftbench.experiment import memory_plan
+
+    settings = memory_plan.local_config(SMOLLM2_SOURCE)
+    assert settings["model_type"] == "llama" and settings["tie_word_embeddings"] is True
+    assert settings["hidden_size"] == 576 and settings["num_hidden_layers"] == 30

@@ -114,6 +114,7 @@ def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
     }
     if image_size is not None:
         key["image_size"] = image_size  # only when set: the ids of text data stay as they were
+    key.update(registry.model_family(model_def).data_key(dataset_def, dataset_name))  # files the settings name
     return f"{dataset_name}-s{seq_len}{f'-i{image_size}' if image_size else ''}-{short_hash(key)}"
 
 

@@ -77,6 +77,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("Float64", "real tokens per second, all devices together (global)"),
     "tokens_per_s_per_device": ("Float64", "tokens_per_s divided by world_size"),
     "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
+    # tokens trained apart from those processed (instruction data: the completions, loss_on); null where every
+    # processed token is trained or the family does not count them apart
+    "measured_trained_tokens": ("Int64", "tokens the loss was computed on in the measured window, all devices, padding never counted (instruction: the completion or assistant tokens; loss_on all: every token but each row's first); part of measured_tokens"),
+    "trained_tokens_per_s": ("Float64", "trained tokens per second, all devices together (part of tokens_per_s)"),
+    "trained_token_fraction": ("Float64", "measured_trained_tokens / measured_tokens: the share of processed tokens the loss is computed on"),
     # image tasks (null for text runs): tokens above count text plus image tokens; here they are apart
     "measured_images": ("Int64", "images processed in the measured window, all devices"),
     "images_per_s": ("Float64", "images per second, all devices together"),
@@ -180,7 +185,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "price_per_device_hour": ("Float64", "$ per device-hour of gpu_model under the experiment's provider and pricing"),
     "price_per_hour": ("Float64", "$ per hour of the run: price_per_device_hour x billed_devices"),
     "price_source": ("string", "which price was used (model, $/device-hour, table and provider/pricing), or why none"),
-    "cost_per_1m_tokens": ("Float64", "$ per million real tokens at the measured global throughput (image tasks: text + image tokens)"),
+    "cost_per_1m_tokens": ("Float64", "$ per million real tokens processed (divides by tokens_per_s: prompts included; image tasks: text + image tokens) at the measured global throughput"),
+    "cost_per_1m_trained_tokens": ("Float64", "$ per million trained tokens (divides by trained_tokens_per_s: instruction data's completion tokens); null where trained tokens are not counted apart"),
     "cost_per_1k_samples": ("Float64", "$ per thousand training samples at the measured throughput"),
     "cost_per_1k_images": ("Float64", "$ per thousand training images at the measured throughput; null for text runs"),
     "projected_tokens": ("Float64", "tokens of the configured training budget (config key budget)"),

@@ -210,6 +210,11 @@ class TaskFamily:
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         raise NotImplementedError
 
+    def data_key(self, dataset_def: dict, dataset_name: str) -> dict:
+        """What the data id hashes beside the dataset's settings: the content of files a setting names (a file's
+        edit then prepares the data again). None by default, so other families' data ids stay as they were."""
+        return {}
+
     def for_training(self, split, spec: RunSpec):
         """The training split as the run trains on it (instruction: every token with ``loss_on: all``)."""
         return split

@@ -14,6 +14,7 @@ Beside each row: ``prompt_length`` (tokens before the last trained span: a gener
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -312,6 +313,7 @@ class Instruction(CausalLM):
     column_keys = ("text_column", "prompt_column", "completion_column", "messages_column")
     reads_settings = ("loss_on",)
     masks_tokens = True
+    generates = True  # held-out prompts answered by generation (tasks/generation.py) where answer_metric asks
 
     def check_run(self, run: RunSpec, setting_key) -> None:
         """The format known or knowable, and a chat template for conversations: refused here, at parse time,
@@ -331,6 +333,14 @@ class Instruction(CausalLM):
         if row_format is not None and row_format.startswith("conversational"):
             if template_setting(dataset_def, where) is None and tokenizer_has_template(run.model_def) is False:
                 raise ConfigError(no_template_refusal(run.dataset, row_format, run.model))
+
+    def data_key(self, dataset_def: dict, dataset_name: str) -> dict:
+        """A chat_template file's content (edited, the rows render otherwise: the data is prepared again)."""
+        value = dataset_def.get("chat_template")
+        if value is None or "{%" in value or "{{" in value:
+            return {}
+        text = template_setting(dataset_def, f"datasets.{dataset_name}")
+        return {"chat_template_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
     # -- preparation
 
