@@ -343,3 +343,39 @@ def test_a_gguf_models_plan_reads_its_header():
     settings = memory_plan.local_config(SMOLLM2_SOURCE)
     assert settings["model_type"] == "llama" and settings["tie_word_embeddings"] is True
     assert settings["hidden_size"] == 576 and settings["num_hidden_layers"] == 30
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run end to end
+
+
+@pytest.mark.slow
+def test_a_run_trains_and_scores_the_answers_only_padded_or_packed(tmp_path, tokenizer_dir):
+    """A tiny config-built Llama on conversational pairs through prepare and train_run: the step's tokens processed
+    and trained apart, and packing trains exactly what padding does (the same first-step loss on the same rows)."""
+    from ftbench.experiment import matrix
+    from ftbench.train import trainer
+
+    rows = [{"prompt": [{"role": "user", "content": f"Is review {i} positive or negative?"}],
+             "completion": [{"role": "assistant", "content": "positive" if i % 3 else "negative"}]} for i in range(48)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    llama = {"kind": "config", "architecture": "LlamaConfig", "tokenizer": {"kind": "path", "path": str(tokenizer_dir)},
+             "overrides": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}}
+    config = {"models": {"tiny": {"task": "instruction", "source": llama}},
+              "datasets": {"pairs": {"source": {"kind": "path", "path": str(path)}, "chat_template": LLAMA3_TEMPLATE,
+                                     "train_size": 32, "eval_size": 16}},
+              "defaults": {"method": "full", "batch_size": 8, "seq_len": 64, "max_steps": 3, "warmup_steps": 1,
+                           "num_gpus": 0, "eval_batch_size": 16, "learning_rate": 0.001},
+              "matrix": {"model": ["tiny"], "dataset": ["pairs"], "batching": ["pad", "pack"]}}
+    padded, packed = matrix.expand_runs(config)
+    registry.prepare("pairs", padded.dataset_def, padded.model_def, 64, tmp_path / "data")
+    results = [trainer.train_run(spec, tmp_path / "data") for spec in (padded, packed)]
+    for metrics, steps in results:
+        assert metrics["status"] == "ok", metrics.get("status_reason")
+        assert 0 < metrics["measured_trained_tokens"] < metrics["measured_tokens"]
+        assert metrics["trained_token_fraction"] == metrics["measured_trained_tokens"] / metrics["measured_tokens"]
+        assert np.isfinite(metrics["eval_loss"]) and 0 <= metrics["eval_token_accuracy"] <= 1
+    (pad_metrics, pad_steps), (pack_metrics, pack_steps) = results
+    assert pad_steps[0]["loss"] == pytest.approx(pack_steps[0]["loss"], rel=1e-4)
+    assert pad_metrics["measured_trained_tokens"] == pack_metrics["measured_trained_tokens"]
