@@ -26,15 +26,21 @@ tokens; the model a two-layer Llama built from its config with seeded weights, s
 built from its config (random weights; the same shapes as compare_ecosystem.py), full fine-tuning or LoRA, bf16
 autocast, the same batch, seq_len, packing setting and synthetic instruction rows, each way in a process of its own.
 Warmup steps are excluded, the device is synchronised before each clock reading, and tokens are the rows' real tokens
-(no padding). Packing: SFTTrainer packs the dataset into rows of ``seq_len`` (``packing=True``) and its batch counts
-packed rows; ftbench's ``batching: pack`` packs a batch's sequences into rows of ``seq_len`` and its batch counts
-sequences, so ftbench is given the batch of sequences that fills as many packed rows (printed).
+(no padding). Packing: SFTTrainer packs the dataset into rows of ``seq_len`` (``packing=True``: best-fit decreasing,
+then padding-free, all of a batch's rows in one) and its batch counts packed rows; ftbench's ``batching: pack`` packs a
+batch's sequences into rows of ``seq_len`` and its batch counts sequences, so ftbench is given the batch of sequences
+that fills as many packed rows (both ways' tokens per step are printed). Attention: the model's default (sdpa) in
+both unless ``--attn`` names another; with sdpa a padding-free row spans the whole batch, so flash_attention_2 (where
+flash-attn is installed) is the setting SFTTrainer's packing is meant for. Where the two differ by design:
+SFTTrainer computes its loss with a fused LM head over the trained positions only (no batch x seq x vocabulary
+logits tensor, no LM-head matmul on prompt tokens), ftbench through the model's own loss over every position.
 
     python scripts/compare_sft.py check
     python scripts/compare_sft.py speed --shape 1b --method full --batch 4 --seq 2048 --packing
     python scripts/compare_sft.py speed --shape 8b --method lora --batch 2 --seq 2048 --packing
 
-Needs TRL (requirements-compare.txt, installed with ``--no-deps``), peft and datasets.
+Needs TRL (requirements-compare.txt, installed with ``--no-deps``), peft and datasets. ``check`` exits 1 when a pair
+disagrees; ``speed`` when a way fails.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-FORMATS = ("language_modeling", "prompt_completion", "conversational", "conversational_prompt_completion")
+from ftbench.tasks.instruction_rows import FORMATS  # noqa: E402  (torch-free: the formats, as TRL names them)
+
 TEMPLATES = ("chatml", "llama3")
 LOSS_TOLERANCE = 1e-3  # fp32: the two ways' first-step losses must agree this closely
 CHECK_SEQ_LEN = 128
@@ -109,8 +116,12 @@ TOKENIZER_ROLES = {
 }
 CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
+# initializer_range 0.2, not Llama's 0.02: the per-token losses of a model that close to uniform all sit near
+# ln(vocabulary) (spread 0.15), so a token trained by one way and not the other could hide inside the loss tolerance;
+# at 0.2 they spread by ~1.9 and one token more or less in a batch of ~50 moves the mean loss by ~0.04.
 TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True,
+              "initializer_range": 0.2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -211,10 +222,10 @@ def trl_template_file(folder: Path, style: str) -> Path | None:
 
 
 def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: bool, style: str, out: Path,
-                model=None, batch: int | None = None, max_steps: int = 1, precision: str = "fp32", peft_config=None,
-                callbacks=()):
+                model=None, peft_config=None, callbacks=(), **settings):
     """SFTTrainer as a user sets it up for ``dataset`` (a datasets.Dataset), with the settings that match ftbench's
-    defaults (module docstring); its dataset is prepared when it returns (``trainer.train_dataset``)."""
+    defaults (module docstring; ``settings``: SFTConfig's others); its dataset is prepared when it returns
+    (``trainer.train_dataset``)."""
     import torch
     import transformers
     from trl import SFTConfig, SFTTrainer
@@ -224,13 +235,13 @@ def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: b
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     conversational = row_format.startswith("conversational")
     template = trl_template_file(out, style) if conversational else None
-    config = SFTConfig(
-        output_dir=str(out), max_length=seq_len, packing=packing, per_device_train_batch_size=batch or len(dataset),
-        max_steps=max_steps, learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, seed=SEED,
-        assistant_only_loss=row_format == "conversational", gradient_checkpointing=False,
-        bf16=precision == "bf16", fp16=False, chat_template_path=str(template) if template else None,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available())
+    config = SFTConfig(**{
+        "output_dir": str(out), "max_length": seq_len, "packing": packing, "per_device_train_batch_size": len(dataset),
+        "max_steps": 1, "learning_rate": 2e-4, "lr_scheduler_type": "constant", "warmup_steps": 0, "seed": SEED,
+        "assistant_only_loss": row_format == "conversational", "gradient_checkpointing": False, "bf16": False,
+        "fp16": False, "chat_template_path": str(template) if template else None, "report_to": [],
+        "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0,
+        "use_cpu": not torch.cuda.is_available(), **settings})
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=peft_config, callbacks=list(callbacks))
     trainer.remove_callback(transformers.PrinterCallback)  # its end-of-training dict on stdout: this script prints its own
@@ -319,12 +330,12 @@ def ftbench_prepare(spec, out: Path) -> Path:
     return out
 
 
-def ftbench_rows(prepared_dir: Path) -> list[tuple[list[int], list[int]]]:
-    """(token ids, trained mask) of each row of the prepared train split, as training reads it."""
+def ftbench_rows(prepared_dir: Path, spec) -> list[tuple[list[int], list[int]]]:
+    """(token ids, trained mask) of each row of the prepared train split, as the run ``spec`` trains on it."""
     from ftbench.data import prepared
     from ftbench.tasks import registry
 
-    split = registry.load_split(prepared_dir, "train", prepared.read_manifest(prepared_dir))
+    split = registry.load_split(prepared_dir, "train", prepared.read_manifest(prepared_dir), spec=spec)
     taken = split.take(list(range(len(split))))
     return [(ids.tolist(), mask.tolist()) for ids, mask in zip(taken.input_ids, taken.trained)]
 
@@ -340,12 +351,14 @@ def ftbench_first_loss(spec, prepared_dir: Path) -> float:
     return float(steps[0]["loss"])
 
 
-def ftbench_side(folder: Path, data: Path, row_format: str, seq_len: int, batch: int, scratch: Path) -> dict:
-    """ftbench's prepared rows and its first-step loss, unpacked (``batching: pad``) and packed (``pack``)."""
-    spec = ftbench_spec(folder, data, row_format, seq_len, batch, "pad")
+def ftbench_side(folder: Path, data: Path, row_format: str, seq_len: int, batch: int, scratch: Path,
+                 settings: dict | None = None) -> dict:
+    """ftbench's prepared rows and its first-step loss, unpacked (``batching: pad``) and packed (``pack``), with the
+    run ``settings`` given beside the check's."""
+    spec = ftbench_spec(folder, data, row_format, seq_len, batch, "pad", settings)
     prepared_dir = ftbench_prepare(spec, scratch / f"prepared-{data.name}")
-    packed = ftbench_spec(folder, data, row_format, seq_len, batch, "pack")
-    return {"rows": ftbench_rows(prepared_dir), "loss": ftbench_first_loss(spec, prepared_dir),
+    packed = ftbench_spec(folder, data, row_format, seq_len, batch, "pack", settings)
+    return {"rows": ftbench_rows(prepared_dir, spec), "loss": ftbench_first_loss(spec, prepared_dir),
             "packed_loss": ftbench_first_loss(packed, prepared_dir)}
 
 
@@ -402,40 +415,48 @@ def _shared_prefix(ids: list[int], other: list[int]) -> int:
     return count
 
 
-def check_format(folder: Path, style: str, row_format: str, seq_len: int, scratch: Path) -> dict:
-    """One template and format: both ways on the same dataset folder; the rows compared, both first-step losses."""
+def check_format(folder: Path, style: str, row_format: str, seq_len: int, scratch: Path,
+                 ftbench_settings: dict | None = None) -> dict:
+    """One template and format: both ways on the same dataset folder; the rows compared, both first-step losses.
+    ``ftbench_settings``: run settings of ftbench's beside the check's (a test's way to make them differ)."""
     rows = CHECK_ROWS[row_format]
     data = write_dataset(scratch / f"data-{style}-{row_format}", rows, CHECK_EVAL_ROWS[row_format])
     trl = trl_side(folder, style, data, row_format, seq_len, scratch)
-    ours = ftbench_side(folder, data, row_format, seq_len, len(rows), scratch)
+    ours = ftbench_side(folder, data, row_format, seq_len, len(rows), scratch, ftbench_settings)
     compared = compare_rows(trl["rows"], ours["rows"])
     same = (len(ours["rows"]) == len(rows) and all(row["same_ids"] and not row["mask_differs_at"] for row in compared))
-    return {"template": style, "format": row_format, "rows": len(rows), "masks_equal": same, "rows_compared": compared,
+    return {"template": style, "format": row_format, "rows": len(rows), "masks_equal": same,
+            "tokens": sum(len(ids) for ids, _ in trl["rows"]), "trained": sum(sum(mask[1:]) for _, mask in trl["rows"]),
+            "rows_compared": compared,
+            "rows_trl": trl["rows"], "rows_ftbench": ours["rows"],
             **{f"{way}_{key}": side[key] for way, side in (("trl", trl), ("ftbench", ours))
                for key in ("loss", "packed_loss")}}
 
 
-def check(args) -> list[dict]:
-    """Every template x format: see the module docstring. Returns one result per pair."""
+def check(args, scratch: Path | None = None) -> list[dict]:
+    """Every template x format: see the module docstring. One result per pair; checkpoints, dataset folders and
+    prepared shards in ``scratch`` (a temporary folder without it): ``scratch / model-<template>`` and
+    ``scratch / data-<template>-<format>``."""
     import datasets
     import transformers
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    if scratch is None:
+        with tempfile.TemporaryDirectory() as scratch_name:
+            return check(args, Path(scratch_name))
     results = []
-    with tempfile.TemporaryDirectory() as scratch_name:
-        scratch = Path(scratch_name)
-        for style in args.templates.split(","):
-            folder = scratch / f"model-{style}"
-            tokenizer = build_checkpoint(folder, style, {**CHECK_ROWS, "eval": sum(CHECK_EVAL_ROWS.values(), [])})
-            if style == "chatml" and not same_rendering(tokenizer, CHECK_ROWS["conversational"]
-                                                        + CHECK_ROWS["conversational_prompt_completion"]):
-                raise SystemExit("compare_sft: ChatML with generation markers renders the rows differently")
-            for row_format in args.formats.split(","):
-                result = check_format(folder, style, row_format, args.seq, scratch)
-                results.append(result)
-                print(json.dumps({k: v for k, v in result.items() if k != "rows_compared"}), flush=True)
+    for style in args.templates.split(","):
+        folder = scratch / f"model-{style}"
+        tokenizer = build_checkpoint(folder, style, {**CHECK_ROWS, "eval": sum(CHECK_EVAL_ROWS.values(), [])})
+        if style == "chatml" and not same_rendering(tokenizer, CHECK_ROWS["conversational"]
+                                                    + CHECK_ROWS["conversational_prompt_completion"]):
+            raise SystemExit("compare_sft: ChatML with generation markers renders the rows differently")
+        for row_format in args.formats.split(","):
+            result = check_format(folder, style, row_format, args.seq, scratch)
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if not k.startswith("rows_")}), flush=True)
     return results
 
 
@@ -445,10 +466,11 @@ def check_passes(result: dict) -> bool:
 
 
 def print_check(results: list[dict]) -> None:
-    print(f"\n{'template':8} {'format':33} {'rows':>4} {'masks':>6} {'TRL loss':>9} {'ftbench':>9} {'|diff|':>8} "
-          f"{'TRL packed':>10} {'ftbench':>9} {'|diff|':>8}")
+    print(f"\n{'template':8} {'format':33} {'rows':>4} {'tokens':>6} {'trained':>7} {'masks':>6} {'TRL loss':>9} "
+          f"{'ftbench':>9} {'|diff|':>8} {'TRL packed':>10} {'ftbench':>9} {'|diff|':>8}")
     for r in results:
-        print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {'equal' if r['masks_equal'] else 'DIFFER':>6} "
+        print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {r['tokens']:>6} {r['trained']:>7} "
+              f"{'equal' if r['masks_equal'] else 'DIFFER':>6} "
               f"{r['trl_loss']:9.5f} {r['ftbench_loss']:9.5f} {abs(r['trl_loss'] - r['ftbench_loss']):8.1e} "
               f"{r['trl_packed_loss']:10.5f} {r['ftbench_packed_loss']:9.5f} "
               f"{abs(r['trl_packed_loss'] - r['ftbench_packed_loss']):8.1e}")
@@ -465,6 +487,238 @@ def print_check(results: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Speed (GPU): tokens/s and peak memory, each way in a process of its own
+
+
+SYLLABLES = [consonant + vowel for consonant in "bcdfghjklmnprstvwz" for vowel in "aeiou"] + ["th", "sh", "ch", "qu"]
+
+
+def random_words(rng, count: int) -> list[str]:
+    return ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 5))) for _ in range(count)]
+
+
+def speed_rows(count: int, seq_len: int, seed: int = SEED) -> list[dict]:
+    """Prompt-completion rows of random words, lengths spread from a tenth of seq_len to about its whole (the
+    completion a quarter of each), so packing has rows of every size to fill."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        words = rng.randint(max(4, seq_len // 20), max(8, seq_len // 2))  # ~1.5-2 tokens a word
+        completion = max(1, words // 4)
+        rows.append({"prompt": " ".join(random_words(rng, words - completion)),
+                     "completion": " " + " ".join(random_words(rng, completion))})
+    return rows
+
+
+def speed_assets(folder: Path, shape: dict, seq_len: int, rows: int) -> tuple[Path, Path]:
+    """(tokenizer folder, dataset folder): a ChatML-style tokenizer trained here to exactly the shape's vocabulary
+    (random-word BPE, so ftbench's config-built model and SFTTrainer's take the shape's embedding), and the rows."""
+    import random
+
+    tokenizer_dir, data_dir = folder / "tokenizer", folder / "rows"
+    corpus_rng = random.Random(SEED + 1)
+    corpus = [" ".join(random_words(corpus_rng, 100)) for _ in range(4000)]
+    tokenizer = build_tokenizer(tokenizer_dir, "chatml", corpus, shape["vocab_size"])
+    if len(tokenizer) != shape["vocab_size"]:
+        raise SystemExit(f"compare_sft: the tokenizer has {len(tokenizer)} tokens, the shape {shape['vocab_size']}")
+    all_rows = speed_rows(rows + 8, seq_len)
+    write_dataset(data_dir, all_rows[:rows], all_rows[rows:])
+    return tokenizer_dir, data_dir
+
+
+def mean_row_tokens(tokenizer_dir: Path, data_dir: Path) -> float:
+    """Mean tokens of a prepared row (prompt, completion, end-of-sequence): sizes ftbench's packed batch."""
+    import datasets
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = datasets.load_from_disk(str(data_dir))["train"]
+    lengths = [len(tokenizer(row["prompt"] + row["completion"] + tokenizer.eos_token)["input_ids"]) for row in rows]
+    return sum(lengths) / len(lengths)
+
+
+def speed(args) -> list[dict]:
+    import datasets
+    from compare_ecosystem import SHAPES
+
+    datasets.disable_progress_bars()
+    shape = SHAPES[args.shape]
+    results = []
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        steps = args.warmup + args.steps
+        # Enough rows for every step of either way: packed, a step takes batch x seq_len tokens.
+        rows = max(args.batch * steps, int(args.batch * steps * args.seq / (args.seq / 4)) + args.batch)
+        tokenizer_dir, data_dir = speed_assets(scratch, shape, args.seq, rows)
+        mean = mean_row_tokens(tokenizer_dir, data_dir)
+        # Packed, SFTTrainer's batch counts rows of seq_len, ftbench's the sequences packed into them (module docstring).
+        ftbench_batch = max(args.batch, int(args.batch * args.seq / mean)) if args.packing else args.batch
+        for method in args.method.split(","):
+            row = {"shape": args.shape, "method": method, "batch": args.batch, "seq": args.seq, "packing": args.packing,
+                   "ftbench_batch": ftbench_batch, "mean_row_tokens": mean}
+            for way in args.ways.split(","):
+                row[way] = run_way(way, method, args, tokenizer_dir, data_dir, ftbench_batch)
+                print(json.dumps({"method": method, "way": way, **row[way]}), flush=True)
+            results.append(row)
+    return results
+
+
+def run_way(way: str, method: str, args, tokenizer_dir: Path, data_dir: Path, ftbench_batch: int) -> dict:
+    """One way in a process of its own (each peak of allocated memory its own); its JSON result, or its error."""
+    command = [sys.executable, __file__, "way", way, "--method", method, "--shape", args.shape, "--batch",
+               str(args.batch), "--ftbench-batch", str(ftbench_batch), "--seq", str(args.seq), "--warmup",
+               str(args.warmup), "--steps", str(args.steps), "--tokenizer", str(tokenizer_dir), "--data", str(data_dir)]
+    if args.packing:
+        command.append("--packing")
+    if args.attn:
+        command += ["--attn", args.attn]
+    process = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in process.stdout.splitlines() if line.startswith("{")]
+    if process.returncode != 0 or not lines:
+        return {"error": (process.stderr or process.stdout).strip().splitlines()[-3:]}
+    return json.loads(lines[-1])
+
+
+def device_name() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trl_speed(args) -> dict:
+    """SFTTrainer on the rows: the model built from the shape's config as compare_ecosystem.py builds it (full: fp32
+    weights; LoRA: a bf16 base and peft's LoraConfig handed to SFTTrainer), bf16 autocast, fused AdamW, no clipping,
+    gradient checkpointing off (ftbench's default); the measured steps timed between synchronised clock readings,
+    their real tokens counted from each batch (attention mask, or a padding-free row's length)."""
+    import datasets
+    import peft
+    import torch
+    import transformers
+    from compare_ecosystem import LEARNING_RATE, LORA, SHAPES
+
+    torch.manual_seed(SEED)
+    with torch.device(device_name()):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(**SHAPES[args.shape], use_cache=False),
+            dtype=torch.float32 if args.method == "full" else torch.bfloat16,
+            **({"attn_implementation": args.attn} if args.attn else {}))
+    peft_config = peft.LoraConfig(task_type="CAUSAL_LM", **LORA) if args.method == "lora" else None
+    clock = step_clock(args.warmup)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = sft_trainer(Path(args.tokenizer), datasets.load_from_disk(args.data)["train"], "prompt_completion",
+                              args.seq, args.packing, "chatml", Path(out), model=model, peft_config=peft_config,
+                              callbacks=[clock], per_device_train_batch_size=args.batch,
+                              max_steps=args.warmup + args.steps, bf16=True, optim="adamw_torch_fused",
+                              max_grad_norm=0.0, learning_rate=LEARNING_RATE)
+        count_tokens(trainer, clock)
+        trainer.train()
+    return clock.result()
+
+
+def count_tokens(trainer, clock) -> None:
+    """Each micro-batch's real tokens: its attention mask's ones, or a padding-free batch's one row, which holds no
+    padding (``pad_to_multiple_of`` unset)."""
+    compute_loss = trainer.compute_loss
+
+    def counting(model, inputs, *args, **kwargs):
+        mask = inputs.get("attention_mask")
+        clock.tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = counting
+
+
+def step_clock(warmup: int):
+    """A callback timing SFTTrainer's measured window: the device synchronised and the clock read when the warmup's
+    last step ends and when each later step ends; the tokens of the steps in between; the peak allocated memory
+    from the first step on (the model already built, as ftbench resets its peak)."""
+    import torch
+    import transformers
+
+    class StepClock(transformers.TrainerCallback):
+        def __init__(self):
+            self.tokens, self.window_tokens, self.measured_steps = 0, 0, 0
+            self.started = self.ended = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
+            if state.global_step == warmup:
+                self.started, self.tokens = time.perf_counter(), 0
+            elif state.global_step > warmup:
+                self.ended, self.window_tokens = time.perf_counter(), self.tokens
+                self.measured_steps = state.global_step - warmup
+
+        def result(self) -> dict:
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+            return {"peak_gib": peak, "tokens_per_s": self.window_tokens / (self.ended - self.started),
+                    "tokens_per_step": self.window_tokens / self.measured_steps}
+
+    return StepClock()
+
+
+def ftbench_speed(args) -> dict:
+    """ftbench's own job (``python -m ftbench train``) on the instruction family's prepared rows: the shape built
+    from its config with the same tokenizer, the same recipe, ``batching: pack`` where SFTTrainer packs."""
+    from compare_ecosystem import LEARNING_RATE, LORA, SHAPES
+
+    overrides = {key: value for key, value in SHAPES[args.shape].items() if key != "vocab_size"}  # the tokenizer's
+    model_source = {"kind": "config", "architecture": "LlamaConfig", "overrides": overrides,
+                    "tokenizer": {"kind": "path", "path": str(args.tokenizer)}}
+    settings = {"method": args.method, "precision": "bf16", "learning_rate": LEARNING_RATE, "device": "auto",
+                "num_gpus": 1 if device_name() == "cuda" else 0, "max_steps": args.warmup + args.steps,
+                "warmup_steps": args.warmup, "lora_rank": LORA["r"], "lora_alpha": LORA["lora_alpha"],
+                "lora_dropout": LORA["lora_dropout"], "lora_targets": LORA["target_modules"],
+                "attn_implementation": args.attn}
+    spec = ftbench_spec(Path(args.tokenizer), Path(args.data), "prompt_completion", args.seq, args.ftbench_batch,
+                        "pack" if args.packing else "pad", settings, model_source)
+    with tempfile.TemporaryDirectory() as folder:
+        data, out = ftbench_prepare(spec, Path(folder) / "data"), Path(folder) / "run" / "metrics.json"
+        out.parent.mkdir()
+        subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data),
+                        "--out", str(out)], check=True, cwd=ROOT, capture_output=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
+                                                                                       os.environ.get("PYTHONPATH")]))})
+        metrics = json.loads(out.read_text())["metrics"]
+    if metrics["status"] != "ok":
+        raise SystemExit(f"ftbench run {metrics['status']}: {metrics.get('status_reason')}")
+    peak = metrics.get("peak_memory_allocated_mb")
+    return {"peak_gib": peak / 1024 if peak is not None else None, "tokens_per_s": metrics["tokens_per_s"],
+            "tokens_per_step": metrics["measured_tokens"] / args.steps if metrics.get("measured_tokens") else None}
+
+
+def print_speed(results: list[dict]) -> None:
+    print(f"\n{'shape':5} {'method':6} {'batch x seq':>11} {'packing':>7} {'way':8} {'GiB':>7} {'tokens/s':>10} "
+          f"{'tokens/step':>11}")
+    for row in results:
+        for way in ("trl", "ftbench"):
+            result = row.get(way, {})
+            if "error" in result or not result:
+                print(f"{row['shape']:5} {row['method']:6} {row['batch']:>5} x {row['seq']:<5} {str(row['packing']):>7} "
+                      f"{way:8} error: {result.get('error')}")
+                continue
+            print(f"{row['shape']:5} {row['method']:6} {row['batch']:>5} x {row['seq']:<5} {str(row['packing']):>7} "
+                  f"{way:8} {result['peak_gib'] or float('nan'):7.2f} {result['tokens_per_s']:10,.0f} "
+                  f"{result['tokens_per_step'] or float('nan'):11,.0f}")
+        mine, theirs = row.get("ftbench", {}), row.get("trl", {})
+        if "tokens_per_s" in mine and "tokens_per_s" in theirs:
+            memory = f"{mine['peak_gib'] / theirs['peak_gib']:.3f}" if mine["peak_gib"] and theirs["peak_gib"] else "-"
+            print(f"{'':40} ftbench/TRL: tokens/s {mine['tokens_per_s'] / theirs['tokens_per_s']:.3f}, memory {memory}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -476,18 +730,42 @@ def parse_args(argv):
     check_mode.add_argument("--formats", default=",".join(FORMATS))
     check_mode.add_argument("--seq", type=int, default=CHECK_SEQ_LEN)
     check_mode.add_argument("--out", help="write the results as JSON here")
-    return parser.parse_args(argv)
+    speed_mode = modes.add_parser("speed", help="GPU: tokens/s and peak memory of both ways on one configuration")
+    speed_mode.add_argument("--ways", default="trl,ftbench")
+    speed_mode.add_argument("--out", help="write the results as JSON here")
+    way_mode = modes.add_parser("way")  # one way of `speed`, in this process (run_way starts it)
+    way_mode.add_argument("way", choices=("trl", "ftbench"))
+    way_mode.add_argument("--tokenizer", required=True)
+    way_mode.add_argument("--data", required=True)
+    way_mode.add_argument("--ftbench-batch", type=int, required=True)
+    for mode in (speed_mode, way_mode):
+        mode.add_argument("--shape", default="1b", help="a shape of compare_ecosystem.py: 1b, 8b, tiny")
+        mode.add_argument("--method", default="lora", help="full or lora (speed: several comma-separated)")
+        mode.add_argument("--batch", type=int, default=4, help="sequences a step (packed: rows of seq_len, SFTTrainer's)")
+        mode.add_argument("--seq", type=int, default=2048)
+        mode.add_argument("--packing", action="store_true", help="SFTTrainer packing=True; ftbench batching: pack")
+        mode.add_argument("--warmup", type=int, default=3, help="steps run before the clock starts (at least 1)")
+        mode.add_argument("--steps", type=int, default=10, help="measured steps after the warmup")
+        mode.add_argument("--attn", help="attn_implementation of both ways (sdpa, flash_attention_2, ...); default: "
+                                         "the model's")
+    args = parser.parse_args(argv)
+    if args.mode != "check" and (args.warmup < 1 or args.steps < 1):
+        parser.error("--warmup and --steps: at least 1 each (the clock starts when the last warmup step ends)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.mode == "way":
+        print(json.dumps(trl_speed(args) if args.way == "trl" else ftbench_speed(args)))
+        return 0
+    results = check(args) if args.mode == "check" else speed(args)
+    (print_check if args.mode == "check" else print_speed)(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
     if args.mode == "check":
-        results = check(args)
-        print_check(results)
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1))
         return 0 if all(check_passes(r) for r in results) else 1
-    return 0
+    return 0 if all("error" not in row[way] for row in results for way in args.ways.split(",")) else 1
 
 
 if __name__ == "__main__":
