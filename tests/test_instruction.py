@@ -379,3 +379,25 @@ def test_a_run_trains_and_scores_the_answers_only_padded_or_packed(tmp_path, tok
     (pad_metrics, pad_steps), (pack_metrics, pack_steps) = results
     assert pad_steps[0]["loss"] == pytest.approx(pack_steps[0]["loss"], rel=1e-4)
     assert pad_metrics["measured_trained_tokens"] == pack_metrics["measured_trained_tokens"]
+
+
+def test_a_gguf_tokenizers_eos_is_the_headers(tmp_path, tokenizer):
+    """transformers' GGUF conversion gives a GPT-2-style vocabulary's bos token as its eos; the header's ids win."""
+    import copy
+
+    import gguf
+
+    from ftbench.data import tokenizers
+
+    path = tmp_path / "special.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_bos_token_id(tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    writer.add_eos_token_id(tokenizer.convert_tokens_to_ids("<|eot_id|>"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    converted = copy.deepcopy(tokenizer)
+    converted.eos_token = "<|im_start|>"  # what the conversion gives
+    tokenizers._header_special_tokens(converted, path)
+    assert (converted.bos_token, converted.eos_token) == ("<|im_start|>", "<|eot_id|>")
