@@ -316,3 +316,73 @@ def test_the_majority_rate_of_generated_answers_is_the_most_common_reference_ans
     classes = generation.answer_classes(Split())
     assert np.bincount(classes).max() / len(classes) == pytest.approx(3 / 5)
     assert generation.answer_classes(object()) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# A run: the generation score at every evaluation, its time off the training clock
+
+
+@pytest.fixture(scope="module")
+def instruction_run(tmp_path_factory):
+    """A tiny config-built Llama trained 6 steps on prompt-completion rows (a byte-level BPE tokenizer built here),
+    evaluated before training, every 2 steps and at the end, with answers generated and scored by exact match."""
+    import pandas as pd
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ftbench.experiment import config as ftbench_config, matrix
+    from ftbench.tasks import registry
+    from ftbench.train import trainer
+
+    folder = tmp_path_factory.mktemp("instruction-run")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["Is review positive or negative? good bad fine dull plot"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|pad|>", "<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", pad_token="<|pad|>").save_pretrained(folder / "tok")
+    words = ["good", "bad", "fine", "dull"]
+    rows = [{"prompt": f"Is review {i} {words[i % 4]} positive or negative?", "completion": " positive" if i % 2 else " negative"}
+            for i in range(64)]
+    pd.DataFrame(rows).to_json(folder / "rows.jsonl", orient="records", lines=True)
+    config = {
+        "models": {"llama": {"task": "instruction", "source": {
+            "kind": "config", "architecture": "LlamaConfig", "tokenizer": {"kind": "path", "path": str(folder / "tok")},
+            "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "max_position_embeddings": 128}}}},
+        "datasets": {"rows": {"source": {"kind": "path", "path": str(folder / "rows.jsonl")}, "train_size": 48,
+                              "eval_size": 16}},
+        "defaults": {"method": "full", "precision": "fp32", "batch_size": 4, "seq_len": 48, "max_steps": 6,
+                     "warmup_steps": 1, "learning_rate": 0.001, "device": "cpu", "num_gpus": 0, "eval_batch_size": 8,
+                     "eval_every": 2, "eval_subset": 8, "eval_before_training": True, "answer_metric": "exact_match",
+                     "max_new_tokens": 3},
+        "matrix": {"model": ["llama"], "dataset": ["rows"]},
+        "target": {"metric": "eval_generation_score", "value": 0.5},
+    }
+    ftbench_config.validate_config(config)
+    (spec,) = matrix.expand_runs(config)
+    registry.prepare("rows", config["datasets"]["rows"], matrix.preparation_model_def(spec.model_def), spec.seq_len,
+                     folder / "data")
+    torch.set_num_threads(2)
+    return trainer.train_run(spec, folder / "data")
+
+
+@pytest.mark.slow
+def test_answers_are_scored_at_every_evaluation_and_their_time_is_kept_off_the_training_clock(instruction_run):
+    metrics, steps = instruction_run
+    assert metrics["status"] == "ok", metrics.get("status_reason")
+    # the final evaluation and the one before training: score, rows, tokens, seconds
+    for prefix in ("", "base_"):
+        assert 0 <= metrics[f"{prefix}eval_generation_score"] <= 1
+        assert metrics[f"{prefix}eval_generation_rows"] == metrics[f"{prefix}eval_samples"] == 16
+        assert 16 <= metrics[f"{prefix}eval_generated_tokens"] <= 16 * 3
+        assert metrics[f"{prefix}eval_generation_s"] > 0
+    assert metrics["eval_generation_s"] < metrics["eval_time_s"]
+    # evals.parquet: a row with its Wilson interval at steps 0 (the whole split), 2, 4 (the subset) and 6 (final)
+    rows = [row for row in metrics["evals"] if row["metric"] == generation.SCORE]
+    assert [(row["step"], row["eval_samples"]) for row in rows] == [(0, 16), (2, 8), (4, 8), (6, 16)]
+    assert all(row["low"] <= row["value"] <= row["high"] for row in rows)
+    # tokens/s is the measured steps' alone: the evaluations (generation included) are outside the window
+    measured = sum(step["step_time_s"] for step in steps if step["measured"])
+    assert metrics["window_s"] == pytest.approx(measured, rel=1e-6)
+    assert metrics["eval_during_training_s"] > 0

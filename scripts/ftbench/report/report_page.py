@@ -26,9 +26,9 @@ TABLE_COLUMNS = [
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
     "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
-    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
-    "eval_majority_class_rate", "mfu", "cost_per_1m_tokens", "cost_ci95",
+    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "eval_generation_score",
+    "quality_ci95", "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
+    "eval_majority_class_rate", "eval_generation_s", "eval_generation_rows", "eval_generated_tokens", "mfu", "cost_per_1m_tokens", "cost_ci95",
     "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
@@ -49,7 +49,14 @@ RUN_TITLES = {
     "unstable_reason": "what made the run unstable",
     "estimate_over_allocated": "memory estimate / CUDA peak allocated (what the estimate models); reserved adds the allocator's cache",
     "estimate_over_rss": "memory estimate / the process's peak resident memory (CPU runs)",
-    "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
+    "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models, prompts "
+                    "answered for a generation score)",
+    "eval_generation_score": "share of the eval prompts whose greedily generated answer matches the reference completion "
+                             "(the run's answer_metric, after normalisation)",
+    "eval_generation_s": "seconds the final evaluation spent generating answers (device synchronised), within eval_time_s; "
+                         "no evaluation is in the training clock or tokens/s",
+    "eval_generation_rows": "eval prompts answered by generation (the n of the generation score's interval)",
+    "eval_generated_tokens": "tokens generated for those answers, each up to the token that ended it (no padding)",
     "quality_vs_base": "whether fine-tuning helped: the run's quality beside the model's before training (base: "
                        "eval_before_training, on the same eval rows) and, for classification, the accuracy of always "
                        "answering the scored rows' most common class (majority)",
