@@ -386,3 +386,11 @@ def test_answers_are_scored_at_every_evaluation_and_their_time_is_kept_off_the_t
     measured = sum(step["step_time_s"] for step in steps if step["measured"])
     assert metrics["window_s"] == pytest.approx(measured, rel=1e-6)
     assert metrics["eval_during_training_s"] > 0
+
+
+def test_the_generation_score_is_a_proportion_where_higher_is_better():
+    from ftbench.tasks.base import is_proportion, reaches
+
+    assert is_proportion(generation.SCORE)
+    assert reaches(generation.SCORE, 0.81, 0.8) and not reaches(generation.SCORE, 0.79, 0.8)
+    assert not reaches(generation.SCORE, None, 0.8)  # no answers scored: not reached
