@@ -115,6 +115,8 @@ TOKENIZER_ROLES = {
                "add_bos": True},
 }
 CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# Beside a checkpoint: the template SFTTrainer is given for conversations, where it is not the tokenizer's own.
+TRL_TEMPLATE_FILE = "trl_chat_template.jinja"
 
 # initializer_range 0.2, not Llama's 0.02: the per-token losses of a model that close to uniform all sit near
 # ln(vocabulary) (spread 0.15), so a token trained by one way and not the other could hide inside the loss tolerance;
@@ -194,11 +196,33 @@ def build_tokenizer(folder: Path, style: str, texts: list[str], vocab_size: int)
 
 
 def build_checkpoint(folder: Path, style: str, rows_by_format: dict, vocab_size: int = 600):
-    """The check's checkpoint: tokenizer + a tiny Llama with seeded fp32 weights, in ``folder``."""
+    """The check's checkpoint in ``folder``: a tokenizer trained on the rows with ``style``'s template, the template
+    SFTTrainer is given for it (``TRL_TEMPLATE_FILE``: ChatML with generation markers), and a tiny Llama."""
+    tokenizer = build_tokenizer(folder, style, corpus_of(rows_by_format), vocab_size)
+    if style == "chatml":
+        (folder / TRL_TEMPLATE_FILE).write_text(chatml_template(True), encoding="utf-8")
+    return save_tiny_llama(folder, tokenizer)
+
+
+def checkpoint_from_tokenizer(folder: Path, tokenizer_dir: str, trl_template: str | None):
+    """The check's checkpoint on a tokenizer of the user's (a folder holding one, e.g. SmolLM2-Instruct's saved
+    from its GGUF file): the tokenizer copied, ``trl_template`` (``chatml``: this script's ChatML with generation
+    markers; or a Jinja file) as the template SFTTrainer gets, and a tiny Llama of its vocabulary."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(folder)
+    if trl_template:
+        text = chatml_template(True) if trl_template == "chatml" else Path(trl_template).read_text(encoding="utf-8")
+        (folder / TRL_TEMPLATE_FILE).write_text(text, encoding="utf-8")
+    return save_tiny_llama(folder, tokenizer)
+
+
+def save_tiny_llama(folder: Path, tokenizer):
+    """A two-layer Llama of the tokenizer's vocabulary with seeded fp32 weights, saved beside it; the tokenizer."""
     import torch
     import transformers
 
-    tokenizer = build_tokenizer(folder, style, corpus_of(rows_by_format), vocab_size)
     config = transformers.LlamaConfig(**TINY_LLAMA, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(SEED)
@@ -211,20 +235,11 @@ def build_checkpoint(folder: Path, style: str, rows_by_format: dict, vocab_size:
 # TRL's way
 
 
-def trl_template_file(folder: Path, style: str) -> Path | None:
-    """The template SFTTrainer is given for assistant-only loss (see the module docstring): ChatML with generation
-    markers; none for Llama 3 (TRL recognises the plain one and uses its own marked copy)."""
-    if style != "chatml":
-        return None
-    path = folder / "chatml_generation_markers.jinja"
-    path.write_text(chatml_template(True), encoding="utf-8")
-    return path
-
-
-def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: bool, style: str, out: Path,
-                model=None, peft_config=None, callbacks=(), **settings):
+def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: bool, out: Path, model=None,
+                peft_config=None, callbacks=(), **settings):
     """SFTTrainer as a user sets it up for ``dataset`` (a datasets.Dataset), with the settings that match ftbench's
-    defaults (module docstring; ``settings``: SFTConfig's others); its dataset is prepared when it returns
+    defaults (module docstring; ``settings``: SFTConfig's others), the tokenizer and model of ``folder`` (and for
+    conversations its ``TRL_TEMPLATE_FILE`` where there is one); its dataset is prepared when it returns
     (``trainer.train_dataset``)."""
     import torch
     import transformers
@@ -234,7 +249,7 @@ def sft_trainer(folder: Path, dataset, row_format: str, seq_len: int, packing: b
     if model is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     conversational = row_format.startswith("conversational")
-    template = trl_template_file(out, style) if conversational else None
+    template = folder / TRL_TEMPLATE_FILE if conversational and (folder / TRL_TEMPLATE_FILE).is_file() else None
     config = SFTConfig(**{
         "output_dir": str(out), "max_length": seq_len, "packing": packing, "per_device_train_batch_size": len(dataset),
         "max_steps": 1, "learning_rate": 2e-4, "lr_scheduler_type": "constant", "warmup_steps": 0, "seed": SEED,
@@ -281,10 +296,10 @@ def trl_side(folder: Path, style: str, data: Path, row_format: str, seq_len: int
     dataset = datasets.load_from_disk(str(data))["train"]
     out = scratch / f"trl-{style}-{row_format}"
     out.mkdir(parents=True, exist_ok=True)
-    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, style, out)
+    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, out)
     prepared = trl_rows(trainer)
     return {"rows": prepared, "loss": trl_first_loss(trainer),
-            "packed_loss": trl_first_loss(sft_trainer(folder, dataset, row_format, seq_len, True, style, out))}
+            "packed_loss": trl_first_loss(sft_trainer(folder, dataset, row_format, seq_len, True, out))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,12 +391,13 @@ CHECK_EVAL_ROWS = {
 }
 
 
-def same_rendering(tokenizer, rows: list[dict]) -> bool:
-    """Whether ChatML with generation markers (TRL's) renders every conversation exactly as the plain one (ftbench's)."""
+def same_rendering(tokenizer, rows: list[dict], marked_template: str) -> bool:
+    """Whether the template SFTTrainer is given (with generation markers) renders every conversation exactly as the
+    tokenizer's own (what ftbench renders with)."""
     for row in rows:
         messages = row["messages"] if "messages" in row else row["prompt"] + row["completion"]
-        texts = {tokenizer.apply_chat_template(messages, chat_template=chatml_template(markers), tokenize=False)
-                 for markers in (False, True)}
+        texts = {tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+                 for template in (None, marked_template)}
         if len(texts) != 1:
             return False
     return True
@@ -447,21 +463,27 @@ def check(args, scratch: Path | None = None) -> list[dict]:
         with tempfile.TemporaryDirectory() as scratch_name:
             return check(args, Path(scratch_name))
     results = []
-    for style in args.templates.split(","):
+    for style in ([args.tokenizer_name] if args.tokenizer else args.templates.split(",")):
         folder = scratch / f"model-{style}"
-        tokenizer = build_checkpoint(folder, style, {**CHECK_ROWS, "eval": sum(CHECK_EVAL_ROWS.values(), [])})
-        if style == "chatml" and not same_rendering(tokenizer, CHECK_ROWS["conversational"]
-                                                    + CHECK_ROWS["conversational_prompt_completion"]):
-            raise SystemExit("compare_sft: ChatML with generation markers renders the rows differently")
+        tokenizer = (checkpoint_from_tokenizer(folder, args.tokenizer, args.trl_template) if args.tokenizer else
+                     build_checkpoint(folder, style, {**CHECK_ROWS, "eval": sum(CHECK_EVAL_ROWS.values(), [])}))
+        marked = folder / TRL_TEMPLATE_FILE
+        if marked.is_file() and not same_rendering(tokenizer, CHECK_ROWS["conversational"]
+                                                   + CHECK_ROWS["conversational_prompt_completion"], marked.read_text()):
+            raise SystemExit(f"compare_sft: the template SFTTrainer gets ({TRL_TEMPLATE_FILE}) renders the rows "
+                             "otherwise than the tokenizer's own")
         for row_format in args.formats.split(","):
-            result = check_format(folder, style, row_format, args.seq, scratch)
+            try:
+                result = check_format(folder, style, row_format, args.seq, scratch)
+            except ValueError as exc:  # SFTTrainer refusing the setup, e.g. assistant-only loss without markers
+                result = {"template": style, "format": row_format, "error": f"{type(exc).__name__}: {exc}"}
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if not k.startswith("rows_")}), flush=True)
     return results
 
 
 def check_passes(result: dict) -> bool:
-    return result["masks_equal"] and all(
+    return "error" not in result and result["masks_equal"] and all(
         abs(result[f"trl_{key}"] - result[f"ftbench_{key}"]) <= LOSS_TOLERANCE for key in ("loss", "packed_loss"))
 
 
@@ -469,6 +491,9 @@ def print_check(results: list[dict]) -> None:
     print(f"\n{'template':8} {'format':33} {'rows':>4} {'tokens':>6} {'trained':>7} {'masks':>6} {'TRL loss':>9} "
           f"{'ftbench':>9} {'|diff|':>8} {'TRL packed':>10} {'ftbench':>9} {'|diff|':>8}")
     for r in results:
+        if "error" in r:
+            print(f"{r['template']:8} {r['format']:33} {r['error'][:300]}")
+            continue
         print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {r['tokens']:>6} {r['trained']:>7} "
               f"{'equal' if r['masks_equal'] else 'DIFFER':>6} "
               f"{r['trl_loss']:9.5f} {r['ftbench_loss']:9.5f} {abs(r['trl_loss'] - r['ftbench_loss']):8.1e} "
@@ -615,7 +640,7 @@ def trl_speed(args) -> dict:
     clock = step_clock(args.warmup)
     with tempfile.TemporaryDirectory() as out:
         trainer = sft_trainer(Path(args.tokenizer), datasets.load_from_disk(args.data)["train"], "prompt_completion",
-                              args.seq, args.packing, "chatml", Path(out), model=model, peft_config=peft_config,
+                              args.seq, args.packing, Path(out), model=model, peft_config=peft_config,
                               callbacks=[clock], per_device_train_batch_size=args.batch,
                               max_steps=args.warmup + args.steps, bf16=True, optim="adamw_torch_fused",
                               max_grad_norm=0.0, learning_rate=LEARNING_RATE)
@@ -625,13 +650,14 @@ def trl_speed(args) -> dict:
 
 
 def count_tokens(trainer, clock) -> None:
-    """Each micro-batch's real tokens: its attention mask's ones, or a padding-free batch's one row, which holds no
-    padding (``pad_to_multiple_of`` unset)."""
+    """Each micro-batch's real tokens (its attention mask's ones, or a padding-free batch's one row, which holds no
+    padding: ``pad_to_multiple_of`` unset) and trained ones (labels other than -100 that a position predicts)."""
     compute_loss = trainer.compute_loss
 
     def counting(model, inputs, *args, **kwargs):
         mask = inputs.get("attention_mask")
         clock.tokens += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        clock.trained += int((inputs["labels"][:, 1:] != -100).sum())  # targets once shifted
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = counting
@@ -646,7 +672,7 @@ def step_clock(warmup: int):
 
     class StepClock(transformers.TrainerCallback):
         def __init__(self):
-            self.tokens, self.window_tokens, self.measured_steps = 0, 0, 0
+            self.tokens = self.trained = self.window_tokens = self.window_trained = self.measured_steps = 0
             self.started = self.ended = None
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -656,14 +682,16 @@ def step_clock(warmup: int):
         def on_step_end(self, args, state, control, **kwargs):
             synchronize()
             if state.global_step == warmup:
-                self.started, self.tokens = time.perf_counter(), 0
+                self.started, self.tokens, self.trained = time.perf_counter(), 0, 0
             elif state.global_step > warmup:
-                self.ended, self.window_tokens = time.perf_counter(), self.tokens
+                self.ended, self.window_tokens, self.window_trained = time.perf_counter(), self.tokens, self.trained
                 self.measured_steps = state.global_step - warmup
 
         def result(self) -> dict:
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-            return {"peak_gib": peak, "tokens_per_s": self.window_tokens / (self.ended - self.started),
+            seconds = self.ended - self.started
+            return {"peak_gib": peak, "tokens_per_s": self.window_tokens / seconds,
+                    "trained_tokens_per_s": self.window_trained / seconds,
                     "tokens_per_step": self.window_tokens / self.measured_steps}
 
     return StepClock()
@@ -696,12 +724,13 @@ def ftbench_speed(args) -> dict:
         raise SystemExit(f"ftbench run {metrics['status']}: {metrics.get('status_reason')}")
     peak = metrics.get("peak_memory_allocated_mb")
     return {"peak_gib": peak / 1024 if peak is not None else None, "tokens_per_s": metrics["tokens_per_s"],
+            "trained_tokens_per_s": metrics.get("trained_tokens_per_s"),
             "tokens_per_step": metrics["measured_tokens"] / args.steps if metrics.get("measured_tokens") else None}
 
 
 def print_speed(results: list[dict]) -> None:
     print(f"\n{'shape':5} {'method':6} {'batch x seq':>11} {'packing':>7} {'way':8} {'GiB':>7} {'tokens/s':>10} "
-          f"{'tokens/step':>11}")
+          f"{'trained/s':>10} {'tokens/step':>11}")
     for row in results:
         for way in ("trl", "ftbench"):
             result = row.get(way, {})
@@ -711,7 +740,7 @@ def print_speed(results: list[dict]) -> None:
                 continue
             print(f"{row['shape']:5} {row['method']:6} {row['batch']:>5} x {row['seq']:<5} {str(row['packing']):>7} "
                   f"{way:8} {result['peak_gib'] or float('nan'):7.2f} {result['tokens_per_s']:10,.0f} "
-                  f"{result['tokens_per_step'] or float('nan'):11,.0f}")
+                  f"{result['trained_tokens_per_s'] or float('nan'):10,.0f} {result['tokens_per_step'] or float('nan'):11,.0f}")
         mine, theirs = row.get("ftbench", {}), row.get("trl", {})
         if "tokens_per_s" in mine and "tokens_per_s" in theirs:
             memory = f"{mine['peak_gib'] / theirs['peak_gib']:.3f}" if mine["peak_gib"] and theirs["peak_gib"] else "-"
@@ -730,6 +759,12 @@ def parse_args(argv):
     check_mode.add_argument("--formats", default=",".join(FORMATS))
     check_mode.add_argument("--seq", type=int, default=CHECK_SEQ_LEN)
     check_mode.add_argument("--out", help="write the results as JSON here")
+    check_mode.add_argument("--tokenizer", help="a folder holding a tokenizer of yours to check with (its own chat "
+                                                "template) in place of the two built here")
+    check_mode.add_argument("--tokenizer-name", default="custom", help="its name in the table")
+    check_mode.add_argument("--trl-template", help="with --tokenizer: the template SFTTrainer gets for assistant-only "
+                                                   "loss where the tokenizer's has no generation markers: chatml (this "
+                                                   "script's, SmolLM2's rendering) or a Jinja file")
     speed_mode = modes.add_parser("speed", help="GPU: tokens/s and peak memory of both ways on one configuration")
     speed_mode.add_argument("--ways", default="trl,ftbench")
     speed_mode.add_argument("--out", help="write the results as JSON here")

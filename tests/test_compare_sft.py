@@ -38,7 +38,7 @@ def test_chatml_with_generation_markers_renders_as_the_plain_template_and_marks_
     its <|im_end|> line end, and renders the conversation exactly as the plain template ftbench reads."""
     tokenizer = compare_sft.build_tokenizer(tmp_path, "chatml", compare_sft.corpus_of(compare_sft.CHECK_ROWS), 400)
     rows = compare_sft.CHECK_ROWS["conversational"]
-    assert compare_sft.same_rendering(tokenizer, rows)
+    assert compare_sft.same_rendering(tokenizer, rows, compare_sft.chatml_template(True))
     messages = rows[2]["messages"]  # two assistant turns
     out = tokenizer.apply_chat_template(messages, chat_template=compare_sft.chatml_template(True), tokenize=True,
                                         return_dict=True, return_assistant_tokens_mask=True)
