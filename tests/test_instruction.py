@@ -401,3 +401,28 @@ def test_a_gguf_tokenizers_eos_is_the_headers(tmp_path, tokenizer):
     converted.eos_token = "<|im_start|>"  # what the conversion gives
     tokenizers._header_special_tokens(converted, path)
     assert (converted.bos_token, converted.eos_token) == ("<|im_start|>", "<|eot_id|>")
+
+
+def test_json_lines_csv_parquet_and_save_to_disk_give_the_same_rows(tmp_path, tokenizer):
+    """Conversational pairs from each kind of source (a CSV cell holds the messages as JSON; Parquet and datasets give
+    numpy arrays of dicts) are read, told apart and encoded to the same tokens and masks."""
+    import datasets
+
+    rows = [{"prompt": [{"role": "user", "content": f"Is review {i} positive?"}],
+             "completion": [{"role": "assistant", "content": "positive" if i % 2 else "negative"}]} for i in range(10)]
+    frame = pd.DataFrame(rows)
+    paths = {"jsonl": tmp_path / "rows.jsonl", "parquet": tmp_path / "rows.parquet", "csv": tmp_path / "rows.csv",
+             "disk": tmp_path / "rows_on_disk"}
+    frame.to_json(paths["jsonl"], orient="records", lines=True)
+    frame.to_parquet(paths["parquet"])
+    frame.assign(prompt=frame["prompt"].map(json.dumps), completion=frame["completion"].map(json.dumps)).to_csv(paths["csv"], index=False)
+    datasets.Dataset.from_list(rows).save_to_disk(str(paths["disk"]))
+    encoded = {}
+    for kind, path in paths.items():
+        dataset_def = {"source": {"kind": "path", "path": str(path)}, "train_size": 6, "eval_size": 4}
+        train, _, row_format, names = instruction.raw_splits("rows", dataset_def, {})
+        assert row_format == "conversational_prompt_completion", kind
+        encoded[kind] = [(row.input_ids, row.trained) for row in instruction.encode_split(
+            train, tokenizer, 64, row_format, names, LLAMA3_TEMPLATE, {}, "fail", "datasets.rows", "train")]
+    for kind in ("parquet", "csv", "disk"):
+        assert encoded[kind] == encoded["jsonl"], kind
