@@ -426,3 +426,17 @@ def test_json_lines_csv_parquet_and_save_to_disk_give_the_same_rows(tmp_path, to
             train, tokenizer, 64, row_format, names, LLAMA3_TEMPLATE, {}, "fail", "datasets.rows", "train")]
     for kind in ("parquet", "csv", "disk"):
         assert encoded[kind] == encoded["jsonl"], kind
+
+
+def test_named_splits_leave_out_eval_rows_seen_in_training(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"Is review {i} positive?", "completion": "positive"} for i in range(6)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "test": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(tmp_path / "named"))
+    dropped: dict = {}
+    train, evaluation, row_format, _ = instruction.raw_splits(
+        "named", {"source": {"kind": "path", "path": str(tmp_path / "named")}, "eval_split": "test"}, dropped)
+    assert row_format == "prompt_completion" and len(train) == 4
+    assert evaluation["prompt"].tolist() == ["Is review 4 positive?", "Is review 5 positive?"]
+    assert dropped["test"]["also_in_train"] == 2

@@ -171,14 +171,20 @@ def raw_splits(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.
         if "prompt_template" in dataset_def:
             frame, names = built_frame(frame, dataset_def, row_format, where, counts), Columns()
         if dataset_def.get("deduplicate", True):
-            keys = frame.apply(lambda row: json.dumps(row.to_dict(), sort_keys=True, default=_plain), axis=1)
+            keys = _row_keys(frame)
             counts["duplicates"] = int(keys.duplicated().sum())
             frame = frame[~keys.duplicated()]
         tables[split_name] = frame.reset_index(drop=True)
     if "eval_split" in dataset_def:
-        train, evaluation = (tables.get(dataset_def.get(key, "train")) for key in ("train_split", "eval_split"))
+        train_name, eval_name = dataset_def.get("train_split", "train"), dataset_def["eval_split"]
+        train, evaluation = tables.get(train_name), tables.get(eval_name)
         if train is None or evaluation is None:
             raise ConfigError(f"config key {where}.eval_split: splits are {', '.join(tables)}")
+        if dataset_def.get("deduplicate", True) and train_name != eval_name and len(evaluation):
+            # Official splits can share rows: a row seen in training scores as if it were new.
+            seen = _row_keys(evaluation).isin(set(_row_keys(train))) if len(train) else evaluation.index < 0
+            dropped[eval_name]["also_in_train"] = int(seen.sum())
+            evaluation = evaluation[~seen].reset_index(drop=True)
     else:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
         train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
@@ -188,6 +194,11 @@ def raw_splits(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.
                               f"only {len(frame)} rows remain after building and deduplication")
         train, evaluation = prepared.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
     return train, evaluation, row_format, names
+
+
+def _row_keys(frame: pd.DataFrame) -> pd.Series:
+    """Each row's content as text (messages included): equal rows, equal keys."""
+    return frame.apply(lambda row: json.dumps(row.to_dict(), sort_keys=True, default=_plain), axis=1)
 
 
 def _plain(value):
