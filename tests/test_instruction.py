@@ -440,3 +440,17 @@ def test_named_splits_leave_out_eval_rows_seen_in_training(tmp_path):
     assert row_format == "prompt_completion" and len(train) == 4
     assert evaluation["prompt"].tolist() == ["Is review 4 positive?", "Is review 5 positive?"]
     assert dropped["test"]["also_in_train"] == 2
+
+
+def test_where_parse_time_cannot_tell_preparation_refuses_a_conversation_without_a_template(tmp_path, tokenizer_dir):
+    """A save_to_disk folder is not peeked at parse time: its preparation refuses, before encoding, naming the key."""
+    import datasets
+
+    datasets.Dataset.from_list([{"messages": CONVERSATION}] * 2 + [{"messages": CONVERSATION[:2]}] * 2).save_to_disk(
+        str(tmp_path / "chat"))
+    model_def = {"task": "instruction", "source": {"kind": "config", "tokenizer": {"kind": "path", "path": str(tokenizer_dir)}}}
+    dataset_def = {"source": {"kind": "path", "path": str(tmp_path / "chat")}, "train_size": 1, "eval_size": 1}
+    assert instruction.peek_format(dataset_def, "datasets.chat") is None
+    with pytest.raises(ConfigError, match=r"datasets\.chat\.chat_template: .* the model's tokenizer has none"):
+        registry.prepare("chat", dataset_def, model_def, 64, tmp_path / "prepared")
+    assert not (tmp_path / "prepared" / "manifest.json").exists()

@@ -86,10 +86,11 @@ def tokenizer_has_template(model_def: dict) -> bool | None:
         return None
 
 
-def no_template_refusal(dataset_name: str, row_format: str, model_name: str) -> str:
+def no_template_refusal(dataset_name: str, row_format: str, model_name: str | None) -> str:
+    whose = f"model {model_name!r}'s tokenizer" if model_name else "the model's tokenizer"
     return (f"config key datasets.{dataset_name}.chat_template: the {row_format} rows of dataset {dataset_name!r} "
-            f"are rendered by a chat template, and model {model_name!r}'s tokenizer has none; set chat_template to "
-            "a Jinja template (the text, or a file holding it)")
+            f"are rendered by a chat template, and {whose} has none; set chat_template to a Jinja template (the text, "
+            "or a file holding it)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,7 +362,7 @@ class Instruction(CausalLM):
         train, evaluation, row_format, names = raw_splits(dataset_name, dataset_def, dropped)
         template = template_setting(dataset_def, where)
         if row_format.startswith("conversational") and template is None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(no_template_refusal(dataset_name, row_format, "the model"))
+            raise ConfigError(no_template_refusal(dataset_name, row_format, None))
         train_name = dataset_def.get("train_split", "train")
         eval_name = dataset_def.get("eval_split", train_name)
         tables = {}
