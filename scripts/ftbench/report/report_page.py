@@ -24,12 +24,12 @@ from ftbench.recipe import RECIPE_COLUMNS, recipe_text
 TABLE_COLUMNS = [
     "run_id", "status", "status_reason", "method", "precision", "recipe", "batch_size", "seq_len", "lora_rank",
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
-    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
+    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "trained_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
     "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "eval_generation_score",
     "quality_ci95", "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
     "eval_majority_class_rate", "eval_generation_s", "eval_generation_rows", "eval_generated_tokens", "mfu", "cost_per_1m_tokens", "cost_ci95",
-    "cost_per_1k_samples", "cost_per_1k_images",
+    "cost_per_1m_trained_tokens", "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
 ]
