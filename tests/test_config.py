@@ -265,10 +265,10 @@ def test_every_example_config_validates_with_torch_blocked():
 
 
 def test_the_registry_names_every_family_and_refuses_an_unknown_one():
-    assert registry.NAMES == ("classification", "causal_lm", "seq2seq", "image_classification",
+    assert registry.NAMES == ("classification", "causal_lm", "instruction", "seq2seq", "image_classification",
                               "image_text_retrieval", "vision_language")
     assert registry.IMAGE_FAMILIES == ("image_classification", "image_text_retrieval", "vision_language")
     assert registry.model_family({}).name == "classification"
-    assert [registry.family(name).packable for name in registry.NAMES] == [False, True, False, False, False, False]
+    assert [registry.family(name).packable for name in registry.NAMES] == [False, True, True, False, False, False, False]
     with pytest.raises(ConfigError, match="not a task family"):
         registry.family("regression")

@@ -21,6 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+# The ways a generated answer is scored (tasks/generation.py, which imports this: the ground floor imports nothing).
+ANSWER_METRICS = ("none", "exact_match", "contains", "regex")
+
 # Bumping this changes every run id: do it when the meaning of a spec key changes.
 SPEC_VERSION = 1
 
@@ -73,6 +76,10 @@ def _is_fsdp(settings: dict) -> bool:
 
 def _has_lora_base_choice(settings: dict) -> bool:
     return settings.get("method") == "lora" and settings.get("precision") in ("bf16", "fp16")
+
+
+def _generates(settings: dict) -> bool:
+    return settings.get("answer_metric", "none") != "none"
 
 
 def _evaluates_during_training(settings: dict) -> bool:
@@ -149,6 +156,12 @@ class RunSpec:
         "| padding_free (one row of all the batch's sequences, no padding; needs an attention that takes sequence bounds)",
         {"enum": ["pad", "group_by_length", "pack", "padding_free"]}, "string",
         name_part=lambda s: {"group_by_length": "grouped", "pack": "packed", "padding_free": "padfree"}.get(s.batching))
+    loss_on: str | None = setting(
+        "completion", "instruction data: the tokens the loss is computed on. completion (the completion of prompt-completion "
+        "rows, the assistant turns of conversations: TRL's completion_only_loss, and its assistant_only_loss, which TRL "
+        "leaves off by default) | all (every token but each row's first); evaluation scores the completion tokens "
+        "either way. Null for other tasks",
+        {"enum": [None, "completion", "all"]}, "string", name_part=lambda s: "lossall" if s.loss_on == "all" else None)
     kernels: str = setting("none", "fused-kernel library patched into the model: none | liger (Liger kernels: fused RMSNorm, "
                            "SwiGLU, RoPE, cross-entropy for Llama-family models; GPU only)",
                            {"enum": ["none", "liger"]}, "string",
@@ -262,6 +275,24 @@ class RunSpec:
         "dtype share one, QLoRA's 4-bit base has its own; fsdp runs score their own. With eval_every it is the step-0 "
         "evaluation, in place of the subset one",
         {"type": "boolean"}, "boolean")
+    # Scoring by generation (tasks/generation.py): settings of the run, as the other evaluation settings are, so they
+    # sweep, show in the row and key the shared base evaluation; per dataset through `overrides: when: {dataset: ..}`.
+    answer_metric: str = setting(
+        "none", "instruction data: score what the model generates on the held-out prompts (greedy, KV cache, left-padded "
+        "batches) against the reference completion, after normalisation (stripped, case-folded, whitespace runs as one "
+        "space, trailing punctuation dropped): exact_match | contains (the reference inside the answer) | regex "
+        "(answer_regex's answer in both) | none (no generation). Its figure: eval_generation_score, beside eval_loss and "
+        "eval_token_accuracy on the completion tokens; its time apart (eval_generation_s), never training's",
+        {"enum": list(ANSWER_METRICS)}, "string")
+    answer_regex: str | None = setting(
+        None, "answer_metric regex: the pattern whose first match is the answer (its group, or the whole match without "
+        "one), e.g. '#### (\\d+)'; a generated text it does not match counts as wrong",
+        _nullable({"type": "string", "minLength": 1}), "string",
+        applies=lambda settings: settings.get("answer_metric") == "regex", applies_when="answer_metric regex")
+    max_new_tokens: int | None = setting(
+        32, "with answer_metric: the most tokens generated per answer (it ends sooner at the end-of-sequence or the "
+        "template's end-of-turn token)", {"type": "integer", "minimum": 1, "maximum": 65536}, "Int64",
+        applies=_generates, applies_when="answer_metric not none")
     # A measuring knob, but part of the spec so the run records how it was measured. 0.5 s: at 0.1 s an
     # H100 run lost 3.5% of its throughput to sampling (scripts/benchmark_overhead.py); the driver averages
     # utilisation over 1/6 to 1 s anyway, and energy comes from the driver's counter whatever the interval.

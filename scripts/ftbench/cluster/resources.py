@@ -67,6 +67,12 @@ TRAIN_HOST_BYTES_PER_PARAM = 8
 # fsdp_cpu_offload's slowdown on the walltime estimate: every step moves the weights to the GPU and back
 # and runs the optimizer on the CPU. Measured 17x (Llama 3.2 1B shape, bf16, batch 4 x 1024, one H100).
 TRAIN_OFFLOAD_SLOWDOWN = 20
+# Answers generated (answer_metric): every batch of eval_batch_size prompts takes up to max_new_tokens decoding
+# steps, each one token per row through the whole model. Such a step is bound by kernel launches and weight reads,
+# not by FLOPs, so it is counted as this many seconds plus its FLOPs at the achieved rate: a deliberately high
+# guess for transformers' generate in eager mode (tens of ms a step on a GPU for 0.1B-8B decoders), which the
+# margin doubles.
+GENERATION_STEP_S = 0.05
 
 
 def train_gpus(run: RunSpec) -> int:
@@ -198,7 +204,8 @@ def train_mem_mb(run: RunSpec, attempt: int = 1) -> int:
 def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None, base_eval_in_job: bool = True) -> float:
     """Compute seconds of one training job on a GPU (``on_gpu``; default: where the run asks for one)
     or the CPU: training tokens per device x 6 FLOPs per parameter (forward + backward), plus the
-    evaluations' tokens (``eval_examples_scored``) x 2 per parameter, over ACHIEVED_FLOPS."""
+    evaluations' tokens (``eval_examples_scored``) x 2 per parameter, over ACHIEVED_FLOPS; plus generating answers
+    to those prompts where the run scores by generation (``generation_seconds``)."""
     params = model_params(run.model_def)
     examples = run.dataset_def.get("train_size", DEFAULT_TRAIN_EXAMPLES)
     run = largest_batch_run(run, examples)
@@ -214,7 +221,18 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None, base_eval_in
     flops += 2 * params * eval_examples_scored(run, examples, base_eval_in_job) * per_example
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
     rate = ACHIEVED_FLOPS[compute_dtype(run.precision)] if on_gpu else ACHIEVED_FLOPS["cpu"]
-    return flops / rate
+    return flops / rate + generation_seconds(run, eval_examples_scored(run, examples, base_eval_in_job), params, rate)
+
+
+def generation_seconds(run: RunSpec, answered: int, params: float, rate: float) -> float:
+    """Seconds of generating answers to ``answered`` eval prompts (the rows the evaluations score, where the run's
+    answer_metric asks for answers): max_new_tokens decoding steps per batch of eval_batch_size (GENERATION_STEP_S
+    each, plus its FLOPs at ``rate``)."""
+    if run.answer_metric in (None, "none") or answered == 0:
+        return 0.0
+    batches = math.ceil(answered / run.eval_batch_size)
+    step_s = GENERATION_STEP_S + 2 * params * min(run.eval_batch_size, answered) / rate
+    return batches * run.max_new_tokens * step_s
 
 
 def eval_examples_scored(run: RunSpec, train_examples: int, base_eval_in_job: bool = True) -> int:

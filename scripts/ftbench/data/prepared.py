@@ -54,6 +54,13 @@ DROP_REASONS = {
     "also_in_train": "an eval row whose text is also in train (named eval splits; deduplicate)",
     "bad_image": "an image file that is missing, truncated or not an image (on_bad_image: skip)",
     "empty_answer": "vision_language: an answer with no tokens",
+    # instruction data (tasks/instruction_rows.py tells them)
+    "bad_message": "instruction: a message that is not a {role, content} mapping of strings, or a conversation that "
+                   "starts with the assistant",
+    "unknown_role": "instruction: a message whose role is not system, developer, user, assistant or tool",
+    "no_assistant_turn": "instruction: a conversation without an assistant turn (nothing to train)",
+    "empty_completion": "instruction: an empty completion, or assistant turns without text",
+    "prompt_fills_seq_len": "instruction: a prompt that fills seq_len alone (no completion token would be trained)",
 }
 
 

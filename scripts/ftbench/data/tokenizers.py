@@ -94,10 +94,25 @@ def load_tokenizer(model_def: dict):
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     except (OSError, ValueError) as exc:
         raise SourceError(load_failure("tokenizer", source, location, exc)) from None
+    if extra.get("gguf_file"):
+        _header_special_tokens(tokenizer, Path(location) / extra["gguf_file"])
     if tokenizer.pad_token_id is None:
         # Decoder tokenizers ship without a pad token; padded positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
+
+
+def _header_special_tokens(tokenizer, path: Path) -> None:
+    """A GGUF tokenizer's bos and eos tokens as its header gives their ids. transformers' conversion of a GPT-2-style
+    GGUF vocabulary takes the bos token for the eos (5.17: SmolLM2-135M-Instruct's eos came out <|im_start|>, its
+    header says <|im_end|>), and an eos appended to a text or a completion would then be the wrong token."""
+    from gguf import GGUFReader  # deferred: GGUF checkpoints only
+
+    fields = GGUFReader(path).fields
+    for key, attribute in (("tokenizer.ggml.bos_token_id", "bos_token"), ("tokenizer.ggml.eos_token_id", "eos_token")):
+        field = fields.get(key)
+        if field is not None:
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
 
 
 def config_vocab(model_name: str, overrides: dict, tokenizer_vocab: int) -> int:

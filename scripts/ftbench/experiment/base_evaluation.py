@@ -55,6 +55,9 @@ def base_eval_key(run: RunSpec) -> dict:
         "eval_batch_size": run.eval_batch_size,
         "device": "gpu" if run.uses_gpu else "cpu",
         "spec_version": SPEC_VERSION,
+        # Answers generated and how they are scored: only where the run generates, so other keys stay as they were.
+        **({"generation": {"answer_metric": run.answer_metric, "answer_regex": run.answer_regex,
+                           "max_new_tokens": run.max_new_tokens}} if run.answer_metric not in (None, "none") else {}),
     }
 
 

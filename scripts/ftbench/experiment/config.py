@@ -23,7 +23,7 @@ from ftbench.errors import ConfigError
 from ftbench.experiment import feasibility
 from ftbench.measure import intervals
 from ftbench.runspec import RunSpec
-from ftbench.tasks import registry
+from ftbench.tasks import generation, registry
 from ftbench.tasks.base import is_proportion
 
 _SCHEMA: dict | None = None
@@ -346,9 +346,13 @@ def check_target(config: dict, runs: list[RunSpec]) -> None:
     target = config.get("target")
     families = {run.run_id: registry.model_family(run.model_def) for run in runs}
     if target is not None:
-        produced = sorted({metric for family in families.values() for metric in family.eval_metrics()})
+        produced = sorted({metric for run in runs for metric in families[run.run_id].run_eval_metrics(run)})
         if target["metric"] not in produced:
             hint = f"eval_{target['metric']}" if f"eval_{target['metric']}" in produced else None
+            if target["metric"] == generation.SCORE:
+                raise ConfigError(f"config key target.metric: {generation.SCORE} is scored only where answers are "
+                                  "generated, and no run generates; set answer_metric (exact_match, contains or regex) "
+                                  "on runs of instruction data")
             raise ConfigError(f"config key target.metric: {target['metric']!r} is not an eval figure of any run's task"
                               f"{f'; did you mean {hint!r}?' if hint else ''}; expected one of "
                               f"{', '.join(map(repr, produced))} (what these runs' tasks produce)")
@@ -362,9 +366,9 @@ def check_target(config: dict, runs: list[RunSpec]) -> None:
         if target is None or run.eval_every is None:
             raise ConfigError(f"config key {key}: run {run.run_id} stops at the target, so it needs "
                               f"{'a target (experiment key target)' if target is None else 'eval_every (evaluations during training)'}")
-        if target["metric"] not in families[run.run_id].eval_metrics():
+        if target["metric"] not in families[run.run_id].run_eval_metrics(run):
             raise ConfigError(f"config key {key}: run {run.run_id} ({families[run.run_id].name}) does not produce "
-                              f"{target['metric']}, the target's figure; it produces {', '.join(families[run.run_id].eval_metrics())}")
+                              f"{target['metric']}, the target's figure; it produces {', '.join(families[run.run_id].run_eval_metrics(run))}")
 
 
 def experiment_warnings(config: dict) -> list[str]:
@@ -580,9 +584,21 @@ def check_run(run: RunSpec, config: dict | None = None) -> None:
                           f"a {family.name} model, which reads no images; image_size applies to image tasks "
                           f"({', '.join(registry.IMAGE_FAMILIES)})")
     family.check_run(run, setting_key)
+    _check_generation(run, setting_key, family)
     _check_warmup(run, setting_key)
     _check_data_size(run, setting_key)
     _check_devices(run, setting_key)
+
+
+def _check_generation(run: RunSpec, setting_key, family) -> None:
+    """Scoring by generation needs a family whose rows are prompts and completions, and a pattern that compiles."""
+    if run.answer_metric in (None, "none"):
+        return
+    generation.check_settings(run.answer_metric, run.answer_regex, lambda name: setting_key(name, getattr(run, name)))
+    if not family.generates:
+        raise ConfigError(f"config key {setting_key('answer_metric', run.answer_metric)}: run {run.run_id} trains a "
+                          f"{family.name} model, whose rows are no prompts to answer; answer_metric applies to "
+                          f"{', '.join(name for name, fam in registry.FAMILIES.items() if fam.generates) or 'no task'}")
 
 
 def _check_warmup(run: RunSpec, setting_key) -> None:

@@ -75,8 +75,8 @@ def _matches(settings: dict, pattern: dict) -> bool:
 
 
 def make_spec(settings: dict, config: dict, repeat: int = 0, repeats: int = 1) -> RunSpec:
-    settings = normalise(settings)
     model_def = config["models"][settings["model"]]
+    settings = registry.without_others_settings(normalise(settings), registry.model_family(model_def))
     dataset_def = config["datasets"][settings["dataset"]]
     spec = {
         **settings,
@@ -114,6 +114,7 @@ def data_id(dataset_name: str, dataset_def: dict, model_def: dict, seq_len: int,
     }
     if image_size is not None:
         key["image_size"] = image_size  # only when set: the ids of text data stay as they were
+    key.update(registry.model_family(model_def).data_key(dataset_def, dataset_name))  # files the settings name
     return f"{dataset_name}-s{seq_len}{f'-i{image_size}' if image_size else ''}-{short_hash(key)}"
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ftbench.data import batch_order, prepared, sources
 from ftbench.data.tokenizers import tokenizer_source
+from ftbench.errors import FtbenchError
 from ftbench.experiment import feasibility
 from ftbench.measure import memory_estimate, model_shape
 from ftbench.runspec import RunSpec
@@ -40,7 +41,7 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
     device, which a model of two stacks needs (``needs_built_model``; else a note says why there is none)."""
     run = run.replace(batch_size=batch_size) if batch_size else run
     family = model_family(run.model_def)
-    if sources.local_model_config(run.model_def["source"]) is None:
+    if local_config(run.model_def["source"]) is None:
         return _no_estimate(NOT_READABLE)
     manifest = prepared_manifest(data_dir) or {}
     manifest = {"seq_len": run.seq_len, **family.planning_manifest(run), **manifest}
@@ -68,11 +69,31 @@ def run_estimate(run: RunSpec, data_dir: str | Path | None = None, batch_size: i
 NOT_READABLE = "the model's config is not readable here (a hub model): no estimate before it is loaded"
 
 
+def local_config(source: dict) -> dict | None:
+    """The model's config settings read here, with no network and no weights: a config-built model's overrides, a
+    local folder's config.json, or a local GGUF file's header; None otherwise."""
+    settings = sources.local_model_config(source)
+    if settings is None and source.get("gguf_file") and source["kind"] in ("path", "package"):
+        try:
+            path = Path(sources.resolve_location(source)) / source["gguf_file"]
+            settings = _gguf_config(str(path), path.stat().st_mtime_ns)
+        except (FtbenchError, OSError):
+            return None
+    return dict(settings) if settings is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: str, mtime_ns: int) -> dict | None:
+    """model_shape.gguf_config, once per file version: its header lists every token (0.1 s), and a plan asks for
+    the settings once per batch size it tries on every GPU."""
+    return model_shape.gguf_config(path)
+
+
 def config_settings(run: RunSpec) -> tuple[dict | None, str | None]:
     """(the run's model config over its architecture's defaults, with its vocabulary; or None and why not): what a
     plan made from the config alone reads. A model of two stacks has no such settings (``needs_built_model``)."""
     source = run.model_def["source"]
-    settings = sources.local_model_config(source)
+    settings = local_config(source)
     if settings is None:
         return None, NOT_READABLE
     settings = model_shape.with_defaults(source.get("architecture"), settings)

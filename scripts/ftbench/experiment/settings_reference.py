@@ -28,7 +28,7 @@ COMMAND = "python -m ftbench.experiment.settings_reference"
 # "Other settings", so a new RunSpec field is never left out of the reference; place it in a group here.
 GROUPS: list[tuple[str, str, list[str]]] = [
     ("What is trained", "Which model on which data, how, and for how long.",
-     ["model", "dataset", "method", "precision", "batch_size", "seq_len", "epochs", "max_steps", "seed"]),
+     ["model", "dataset", "method", "precision", "batch_size", "seq_len", "epochs", "max_steps", "seed", "loss_on"]),
     ("LoRA and QLoRA", "Ignored (and left out of the run id) for `method: full`; the `qlora_*` settings only "
      "apply to `method: qlora`.",
      ["lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_base_dtype", "qlora_quant_type",
@@ -44,6 +44,11 @@ GROUPS: list[tuple[str, str, list[str]]] = [
     ("Measurement and evaluation", "", ["warmup_steps", "warmup_until_stable", "warmup_max_steps", "eval_batch_size",
                                         "max_eval_samples", "eval_before_training", "eval_every", "eval_subset",
                                         "stop_at_target", "gpu_sample_interval_s"]),
+    ("Answers generated", "Instruction data: what the model answers on the held-out prompts, scored against the "
+     "reference completion, at every evaluation (before, during and after training) and usable as the `target` "
+     "(`eval_generation_score`). A setting of the run, like the other evaluation settings; per dataset with "
+     "`overrides: [{when: {dataset: ...}, set: {answer_metric: ...}}]`.",
+     ["answer_metric", "answer_regex", "max_new_tokens"]),
 ]
 
 # Meanings of schema keys that carry no description of their own (the schema's own description wins when

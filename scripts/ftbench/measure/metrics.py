@@ -26,6 +26,8 @@ STATUSES = {
 STEP_FIELDS = ["step", "measured", "step_time_s", "loader_s", "samples", "tokens", "padded_tokens", "flops", "loss", "lr"]
 # Counts a step record of an image run also has: its images, and the part of its tokens that are image tokens.
 IMAGE_COUNTS = ("images", "image_tokens")
+# A step record of a family that trains some tokens only (instruction data: the completions) also counts those.
+OPTIONAL_COUNTS = (*IMAGE_COUNTS, "trained_tokens")
 
 MFU_FIELDS = ("mfu", "mfu_peak_tflops", "mfu_peak_source")
 
@@ -81,7 +83,18 @@ def summarise(steps: list[dict], window_s: float | None, devices: int) -> dict:
         "padding_fraction": 1 - tokens / padded if padded else 0.0,
         "step_time_median_s": float(np.median(times)),
         "step_time_p90_s": float(np.percentile(times, 90)),
+        **trained_throughput(measured, tokens, window_s),
     }
+
+
+def trained_throughput(measured: list[dict], tokens: int, window_s: float) -> dict:
+    """Tokens the loss was computed on, apart from those processed, where the steps count them (a family that
+    trains some tokens only: instruction data's completions); nothing otherwise."""
+    if not any("trained_tokens" in step for step in measured):
+        return {}
+    trained = sum(step.get("trained_tokens", 0) for step in measured)
+    return {"measured_trained_tokens": trained, "trained_tokens_per_s": trained / window_s,
+            "trained_token_fraction": trained / tokens if tokens else None}
 
 
 # warmup_until_stable's rule: warmup ends once the last SETTLE_STEPS step times all lie within
@@ -219,12 +232,12 @@ def merge_ranks(rank_results: list[dict], devices: int) -> tuple[dict, list[dict
     by_step: dict[int, dict] = {}
     for result in rank_results:
         for record in result["steps"]:
-            merged = by_step.setdefault(record["step"], {**{k: v for k, v in record.items() if k not in IMAGE_COUNTS},
+            merged = by_step.setdefault(record["step"], {**{k: v for k, v in record.items() if k not in OPTIONAL_COUNTS},
                                                           "samples": 0, "tokens": 0, "padded_tokens": 0,
                                                           "flops": 0, "step_time_s": 0.0, "loader_s": 0.0})
             for count in ("samples", "tokens", "padded_tokens", "flops"):
                 merged[count] += record[count]
-            for count in IMAGE_COUNTS:  # image runs: each rank's images, summed like its tokens
+            for count in OPTIONAL_COUNTS:  # image runs' images, masked runs' trained tokens: summed like tokens
                 if count in record:
                     merged[count] = merged.get(count, 0) + record[count]
             for slowest in ("step_time_s", "loader_s"):

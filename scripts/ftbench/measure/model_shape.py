@@ -163,6 +163,19 @@ def gguf_settings(path: str | Path) -> dict | None:
     tokenizer's token count where the header gives no vocab_size), read from the metadata at the start of the
     file only: gguf.GGUFReader maps and parses every tensor too (1.7 s for a 98 MB file on 2 cores; this reads
     the header in 60 ms, 140 ms with the gguf import). None when the file is not GGUF or cannot be read."""
+    metadata = gguf_header(path)
+    if metadata is None:
+        return None
+    architecture = metadata.get("general.architecture")
+    settings = {name: metadata[f"{architecture}.{key}"] for key, name in GGUF_KEYS.items() if f"{architecture}.{key}" in metadata}
+    settings.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    return {key: value for key, value in settings.items() if value is not None} or None
+
+
+def gguf_header(path: str | Path, tensor_names: bool = False) -> dict | None:
+    """A GGUF file's metadata (key -> scalar or string; an array's value is its length), read from the start of
+    the file only; with ``tensor_names``, also ``"tensors"``: the names of its tensors (their infos follow the
+    metadata). None when the file is not GGUF or cannot be read."""
     # gguf deferred: only GGUF models need its constants, and this module is read at parse time.
     from gguf import GGUF_MAGIC, GGUFValueType
 
@@ -171,14 +184,34 @@ def gguf_settings(path: str | Path) -> dict | None:
             magic, version = struct.unpack("<II", handle.read(8))
             if magic != GGUF_MAGIC or version < 2:
                 return None
-            _, kv_count = struct.unpack("<QQ", handle.read(16))
+            tensor_count, kv_count = struct.unpack("<QQ", handle.read(16))
             metadata = _gguf_metadata(handle, kv_count, GGUFValueType)
+            if tensor_names:
+                metadata["tensors"] = [_gguf_tensor_name(handle) for _ in range(tensor_count)]
+            return metadata
     except (OSError, struct.error, ValueError, UnicodeDecodeError):
         return None
-    architecture = metadata.get("general.architecture")
-    settings = {name: metadata[f"{architecture}.{key}"] for key, name in GGUF_KEYS.items() if f"{architecture}.{key}" in metadata}
-    settings.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
-    return {key: value for key, value in settings.items() if value is not None} or None
+
+
+def _gguf_tensor_name(handle) -> str:
+    """One tensor info's name; its dimensions, type and offset skipped."""
+    (length,) = struct.unpack("<Q", handle.read(8))
+    name = handle.read(length).decode("utf-8")
+    (dims,) = struct.unpack("<I", handle.read(4))
+    handle.seek(8 * dims + 4 + 8, 1)
+    return name
+
+
+def gguf_config(path: str | Path) -> dict | None:
+    """A GGUF checkpoint's settings as its config.json would give them, for a plan from the config alone: the shape
+    (gguf_settings), its model_type (the header's architecture) and whether its output layer is the embedding
+    (no ``output.weight`` tensor: tied, as transformers' GGUF loader reads it). None when not readable."""
+    header = gguf_header(path, tensor_names=True)
+    settings = gguf_settings(path) if header else None
+    if not settings:
+        return None
+    return {**settings, "model_type": header.get("general.architecture"),
+            "tie_word_embeddings": "output.weight" not in header["tensors"]}
 
 
 _SCALARS = {"UINT8": "B", "INT8": "b", "UINT16": "H", "INT16": "h", "UINT32": "I", "INT32": "i", "FLOAT32": "f",

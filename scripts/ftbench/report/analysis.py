@@ -161,10 +161,11 @@ def prepare(runs: pd.DataFrame, across_machines: bool = False, gpu_table: list[d
     runs["config_label"] = unique_labels(name, runs["config_key"])
     runs["quality"], _ = quality_column(runs)
     runs["base_quality"], _ = quality_column(runs, BASE)
-    runs["quality_metric"] = pd.array([QUALITY[t].name if t in QUALITY else pd.NA for t in runs["task"]], dtype="string")
+    judged = [quality_of(runs, i) for i in runs.index]
+    runs["quality_metric"] = pd.array([q.name if q else pd.NA for q in judged], dtype="string")
     runs["quality_metric"] = runs["quality_metric"].where(runs["quality"].notna())
-    runs["quality_n"] = pd.array([runs.at[i, QUALITY[t].n_column] if t in QUALITY else pd.NA for i, t in runs["task"].items()],
-                                 dtype="Int64")
+    runs["quality_n"] = pd.array([runs.at[i, q.n_column] if q and q.n_column in runs else pd.NA
+                                  for i, q in zip(runs.index, judged)], dtype="Int64")
     runs["quality_low"], runs["quality_high"] = _wilson_columns(runs["quality"], runs["quality_n"])
     runs["device_memory_mb"] = pd.array([gpu_tables.capacity_mb(d, gpu_table or []) for d in runs["device_name"]], dtype="Float64")
     return runs
@@ -193,13 +194,34 @@ QUALITY: dict[str, Quality] = {
     "causal_lm": _TOKEN_ACCURACY,
     "seq2seq": _TOKEN_ACCURACY,
     "vision_language": Quality("eval_token_accuracy", "answer token accuracy", n_note="eval answers"),
+    # Generated answers scored against the references (tasks/generation.py), on the prompts answered.
+    "instruction": Quality("eval_generation_score", "answer score", n_column="eval_generation_rows",
+                           n_note="prompts answered"),
 }
+# Tasks whose figure in QUALITY a run may not have (instruction data scores generated answers only where its
+# answer_metric asks for them): the figure that judges such a run instead.
+QUALITY_WITHOUT: dict[str, Quality] = {"instruction": Quality("eval_token_accuracy", "completion token accuracy",
+                                                              n_note="eval sequences")}
+# Every figure that may judge a run (a report's quality columns, one per name).
+QUALITIES = (*QUALITY.values(), *QUALITY_WITHOUT.values())
 # The prefix of an eval figure of the model before training (eval_before_training): base_eval_accuracy, ...
 BASE = "base_"
+
+
+def quality_of(runs: pd.DataFrame, index) -> Quality | None:
+    """The figure that judges run ``index``: its task's QUALITY, or QUALITY_WITHOUT's where the run has no value of
+    that (its base figure follows the same choice, so the two compare like with like)."""
+    task = runs.at[index, "task"]
+    quality = QUALITY.get(task)
+    fallback = QUALITY_WITHOUT.get(task)
+    if quality is not None and fallback is not None and (quality.column not in runs
+                                                         or is_missing(runs.at[index, quality.column])):
+        return fallback
+    return quality
 # The eval figures hidden for synthetic data (perplexity too: random tokens have no language to model), as trained
 # and as built.
 _SCORED = ("eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i",
-           "eval_recall_at_1")
+           "eval_recall_at_1", "eval_generation_score")
 QUALITY_COLUMNS = (*_SCORED, *(BASE + column for column in _SCORED))
 
 
@@ -207,13 +229,13 @@ def quality_column(runs: pd.DataFrame, prefix: str = "") -> tuple[pd.Series, str
     """(each run's quality: the figure QUALITY names for its task, null for a task it has no entry for;
     the axis name: 'eval <name>', or each name with its tasks when the runs mix them). ``prefix`` BASE: the
     same figure of the model before training (null where the table has no such column)."""
-    columns = {t: prefix + quality.column for t, quality in QUALITY.items()}
-    values = pd.Series([runs.at[i, columns[t]] if columns.get(t) in runs else pd.NA for i, t in runs["task"].items()],
-                       index=runs.index, dtype="Float64")
-    named = runs.loc[values.notna(), "task"]
-    tasks_by_name: dict[str, list[str]] = {}
-    for task in (t for t in QUALITY if t in set(named)):
-        tasks_by_name.setdefault(QUALITY[task].name, []).append(task)
+    judged = {i: quality_of(runs, i) for i in runs.index}
+    values = pd.Series([runs.at[i, prefix + q.column] if q and prefix + q.column in runs else pd.NA
+                        for i, q in judged.items()], index=runs.index, dtype="Float64")
+    present = {(judged[i].name, runs.at[i, "task"]) for i in values.index[values.notna()]}
+    tasks = list(dict.fromkeys([*QUALITY, *QUALITY_WITHOUT]))
+    tasks_by_name = {name: [t for t in tasks if (name, t) in present] for name in dict.fromkeys(q.name for q in QUALITIES)}
+    tasks_by_name = {name: named for name, named in tasks_by_name.items() if named}
     if len(tasks_by_name) > 1:
         return values, "eval " + " / ".join(f"{name} ({', '.join(tasks)})" for name, tasks in tasks_by_name.items())
     return values, f"eval {next(iter(tasks_by_name), 'accuracy')}"

@@ -13,7 +13,17 @@ from ftbench.runspec import spec_columns
 
 # The eval figures an evaluation before training (eval_before_training) also gives as base_<figure>: every task's.
 BASE_FIGURES = ("eval_loss", "eval_accuracy", "eval_token_accuracy", "eval_perplexity", "eval_recall_at_1",
-                "eval_recall_at_1_i2t", "eval_recall_at_1_t2i")
+                "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_generation_score")
+# What generating answers cost (tasks/generation.py), for the final evaluation and, as base_<name>, the one before
+# training: (dtype, meaning).
+GENERATION_COST = {
+    "eval_generation_s": ("Float64", "answer_metric: seconds of generating and scoring the answers (device synchronised "
+                                     "before and after), part of eval_time_s, never of train_time_s or tokens_per_s"),
+    "eval_generation_rows": ("Int64", "answer_metric: prompts answered (the n of eval_generation_score's interval: the "
+                                      "eval rows scored, fewer only where the job's time limit ended generation)"),
+    "eval_generated_tokens": ("Int64", "answer_metric: tokens generated, each answer's up to and including the token "
+                                       "that ended it (no padding)"),
+}
 
 COLUMNS: dict[str, tuple[str, str]] = {
     # identity and configuration
@@ -67,6 +77,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("Float64", "real tokens per second, all devices together (global)"),
     "tokens_per_s_per_device": ("Float64", "tokens_per_s divided by world_size"),
     "padding_fraction": ("Float64", "share of processed positions that were padding (not counted as tokens)"),
+    # tokens trained apart from those processed (instruction data: the completions, loss_on); null where every
+    # processed token is trained or the family does not count them apart
+    "measured_trained_tokens": ("Int64", "tokens the loss was computed on in the measured window, all devices, padding never counted (instruction: the completion or assistant tokens; loss_on all: every token but each row's first); part of measured_tokens"),
+    "trained_tokens_per_s": ("Float64", "trained tokens per second, all devices together (part of tokens_per_s)"),
+    "trained_token_fraction": ("Float64", "measured_trained_tokens / measured_tokens: the share of processed tokens the loss is computed on"),
     # image tasks (null for text runs): tokens above count text plus image tokens; here they are apart
     "measured_images": ("Int64", "images processed in the measured window, all devices"),
     "images_per_s": ("Float64", "images per second, all devices together"),
@@ -127,6 +142,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_perplexity": ("Float64", "exp(eval_loss) for causal_lm / seq2seq / vision_language (its answer tokens)"),
     "eval_token_accuracy": ("Float64", "next-token (causal_lm), target-token (seq2seq) or answer-token (vision_language) accuracy"),
     "eval_samples": ("Int64", "eval examples scored"),
+    "eval_generation_score": ("Float64", "instruction data with answer_metric: share of the eval prompts whose answer, "
+                                         "generated greedily, matches the reference completion (exact_match, contains or "
+                                         "regex after normalisation); its 95% interval: quality_low/high"),
+    **GENERATION_COST,
     "eval_majority_class_rate": ("Float64", "classification: share of the most common class among the eval rows the final "
                                            "evaluation scored (the whole eval split, or the seeded stratified sample "
                                            "max_eval_samples or a time limit left), the accuracy of always answering it: what "
@@ -138,6 +157,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
        for figure in BASE_FIGURES},
     "base_eval_samples": ("Int64", "eval_before_training: eval examples the base evaluation scored (eval_samples unless the "
                                    "job's time limit came first)"),
+    **{f"base_{name}": (dtype, f"eval_before_training: {meaning}") for name, (dtype, meaning) in GENERATION_COST.items()},
     "base_eval_time_s": ("Float64", "eval_before_training: seconds of the base evaluation, kept off the clock (not in "
                                     "train_time_s, eval_during_training_s or the measured window)"),
     # data: source rows preparation left out, by rule, summed over the source splits (the data manifest's
@@ -165,7 +185,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "price_per_device_hour": ("Float64", "$ per device-hour of gpu_model under the experiment's provider and pricing"),
     "price_per_hour": ("Float64", "$ per hour of the run: price_per_device_hour x billed_devices"),
     "price_source": ("string", "which price was used (model, $/device-hour, table and provider/pricing), or why none"),
-    "cost_per_1m_tokens": ("Float64", "$ per million real tokens at the measured global throughput (image tasks: text + image tokens)"),
+    "cost_per_1m_tokens": ("Float64", "$ per million real tokens processed (divides by tokens_per_s: prompts included; image tasks: text + image tokens) at the measured global throughput"),
+    "cost_per_1m_trained_tokens": ("Float64", "$ per million trained tokens (divides by trained_tokens_per_s: instruction data's completion tokens); null where trained tokens are not counted apart"),
     "cost_per_1k_samples": ("Float64", "$ per thousand training samples at the measured throughput"),
     "cost_per_1k_images": ("Float64", "$ per thousand training images at the measured throughput; null for text runs"),
     "projected_tokens": ("Float64", "tokens of the configured training budget (config key budget)"),

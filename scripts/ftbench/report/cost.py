@@ -7,7 +7,9 @@ conventions, stated once:
   dp/ddp/fsdp run, on every node of a multi-node one), one GPU for a single-GPU run, and the whole machine
   (one "device", priced per hour in the table's ``cpu`` entry) for a CPU run. ``price_per_hour`` = $ per device-hour x billed devices.
 - $ per 1M tokens = price_per_hour / (tokens_per_s x 3600) x 1e6, with the global (all devices)
-  throughput of the measured window in real, unpadded tokens. $ per 1k samples likewise from samples_per_s.
+  throughput of the measured window in real, unpadded tokens, prompts included. $ per 1M trained tokens likewise
+  from trained_tokens_per_s (instruction data: the completion tokens the loss is computed on; null where trained
+  tokens are not counted apart). $ per 1k samples likewise from samples_per_s.
 - Training budget: projected wall hours (``projected_hours``, from the measurement issue's projection
   when the table has it, else budget tokens / tokens_per_s), GPU-hours = wall hours x billed devices,
   $ = GPU-hours x $ per device-hour.
@@ -41,7 +43,7 @@ J_PER_KWH = 3.6e6
 # The cost block of the Parquet table (documented in columns.py), in the order written there.
 COST_COLUMNS = (
     "gpu_model", "billed_devices", "price_per_device_hour", "price_per_hour", "price_source",
-    "cost_per_1m_tokens", "cost_per_1k_samples", "cost_per_1k_images", "projected_gpu_hours", "projected_cost",
+    "cost_per_1m_tokens", "cost_per_1m_trained_tokens", "cost_per_1k_samples", "cost_per_1k_images", "projected_gpu_hours", "projected_cost",
     "energy_cost_per_1m_tokens", "projected_energy_cost",
 )
 
@@ -250,6 +252,7 @@ def run_costs(row: dict, prices: Prices, budget: dict | None = None) -> tuple[di
         where = "experiment config prices.per_device_hour" if model in prices.overridden else f"{Path(prices.table_path).name} {prices.label}"
         out["price_source"] = f"{model} at ${unit:g}/device-hour ({where})"
         out["cost_per_1m_tokens"] = cost_per_1m_tokens(out["price_per_hour"], row.get("tokens_per_s"))
+        out["cost_per_1m_trained_tokens"] = cost_per_1m_tokens(out["price_per_hour"], row.get("trained_tokens_per_s"))
         out["cost_per_1k_samples"] = cost_per_1k_samples(out["price_per_hour"], row.get("samples_per_s"))
         out["cost_per_1k_images"] = cost_per_1k_samples(out["price_per_hour"], row.get("images_per_s"))  # same arithmetic
 

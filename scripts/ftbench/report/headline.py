@@ -29,7 +29,8 @@ TITLES = {
     "quality": "median quality of its finished runs on the eval split (accuracy; token accuracy for language models; "
                "recall@1 for retrieval) with its 95% Wilson interval",
     "tokens_per_s": "real training tokens per second over the measured window (the median of repeats)",
-    "cost_per_1m_tokens": "what a million training tokens cost at the measured rate and the device's price",
+    "cost_per_1m_tokens": "what a million training tokens processed (prompts included) cost at the measured rate and the "
+                          "device's price; cost_per_1m_trained_tokens, in the runs table, divides by the tokens trained",
     "to_target": "$ of training until an evaluation reached the experiment's target (GPU-hours where there is no price), "
                  "with its 95% interval; 'not reached' when its finished runs never got there",
     "fits_on": "the GPUs of the GPU table its memory estimate fits with the estimate's error band to spare, smallest first "

@@ -24,12 +24,12 @@ from ftbench.recipe import RECIPE_COLUMNS, recipe_text
 TABLE_COLUMNS = [
     "run_id", "status", "status_reason", "method", "precision", "recipe", "batch_size", "seq_len", "lora_rank",
     "num_gpus", "parallel", "repeat", "device_name", "steps", "tokens_per_s", "tokens_per_s_ci95", "unstable",
-    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "step_time_median_s",
+    "unstable_reason", "samples_per_s", "images_per_s", "image_tokens_per_s", "text_tokens_per_s", "trained_tokens_per_s", "step_time_median_s",
     "peak_memory_allocated_mb", "peak_memory_reserved_mb", "peak_rss_mb", "memory_estimate_mb", "estimate_over_allocated",
-    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "quality_ci95",
-    "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
-    "eval_majority_class_rate", "mfu", "cost_per_1m_tokens", "cost_ci95",
-    "cost_per_1k_samples", "cost_per_1k_images",
+    "estimate_over_rss", "eval_accuracy", "eval_recall_at_1_i2t", "eval_recall_at_1_t2i", "eval_token_accuracy", "eval_generation_score",
+    "quality_ci95", "quality_vs_base", "eval_perplexity", "base_eval_perplexity", "eval_loss", "base_eval_loss", "eval_samples",
+    "eval_majority_class_rate", "eval_generation_s", "eval_generation_rows", "eval_generated_tokens", "mfu", "cost_per_1m_tokens", "cost_ci95",
+    "cost_per_1m_trained_tokens", "cost_per_1k_samples", "cost_per_1k_images",
     "projected_hours", "projected_gpu_hours", "projected_cost", "projected_cost_ci95", "energy_j_per_token", "energy_cost_per_1m_tokens",
     "trainable_params", "wall_time_s",
 ]
@@ -49,7 +49,14 @@ RUN_TITLES = {
     "unstable_reason": "what made the run unstable",
     "estimate_over_allocated": "memory estimate / CUDA peak allocated (what the estimate models); reserved adds the allocator's cache",
     "estimate_over_rss": "memory estimate / the process's peak resident memory (CPU runs)",
-    "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models)",
+    "quality_ci95": "95% Wilson interval of the run's quality on its eval rows (sequences for language models, prompts "
+                    "answered for a generation score)",
+    "eval_generation_score": "share of the eval prompts whose greedily generated answer matches the reference completion "
+                             "(the run's answer_metric, after normalisation)",
+    "eval_generation_s": "seconds the final evaluation spent generating answers (device synchronised), within eval_time_s; "
+                         "no evaluation is in the training clock or tokens/s",
+    "eval_generation_rows": "eval prompts answered by generation (the n of the generation score's interval)",
+    "eval_generated_tokens": "tokens generated for those answers, each up to the token that ended it (no padding)",
     "quality_vs_base": "whether fine-tuning helped: the run's quality beside the model's before training (base: "
                        "eval_before_training, on the same eval rows) and, for classification, the accuracy of always "
                        "answering the scored rows' most common class (majority)",
@@ -149,7 +156,7 @@ QUALITY = "QUALITY"
 
 def quality_columns(frame: pd.DataFrame) -> list[str]:
     """The per-task quality columns with_display_columns made: one per quality figure, named after it."""
-    return [name for name in frame.columns if name in {q.name.replace(" ", "_") for q in analysis.QUALITY.values()}]
+    return [name for name in frame.columns if name in {q.name.replace(" ", "_") for q in analysis.QUALITIES}]
 
 
 def span(low, high, column: str) -> str | None:
@@ -227,7 +234,7 @@ def configuration_rows(configs: pd.DataFrame, runs: pd.DataFrame | None = None) 
                                   zip(configs["accuracy"], configs["base_accuracy"], configs["majority_rate"])]
     # "accuracy" is both the configurations' quality column and classification's figure: read it first.
     value = configs["accuracy"].copy()
-    for quality in dict.fromkeys(q.name for q in analysis.QUALITY.values()):
+    for quality in dict.fromkeys(q.name for q in analysis.QUALITIES):
         configs[quality.replace(" ", "_")] = value.where(configs["quality_metric"].eq(quality))
     return configs
 
@@ -352,7 +359,7 @@ def _quality(row: pd.Series) -> str:
 
 def _quality_context(row: pd.Series) -> str:
     """' on 1,000 eval rows; base 0.523, majority 0.575': what a quality was scored on and is read against."""
-    counted = next(q.n_note for q in analysis.QUALITY.values() if q.name == row["quality_metric"])
+    counted = next(q.n_note for q in analysis.QUALITIES if q.name == row["quality_metric"])
     rows = f" on {int(row['quality_n']):,} {counted}" if not is_missing(row["quality_n"]) else ""
     against = read_against(row["base_accuracy"], row["majority_rate"])  # whether fine-tuning helped
     return f"{rows}; {against}" if against else rows

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ftbench.runspec import RunSpec
+from ftbench.tasks import generation
 
 IGNORE_INDEX = -100  # positions the loss skips (padding)
 # Eval figures a lower value of which is better; every other eval figure is a proportion in [0, 1] (accuracy,
@@ -42,6 +43,10 @@ def reaches(metric: str, value: float | None, target: float) -> bool:
     if value is None or value != value:  # None or NaN: no score
         return False
     return value >= target if higher_is_better(metric) else value <= target
+
+
+# The count an eval figure's interval is on, where it is not eval_samples (the rows the forward pass scored).
+SAMPLES_OF = {generation.SCORE: generation.ROWS}
 
 
 def is_proportion(metric: str) -> bool:
@@ -85,6 +90,9 @@ class Batch:
     images: int = 0  # image families: images in the batch
     image_tokens: int = 0  # the part of real_tokens that is image (patch) tokens
     capacity_tokens: int = 0  # packed batches (batching.py): rows x row capacity; 0 when not packed
+    # Tokens the loss is computed on (labels not ignored), where a family masks some real tokens out of it
+    # (instruction: the prompt); 0 where it does not count them apart.
+    trained_tokens: int = 0
     # vision-language: tokens the vision tower processes (its class token included) and their sum of
     # squared lengths per image, for the FLOPs; not part of real_tokens (the decoder's)
     vision_tokens: int = 0
@@ -139,6 +147,9 @@ class TaskFamily:
     # which bounds a padded batch's row length), for rows often much shorter than seq_len says.
     estimate_reads_longest_row: bool = False
     separate_targets: bool = False  # labels are a separate decoder sequence (their tokens count apart)
+    masks_tokens: bool = False  # some real tokens are not trained (Batch.trained_tokens counts those that are)
+    # Run settings only this family reads: experiment/matrix.py nulls them for the families that do not list them.
+    reads_settings: tuple[str, ...] = ()
     images_beside_text: bool = False  # image tokens are not in input_ids (a dual encoder's pairs)
 
     def __repr__(self) -> str:
@@ -199,10 +210,29 @@ class TaskFamily:
     def collate(self, split, indices: np.ndarray, pad_token_id: int) -> Batch:
         raise NotImplementedError
 
+    def data_key(self, dataset_def: dict, dataset_name: str) -> dict:
+        """What the data id hashes beside the dataset's settings: the content of files a setting names (a file's
+        edit then prepares the data again). None by default, so other families' data ids stay as they were."""
+        return {}
+
+    def for_training(self, split, spec: RunSpec):
+        """The training split as the run trains on it (instruction: every token with ``loss_on: all``)."""
+        return split
+
+    def sequence_labels(self, rows) -> list[np.ndarray]:
+        """Each row's labels as a packed row holds them (batching.py): a decoder's tokens, the first ignored."""
+        labels = []
+        for ids in rows.input_ids:
+            row = np.array(ids, dtype=np.int64)
+            row[:1] = IGNORE_INDEX  # the first token is predicted by nothing of its own sequence
+            labels.append(row)
+        return labels
+
     def row_classes(self, split) -> np.ndarray | None:
         """The class id of every row of a loaded split (the majority-class rate of the rows an evaluation scored is
-        read from them); None for a family without classes."""
-        return None
+        read from them); None for a family without classes. A generating family's: the rows' reference answers
+        (generation.answer_classes)."""
+        return generation.answer_classes(split) if self.generates else None
 
     def row_strata(self, split) -> np.ndarray | None:
         """What a partial evaluation's rows are stratified by (train/evaluation.py): the rows' classes, where the
@@ -217,6 +247,29 @@ class TaskFamily:
     def eval_metrics(self) -> tuple[str, ...]:
         """The eval figures this family's scoring gives (its accumulator's METRICS), e.g. for a quality target."""
         return type(self.eval_accumulator()).METRICS
+
+    # Whether the family answers prompts by generation (tasks/generation.py): its rows are prompts and completions.
+    generates: bool = False
+
+    def run_eval_metrics(self, run: RunSpec) -> tuple[str, ...]:
+        """The eval figures a run of this family gives: eval_metrics, and the generation score where it generates."""
+        if self.generates and run.answer_metric not in (None, "none"):
+            return (*self.eval_metrics(), generation.SCORE)
+        return self.eval_metrics()
+
+    def generation_rows(self, split, indices: np.ndarray) -> list[tuple]:
+        """(prompt ids, reference ids, reference text) of a generating family's split's rows at ``indices``: by
+        default read from what preparation stored beside them (generation.prompt_rows)."""
+        return generation.prompt_rows(split, indices)
+
+    def generation_scores(self, model, split, indices: np.ndarray, spec: RunSpec, device, pad_id: int, fits=None,
+                          autocast: dict | None = None) -> dict:
+        """The generation figures (generation.FIGURES) of the rows at ``indices``: none unless the family generates and
+        the run's answer_metric asks for them. ``fits(rows)``: a time limit's budget, asked before each batch."""
+        if not self.generates or spec.answer_metric in (None, "none") or len(indices) == 0:
+            return {}
+        return generation.answer_rows(model, self.generation_rows(split, indices), spec, generation.tokenizer_of(spec),
+                                      device, pad_id, fits, autocast, synced=spec.parallel == "fsdp")
 
     def memory_estimate(self, model, spec: RunSpec, manifest: dict) -> dict:
         raise NotImplementedError

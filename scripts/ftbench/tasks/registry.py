@@ -13,17 +13,29 @@ from pathlib import Path
 
 from ftbench.data import prepared
 from ftbench.errors import ConfigError
-from ftbench.tasks import (causal_lm, image_classification, image_text_retrieval, seq2seq, text_classification,
-                           vision_language)
+from ftbench.tasks import (causal_lm, image_classification, image_text_retrieval, instruction, seq2seq,
+                           text_classification, vision_language)
 from ftbench.tasks.base import TaskFamily
 
 FAMILIES: dict[str, TaskFamily] = {
     module.FAMILY.name: module.FAMILY
-    for module in (text_classification, causal_lm, seq2seq, image_classification, image_text_retrieval, vision_language)
+    for module in (text_classification, causal_lm, instruction, seq2seq, image_classification, image_text_retrieval,
+                   vision_language)
 }
 NAMES = tuple(FAMILIES)
 DEFAULT = "classification"  # a model without a task key
 IMAGE_FAMILIES = tuple(name for name, fam in FAMILIES.items() if fam.modality == "image")
+
+
+# Run settings one family or another reads and the others ignore (TaskFamily.reads_settings).
+FAMILY_SETTINGS = frozenset(name for fam in FAMILIES.values() for name in fam.reads_settings)
+
+
+def without_others_settings(settings: dict, fam: TaskFamily) -> dict:
+    """``settings`` with those only other families read set to None: they change nothing for a run of ``fam``, so
+    runs that differ in them share one id, and its row shows no value it did not use."""
+    return {key: (None if key in FAMILY_SETTINGS and key not in fam.reads_settings else value)
+            for key, value in settings.items()}
 
 
 def family(name: str) -> TaskFamily:
@@ -57,8 +69,10 @@ def repair(data_dir: str | Path) -> list[Path]:
     return prepared.repair(data_dir, again)
 
 
-def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_source: str = "memory"):
+def load_split(data_dir: str | Path, split_name: str, manifest: dict, data_source: str = "memory", spec=None):
     """A prepared split to draw batches from (in memory, or read from the shards per batch), as the
-    manifest's family reads it."""
+    manifest's family reads it; with the run's ``spec``, as that run trains on it (``TaskFamily.for_training``)."""
     shards = prepared.shard_paths(data_dir, manifest, split_name)
-    return family(manifest["task"]).load_split(shards, manifest, data_source)
+    fam = family(manifest["task"])
+    split = fam.load_split(shards, manifest, data_source)
+    return split if spec is None else fam.for_training(split, spec)

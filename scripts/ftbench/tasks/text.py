@@ -132,6 +132,7 @@ class TextFamily(TaskFamily):
             dropped = {}
         else:
             split_tables, label_names, dropped = self.tokenised_tables(dataset_name, dataset_def, tokenizer, seq_len)
+        extras = self.preparation_extras(out_dir, tokenizer, dataset_def, split_tables)
         manifest = prepared.manifest_head(
             self.name, dataset_name, dataset_def, model_name, model_def, seq_len, shard_size_mb, {
                 "tokenizer": tokenizer_source(model_def),
@@ -142,9 +143,16 @@ class TextFamily(TaskFamily):
                 "seq_len": seq_len, "label_names": label_names,
                 # Source rows left out, by rule and source split: rows with a missing or empty field, rows of
                 # other labels than `labels` lists, repeated texts (one copy kept).
-                "rows_dropped": dropped})
-        return prepared.write_prepared(manifest, split_tables, out_dir,
-                                       lambda table: {"rows": table.num_rows, "tokens": real_tokens_in(table)})
+                "rows_dropped": dropped, **extras})
+        return prepared.write_prepared(manifest, split_tables, out_dir, self.split_figures)
+
+    def split_figures(self, table: pa.Table) -> dict:
+        """What the manifest says of a prepared split: its rows and real tokens."""
+        return {"rows": table.num_rows, "tokens": real_tokens_in(table)}
+
+    def preparation_extras(self, out_dir: Path, tokenizer, dataset_def: dict, tables: dict) -> dict:
+        """The family's own manifest fields (and files beside the shards): none by default."""
+        return {}
 
     def tokenised_tables(self, dataset_name: str, dataset_def: dict, tokenizer, seq_len: int):
         """(split name -> table, label names, rows dropped) of a real dataset."""

@@ -11,9 +11,10 @@ Packed rows carry no attention mask: ``position_ids`` restart at 0 for each sequ
 masking utilities (``masking_utils.find_packed_sequence_indices``, sdpa / eager / flex attention; flash
 attention reads the same position ids) turn that into a block-diagonal causal mask, so no token attends
 across sequences. A packed row's tail padding is one more such "sequence" whose labels are ignored. The
-label of each sequence's first token is ignored too: unpacked, nothing predicts it either. Hence the loss of
-a packed batch equals the unpacked one (tests/test_batching.py shows it per sequence). This is for decoders
-(causal_lm) only: encoder masks in transformers do not read packed position ids, and classification would
+label of each sequence's first token is ignored too: unpacked, nothing predicts it either; the family's
+``sequence_labels`` give each sequence's labels (instruction: its prompt ignored as well, by the mask stored with
+the shard). Hence the loss of a packed batch equals the unpacked one (tests/test_batching.py shows it per
+sequence). This is for decoders (causal_lm, instruction) only: encoder masks in transformers do not read packed position ids, and classification would
 need a per-sequence pooling; config.check_run refuses the other families (``packable`` false) with their reason.
 
 Every sequence of a batch counts its own real length in the attention FLOPs (``sum_squared_lengths``), so
@@ -38,9 +39,11 @@ def lengths_of(split) -> np.ndarray:
 def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, capacity: int | None) -> Batch:
     """The batch's sequences packed into rows (see the module docstring); ``padded_tokens`` is rows x the
     longest row, ``capacity_tokens`` rows x ``capacity`` (padding_free: the row itself)."""
-    if not family(task).packable:
-        raise ValueError(f"packing {task}: {family(task).not_packable}")
-    sequences = split.take(indices).input_ids
+    fam = family(task)
+    if not fam.packable:
+        raise ValueError(f"packing {task}: {fam.not_packable}")
+    taken = split.take(indices)
+    sequences, sequence_labels = taken.input_ids, fam.sequence_labels(taken)
     lengths = [len(seq) for seq in sequences]
     rows = pack_rows(lengths, capacity)
     width = max(sum(lengths[i] for i in row) for row in rows)
@@ -52,7 +55,7 @@ def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, cap
         for index in row:
             seq, n = sequences[index], lengths[index]
             ids[r, at : at + n] = seq
-            labels[r, at + 1 : at + n] = seq[1:]  # the first token is predicted by nothing of its own sequence
+            labels[r, at : at + n] = sequence_labels[index]  # its first token ignored: nothing of its own predicts it
             positions[r, at : at + n] = np.arange(n)
             at += n
         positions[r, at:] = np.arange(width - at)  # the tail padding: a sequence of its own, ignored by the loss
@@ -62,7 +65,8 @@ def collate_packed(task: str, split, indices: np.ndarray, pad_token_id: int, cap
               "labels": torch.from_numpy(labels)}
     return Batch(inputs=inputs, samples=len(sequences), real_tokens=real, padded_tokens=int(ids.size),
                           sum_squared_lengths=int((lengths_arr * lengths_arr).sum()),
-                          capacity_tokens=len(rows) * (capacity if capacity is not None else width))
+                          capacity_tokens=len(rows) * (capacity if capacity is not None else width),
+                          trained_tokens=int((labels != IGNORE_INDEX).sum()) if fam.masks_tokens else 0)
 
 
 def collate(task: str, split, indices: np.ndarray, pad_token_id: int, mode: str, seq_len: int) -> Batch:

@@ -54,7 +54,8 @@ from ftbench.data import prepared
 from ftbench.experiment import base_evaluation
 from ftbench.measure.intervals import wilson
 from ftbench.tasks import registry
-from ftbench.tasks.base import is_proportion, reaches
+from ftbench.tasks.base import SAMPLES_OF, is_proportion, reaches
+from ftbench.tasks.generation import SCORE as GENERATION_SCORE
 from ftbench.train import batching
 from ftbench.train.devices import autocast_args, local_gpus, synchronize
 
@@ -137,12 +138,14 @@ def evaluate_run(run, evaluate, metrics: dict, may_stop_early: bool = True, step
         figures["eval_peak_memory_mb"] = peak_rss_mb()
     if steps_done is not None:  # the final evaluation is the last row of evals.parquet
         evaluation = len({row["evaluation"] for row in metrics.get("evals", [])})
-        metrics.setdefault("evals", []).extend(eval_rows(registry.family(run.task).eval_metrics(), figures, evaluation,
+        metrics.setdefault("evals", []).extend(eval_rows(registry.family(run.task).run_eval_metrics(run.spec), figures, evaluation,
                                                          steps_done, "full", figures["eval_time_s"]))
     planned = figures.pop("eval_samples_planned")
-    if figures["eval_samples"] < planned:
-        note = (f"evaluated on a seeded stratified {figures['eval_samples']} of {planned} eval samples (the job's "
-                "time limit)")
+    answered = figures.get(SAMPLES_OF.get(GENERATION_SCORE, ""), figures["eval_samples"])
+    if figures["eval_samples"] < planned or answered < figures["eval_samples"]:
+        note = (f"evaluated on a seeded stratified {figures['eval_samples']} of {planned} eval samples"
+                f"{f', answers generated for {answered} of them' if answered < figures['eval_samples'] else ''} (the "
+                "job's time limit)")
         metrics["status_reason"] = f"{metrics['status_reason']}; {note}" if metrics.get("status_reason") else note
     metrics.update(figures)
 
@@ -205,9 +208,12 @@ def score(model, split, spec, task: str, device, pad_id: int, another_round_fits
                 output = model(**batch.inputs)
             scores.add(output, batch)
         scored.append(rows)
-    model.train()
     scored_rows = np.concatenate(scored) if scored else np.zeros(0, dtype=np.int64)
-    return {"eval_samples": len(scored_rows), "eval_samples_planned": len(planned), **scores.result(),
+    # Answers generated for the same rows (a generating family's answer_metric), timed apart: eval_generation_s.
+    generated = family.generation_scores(model, split, np.sort(scored_rows), spec, device, pad_id, another_round_fits,
+                                         autocast_args(device, spec.precision))
+    model.train()
+    return {"eval_samples": len(scored_rows), "eval_samples_planned": len(planned), **scores.result(), **generated,
             "eval_majority_class_rate": majority_rate(family.row_classes(split), scored_rows)}
 
 
@@ -245,12 +251,12 @@ def eval_rows(metrics: tuple[str, ...], scores: dict, evaluation: int, step: int
     """The evals.parquet rows of one evaluation: one per eval figure in ``metrics`` that ``scores`` has, with
     its 95% Wilson interval on the examples scored where it is a proportion (counts and train_s are filled in
     from the step records when the job writes them: measure.metrics.with_counts)."""
-    n = int(scores.get("eval_samples") or 0)
     rows = []
     for metric in metrics:
         value = scores.get(metric)
         if value is None:
             continue
+        n = int(scores.get(SAMPLES_OF.get(metric, "eval_samples")) or 0)  # the rows this figure was computed on
         low, high = wilson(float(value), n) if is_proportion(metric) and n > 0 and 0 <= value <= 1 else (None, None)
         rows.append({"evaluation": evaluation, "step": step, "eval_s": eval_s, "scope": scope, "eval_samples": n,
                      "metric": metric, "value": float(value), "low": low, "high": high})
@@ -269,7 +275,7 @@ class DuringTraining:
         self.every = spec.eval_every
         self.target = spec.target if spec.stop_at_target else None
         self._indices = None  # the eval_subset rows (subset_indices), chosen at the first evaluation during training
-        self.metrics = registry.family(run.task).eval_metrics()
+        self.metrics = registry.family(run.task).run_eval_metrics(spec)
         self.before_training = spec.eval_before_training
         self.shared_base = read_shared_base(spec) if self.before_training else None
         self.rows: list[dict] = []

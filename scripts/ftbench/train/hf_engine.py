@@ -93,6 +93,8 @@ class Meter:
         counts = {"samples": batch.samples, "tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
                   "capacity_tokens": batch.capacity_tokens,
                   "flops": flops.batch_flops(self.shape, self.run.spec.method == "full", batch)}
+        if batch.trained_tokens:
+            counts["trained_tokens"] = batch.trained_tokens
         if batch.images:
             counts.update(images=batch.images, image_tokens=batch.image_tokens)
             # An image batch holds uint8 pixels that its ``to`` normalises; the Trainer moves tensors itself,

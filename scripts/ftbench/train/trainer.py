@@ -108,7 +108,7 @@ def _prepare(spec: RunSpec, data_dir: str | Path, stop: StopSignal, dist: Distri
     metrics.update(prepared.data_columns(manifest))  # rows dropped: part of the result
     set_seed(spec.seed)
     load_started = time.perf_counter()
-    train_split = registry.load_split(data_dir, "train", manifest, spec.data_source)
+    train_split = registry.load_split(data_dir, "train", manifest, spec.data_source, spec)
     eval_split = registry.load_split(data_dir, "eval", manifest)
     built = modeling.build_model(spec, num_labels=len(manifest["label_names"] or []) or None,
                                  device=fsdp.build_device(spec, device), pad_token_id=manifest["pad_token_id"],
@@ -483,6 +483,8 @@ def _count_batch(record: dict, batch: Batch) -> None:
     record["tokens"] += batch.real_tokens
     record["padded_tokens"] += batch.padded_tokens
     record["capacity_tokens"] += batch.capacity_tokens
+    if batch.trained_tokens:
+        record["trained_tokens"] = record.get("trained_tokens", 0) + batch.trained_tokens
 
 
 def _counts_flops_in_first_step(run: Run) -> bool:
