@@ -207,15 +207,15 @@ DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16
 
 
 def parameter_dtypes(model) -> dict:
-    """The dtypes the model's frozen and trainable parameters have now, named as ftbench's recipe columns name them
-    (a 4-bit base by its quantisation type; no frozen parameters: None)."""
+    """The dtypes the model's frozen and trainable parameters have now, named as ftbench's recipe columns name them:
+    a 4-bit base by its quantisation type alone (its norms and head are kept in fp32 beside it), no frozen
+    parameters None."""
     def names(params) -> str | None:
-        found = {"nf4" if getattr(p, "quant_state", None) is not None else DTYPE_NAMES.get(str(p.dtype), str(p.dtype))
-                 for p in params}
-        return "+".join(sorted(found)) or None
+        return "+".join(sorted({DTYPE_NAMES.get(str(p.dtype), str(p.dtype)) for p in params})) or None
 
     params = list(model.parameters())
-    return {"frozen_dtype": names(p for p in params if not p.requires_grad),
+    quantised = any(getattr(p, "quant_state", None) is not None for p in params)
+    return {"frozen_dtype": "nf4" if quantised else names(p for p in params if not p.requires_grad),
             "trainable_dtype": names(p for p in params if p.requires_grad)}
 
 

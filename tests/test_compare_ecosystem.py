@@ -90,3 +90,18 @@ def test_without_a_gpu_it_says_so_in_one_line_before_any_way_runs(monkeypatch, c
 def test_the_script_imports_the_installed_package_and_leaves_sys_path_alone():
     text = SCRIPT.read_text()
     assert "sys.path" not in text and "PYTHONPATH" not in text
+
+
+def test_dtypes_are_named_as_ftbenchs_recipe_columns_name_them():
+    """A 16-bit frozen base and fp32 adapters; a 4-bit base by its quantisation type alone (peft's k-bit preparation
+    keeps its norms in fp32 beside it, which ftbench's recipe_frozen_dtype does not name either)."""
+    import torch
+
+    script = load_script()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2).to(torch.bfloat16), torch.nn.LayerNorm(2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    assert script.parameter_dtypes(model) == {"frozen_dtype": "bf16+fp32", "trainable_dtype": "fp32"}
+    model[0].weight.quant_state = object()  # what bitsandbytes' Params4bit carries
+    assert script.parameter_dtypes(model) == {"frozen_dtype": "nf4", "trainable_dtype": "fp32"}
+    assert script.parameter_dtypes(model[0]) == {"frozen_dtype": "nf4", "trainable_dtype": None}

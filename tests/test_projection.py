@@ -65,10 +65,22 @@ def test_projection_adds_evaluation_and_job_overhead_as_columns_of_their_own():
     assert out["projected_hours"] == pytest.approx(1.0 + 108 / 3600)
 
 
-def test_evaluation_follows_the_runs_cadence_when_it_has_eval_every():
-    # the run: 20 steps, eval every 10 -> 2 passes + the final one: 12 s a pass; the budget's 3,600 steps: 361 passes
-    out = projection.project({**STEADY, "eval_every": 10}, {"tokens": 3.6e6})
-    assert out["projected_eval_hours"] == pytest.approx(12 * 361 / 3600)
+@pytest.mark.parametrize("budget_tokens, subsets", [
+    (3.6e6, 360),  # 3,600 steps: subset evaluations before steps 0, 10, ..., 3,590 (none at 3,600: the final one)
+    (3.605e6, 361),  # 3,605 steps: and before step 3,600, five steps before the final evaluation
+])
+def test_evaluation_follows_the_trainers_schedule_when_it_has_eval_every(budget_tokens, subsets):
+    # the run: 20 steps at eval_every 10: subset evaluations before steps 0 and 10, 4 s each; the final one 36 s
+    row = {**STEADY, "eval_every": 10, "eval_during_training_s": 8.0, "evaluations_during_training": 2}
+    out = projection.project(row, {"tokens": budget_tokens})
+    assert out["projected_eval_hours"] == pytest.approx((36 + 4 * subsets) / 3600)
+    assert projection.measured_job_seconds(row) == pytest.approx(30 + 36 + 8 + 72)  # the evaluations between steps too
+    assert projection.job_seconds(row, 20) == pytest.approx(projection.measured_job_seconds(row))  # itself, projected
+    # with an evaluation before training (9 s) it stands in for step 0's subset evaluation: the run made one, at 10
+    before = {**row, "base_eval_time_s": 9.0, "eval_during_training_s": 4.0, "evaluations_during_training": 1}
+    out = projection.project(before, {"tokens": budget_tokens})
+    assert out["projected_eval_hours"] == pytest.approx((9 + 36 + 4 * (subsets - 1)) / 3600)
+    assert projection.job_seconds(before, 20) == pytest.approx(projection.measured_job_seconds(before))
 
 
 def test_the_evaluation_before_training_is_projected_once_whatever_the_budget():

@@ -193,7 +193,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "projected_hours": ("Float64", "wall hours of the training budget's job: projected_train_hours + projected_eval_hours + projected_overhead_hours"),
     "projected_pflops": ("Float64", "model PFLOPs of the training budget (analytic FLOPs per token x budget tokens)"),
     "projected_train_hours": ("Float64", "wall hours of the budget's training steps at this run's measured tokens_per_s"),
-    "projected_eval_hours": ("Float64", "wall hours evaluation adds to the budget: seconds per measured eval pass x the budget's passes (every eval_every steps where the run has it, and the final one)"),
+    "projected_eval_hours": ("Float64", "wall hours evaluation adds to the budget: the final evaluation and the one before training once each, and the measured seconds of a subset evaluation between steps x those the trainer schedules for the budget's steps (eval_every)"),
     "projected_overhead_hours": ("Float64", "wall hours of one job's start and end as measured (overhead_s: imports, data and model load, writing results)"),
     "projected_gpu_hours": ("Float64", "device-hours of the configured training budget: projected wall hours x billed_devices"),
     "projected_cost": ("Float64", "$ of the configured training budget: projected_gpu_hours x price_per_device_hour"),

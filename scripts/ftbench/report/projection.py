@@ -4,10 +4,11 @@ The budget is experiment-wide (config key ``budget``): ``tokens`` or ``samples``
 It is applied when results are collected, so changing it retrains nothing.
 - tokens of the budget: tokens x epochs, or samples x epochs x the run's measured tokens per sample;
 - projected_train_hours = budget tokens / measured tokens_per_s (global throughput of the run's devices);
-- projected_eval_hours: what evaluation adds at the run's cadence: the seconds of one measured evaluation pass
-  (eval_time_s / the passes the run made) x the passes of the budget's steps (one every eval_every steps, where
-  the run has that setting, plus the final one); the budget's steps are its tokens / the measured tokens per step;
-  plus, once, the evaluation before training where the run made one (base_eval_time_s);
+- projected_eval_hours: what evaluation adds: the final evaluation (eval_time_s) and the evaluation before training
+  (base_eval_time_s) once each, and with eval_every the subset evaluations between steps at their measured seconds
+  each (eval_during_training_s / evaluations_during_training) x those the trainer schedules for the budget's steps
+  (before every eval_every-th step, step 0's being the evaluation before training where there is one); the budget's
+  steps are its tokens / the measured tokens per step;
 - projected_overhead_hours: one job's start (process start to the first step: imports, data, model load, whose
   load_time_s is part of it) and end, as measured (overhead_s), less any wait for the workflow's warm process
   (warm_start_wait_s: a cost of the workflow's start that fell on whichever job came first, not of the
@@ -76,23 +77,26 @@ def tokens_per_step(row: dict) -> float | None:
     return tokens / steps if tokens and steps else None
 
 
-def eval_passes(steps: float | None, eval_every) -> int:
-    """Evaluation passes of a run of ``steps`` steps: one every ``eval_every`` steps (if the run has that
-    setting) and the final one."""
+def subset_evaluations(steps: float | None, eval_every, before_training: bool) -> int:
+    """Subset evaluations between steps in a run of ``steps`` steps, as the trainer schedules them
+    (train/evaluation.py, DuringTraining.due): before every step whose index is a multiple of eval_every below
+    ``steps``, step 0's being the evaluation before training where the run has one."""
     every = _number(eval_every)
-    return 1 + (int(steps // every) if every and steps else 0)
+    if not every or not steps:
+        return 0
+    return max(0, math.ceil(steps / every) - (1 if before_training else 0))
 
 
 def eval_seconds(row: dict, steps: float | None) -> float:
-    """Evaluation seconds of a run of ``steps`` steps at this run's cadence and measured seconds per pass, and its
-    evaluation before training (as long whatever the steps)."""
-    before = _number(row.get("base_eval_time_s")) or 0.0
-    measured = _number(row.get("eval_time_s"))
-    if not measured:
-        return before
-    eval_every = row.get("eval_every")  # the eval_every setting, where this ftbench has it
-    per_pass = measured / eval_passes(_number(row.get("total_steps")), eval_every)
-    return before + per_pass * eval_passes(steps, eval_every)
+    """Evaluation seconds of a run of ``steps`` steps: its evaluation before training and its final one (each as long
+    whatever the steps), and its subset evaluations between steps (eval_every) at their measured seconds each, as
+    many as the trainer schedules for ``steps``."""
+    once = (_number(row.get("base_eval_time_s")) or 0.0) + (_number(row.get("eval_time_s")) or 0.0)
+    during, made = _number(row.get("eval_during_training_s")), _number(row.get("evaluations_during_training"))
+    if not during or not made:
+        return once
+    before_training = _number(row.get("base_eval_time_s")) is not None
+    return once + during / made * subset_evaluations(steps, row.get("eval_every"), before_training)
 
 
 def job_seconds(row: dict, steps: float) -> float | None:
@@ -108,12 +112,12 @@ def job_seconds(row: dict, steps: float) -> float | None:
 
 def measured_job_seconds(row: dict) -> float | None:
     """A run's measured job time, process start to end: overhead_s + train_time_s + eval_time_s + base_eval_time_s
-    (the evaluation before training, which train_time_s leaves out), less its wait for the warm process (as in the
-    projection, so the two sides compare like with like)."""
+    + eval_during_training_s (the evaluations before training and between steps, which train_time_s leaves out),
+    less its wait for the warm process (as in the projection, so the two sides compare like with like)."""
     loop = _number(row.get("train_time_s"))
     if loop is None:
         return None
-    evaluating = (_number(row.get("eval_time_s")) or 0.0) + (_number(row.get("base_eval_time_s")) or 0.0)
+    evaluating = sum(_number(row.get(key)) or 0.0 for key in ("eval_time_s", "base_eval_time_s", "eval_during_training_s"))
     return loop + evaluating + job_overhead_s(row)
 
 
