@@ -366,7 +366,9 @@ def probe_gpu(argv: list[str]) -> None:
         print(f"{gpu['name']} calibrated (measured runs, which take precedence): "
               + ", ".join(f"{name} {fitted[name]:.4g}" for name in names))
     probes.save(args.out, gpu["name"], figures, new_entry)
-    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else ""))
+    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else "")
+          + ("; plan and the report read it" if Path(args.out) == probes.DEFAULT_PROBES else
+             f"; plan reads it with --probes {args.out} (the report reads {probes.DEFAULT_PROBES})"))
 
 
 def _probed_gpu(device_name: str, gpus: list[dict], args, probes) -> tuple[dict, dict | None]:
