@@ -133,8 +133,19 @@ def test_a_probe_is_scaled_by_a_calibrated_gpus_probe_where_the_file_has_one():
 
 def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width():
     shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
-    figures = probe_figures(0.5, 0.6, L4, shipped.params["width_half"])
-    merged = probes.with_probes(shipped, {"L4": figures}, GPUS)
+    width_half = shipped.params["width_half"]
+    figures = probe_figures(0.5, 0.6, L4, width_half)
+    # without a probe of a calibrated GPU model the probe is kept but not used: its direct figures predicted an
+    # H100's runs worse than its datasheet did
+    assert probes.with_probes(shipped, {"L4": figures}, GPUS).is_probed("L4") is False
+    assert "not used until the file also holds a probe of H200" in probes.reference_missing(shipped, {"L4": figures})
+    # with one: an H200 probed at its calibrated efficiencies and host terms carries the L4's figures over as they are
+    h200 = shipped.params_for("H200")
+    reference = probe_figures(h200["compute_efficiency"], h200["memory_efficiency"], H200, width_half,
+                              kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
+    figures = probe_figures(0.5, 0.6, L4, width_half, kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
+    merged = probes.with_probes(shipped, {"H200": reference, "L4": figures}, GPUS)
+    assert probes.reference_missing(shipped, {"H200": reference, "L4": figures}) is None
     assert prediction.basis("L4", merged) == "probed"
     assert prediction.BASES["probed"] == "probed on this GPU model"
     assert prediction.basis("A100", merged) == "datasheet"
@@ -145,7 +156,7 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     assert merged.params_for("L4")["compute_efficiency"] == pytest.approx(0.5)
     assert shipped.params_for("L4")["compute_efficiency"] != pytest.approx(0.5)
     # a probe without a 16-bit matmul figure keeps the calibrated models' compute efficiency, its other figures its own
-    partial = probes.with_probes(shipped, {"L4": {**figures, "matmul_tflops": {}}}, GPUS)
+    partial = probes.with_probes(shipped, {"H200": reference, "L4": {**figures, "matmul_tflops": {}}}, GPUS)
     assert partial.params_for("L4")["compute_efficiency"] == shipped.params_for("L4")["compute_efficiency"]
     assert partial.params_for("L4")["memory_efficiency"] == pytest.approx(0.6)
     # the user's own runs fitted over it keep the probe for the GPU models they did not run on
@@ -160,10 +171,13 @@ def test_a_probe_file_round_trips_and_adds_a_gpu_the_table_lacks(tmp_path):
     probes.save(path, "Blackwell X", {**figures, "device_name": "NVIDIA Blackwell X (test)"}, entry)
     loaded, added = probes.load(path)
     assert set(loaded) == {"L4", "Blackwell X"} and loaded["L4"]["kernel_s"] == figures["kernel_s"]
+    assert not report_prediction.with_probe_file(calibrations.priors(), GPUS, path)[0].is_probed("L4")  # no reference
     assert [gpu["name"] for gpu in added] == ["Blackwell X"]
-    calibration, gpus = report_prediction.with_probe_file(calibrations.priors(), GPUS, path)
+    shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
+    probes.save(path, "H200", probe_figures(0.7, 0.8, H200, 110.0))
+    calibration, gpus = report_prediction.with_probe_file(shipped, GPUS, path)
     assert gpu_table.entry_for("NVIDIA Blackwell X (test)", gpus)["name"] == "Blackwell X"
-    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4")
+    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4") and not calibration.is_probed("H200")
     assert report_prediction.with_probe_file(calibrations.priors(), GPUS, tmp_path / "none.yaml")[1] == GPUS
     path.write_text(yaml.safe_dump({"probes": {"L4": {"device_name": "x"}}}), encoding="utf-8")
     with pytest.raises(FtbenchError, match="probes.L4: missing matmul_tflops"):

@@ -373,16 +373,21 @@ def probe_gpu(argv: list[str]) -> None:
     print("\n".join(gpu_probe.summary(result, gpu.get("dense_tflops"), gpu.get("memory_bandwidth_gbs"))))
     probe_figures[gpu["name"]] = figures
     mapped = probes.with_probes(calibration, probe_figures, probes.merged_gpus(gpus, [new_entry] if new_entry else []))
-    params = mapped.probed.get(gpu["name"], {})
+    params = mapped.probed.get(gpu["name"]) or probes.probed_params(figures, gpu, calibration)
     names = (*calibrations.PER_GPU, *calibrations.PROBED_GLOBALS)
     print(f"{gpu['name']} probed ({params.get('from_probe', 'direct')}): " + ", ".join(
         f"{name} {params[name]:.4g}" for name in names if name in params))
+    missing = probes.reference_missing(calibration, probe_figures)
+    if missing:
+        print(f"note: {missing}")
     if calibration.calibrated(gpu["name"]):  # a transfer check in one line: the probe beside what runs measured
         fitted = calibration.params_for(gpu["name"])
         print(f"{gpu['name']} calibrated (measured runs, which take precedence): "
               + ", ".join(f"{name} {fitted[name]:.4g}" for name in names))
     probes.save(args.out, gpu["name"], figures, new_entry)
-    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else ""))
+    print(f"wrote {gpu['name']}'s probe to {args.out}" + (" (and its GPU table entry)" if new_entry else "")
+          + ("; plan and the report read it" if Path(args.out) == probes.DEFAULT_PROBES else
+             f"; plan reads it with --probes {args.out} (the report reads {probes.DEFAULT_PROBES})"))
 
 
 def _probed_gpu(device_name: str, gpus: list[dict], args, probes) -> tuple[dict, dict | None]:
