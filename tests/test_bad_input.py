@@ -812,8 +812,14 @@ def test_plan_says_unsupported_for_a_run_snakemake_records_unsupported(tmp_path,
     warned = [m for m in ftbench_config.experiment_warnings(ftbench_config.load_config(str(path))) if "unsupported" in m]
     assert len(warned) == 1 and "hf_trainer" in warned[0]
     cli.plan([str(path), "--data-root", str(tmp_path / "data")])
+    matrix_lines = capsys.readouterr().out.splitlines()
+    cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--detail"])
     blocks = capsys.readouterr().out.split("\n\n")[1:]
     unsupported_id = warned[0].split()[1]
+    # The default matrix prices only the run that trains, and gives the other the dry run's verdict.
+    (verdict,) = [line for line in matrix_lines if line.startswith(unsupported_id)]
+    assert "unsupported, recorded without training" in verdict
+    assert not any("hftrainer" in line and "$" in line for line in matrix_lines)
     (hf,) = [block for block in blocks if block.startswith(unsupported_id + " ")]
     (loop,) = [block for block in blocks if block is not hf]
     reason = warned[0].split("without training: ")[1]

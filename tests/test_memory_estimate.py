@@ -368,7 +368,7 @@ def test_plan_command_runs_without_torch():
     from test_layers import _run_blocked
 
     result = _run_blocked(("torch", "peft", "datasets", "PIL"),
-                          "from ftbench import cli\ncli.main(['plan', 'config/examples/dp-vs-ddp.yaml'])")
+                          "from ftbench import cli\ncli.main(['plan', 'config/examples/dp-vs-ddp.yaml', '--detail'])")
     assert result.returncode == 0, result.stderr
     assert "ddp_buckets" in result.stdout and "largest batch" in result.stdout
 

@@ -492,8 +492,14 @@ def test_dollars_are_written_alike_in_the_plan_and_the_report(low, value, high, 
 
     row = {"gpu": "H200", "tokens_per_s": 1000.0, "tokens_per_s_low": 900.0, "tokens_per_s_high": 1100.0,
            "busy_share": 0.9, "host_bound": False, "budget_hours": 1.0, "budget_hours_low": 0.9, "budget_hours_high": 1.1,
-           "budget_cost": value, "budget_cost_low": low, "budget_cost_high": high, "basis": "calibrated on this GPU model"}
-    assert report_prediction.priced_cells(row).split("  calibrated")[0].endswith(f"{written[1]} [{written[0]}-{written[2]}]")
+           "budget_cost": value, "budget_cost_low": low, "budget_cost_high": high, "basis": "calibrated on this GPU model",
+           "cost_per_1m_tokens": None, "cost_per_1m_tokens_low": None, "cost_per_1m_tokens_high": None,
+           "cost_per_1k_samples": None}
+    budget_cells = report_prediction.priced_cells(row).split("  calibrated")[0].rstrip(" -")
+    assert budget_cells.endswith(f"{written[1]} [{written[0]}-{written[2]}]")
+    per_million = dict(row, budget_cost=None, budget_cost_low=None, budget_cost_high=None,
+                       cost_per_1m_tokens=value, cost_per_1m_tokens_low=low, cost_per_1m_tokens_high=high)
+    assert f"{written[1]} [{written[0]}-{written[2]}]" in report_prediction.priced_cells(per_million)
     assert pages.fmt(value, "cost_of_budget") == written[1]  # the report's cost cells
     assert report_prediction._range(low, high, money=True) == f"{written[0]}-{written[2]}"  # its interval cells
     assert [pages.money(amount) for amount in (low, value, high)] == list(written)
