@@ -8,9 +8,10 @@ prompt-completion), under two chat templates (ChatML as SmolLM2-Instruct renders
   against ftbench's prepared shards (the instruction family's ``prepare``, i.e. ``tasks.instruction_rows.encode_row``),
   position by position (the first position excluded: nothing predicts it, in either);
 - the first optimizer step's loss, in fp32, over one batch holding all those rows: SFTTrainer's own training step
-  against ftbench's own (``train.trainer.train_run`` on the prepared shards), both from the same checkpoint; and
-  again with packing (SFTTrainer ``packing=True``, best-fit decreasing and padding-free; ftbench ``batching: pack``),
-  which must keep the masks and the sequence boundaries and so give the same loss.
+  (``train()``) against ftbench's own (``train.trainer.train_run`` on the prepared shards), both from the same
+  checkpoint; and again with packing (SFTTrainer ``packing=True``, best-fit decreasing and padding-free: the loss its
+  step computes on its first packed batch; ftbench ``batching: pack``, its first step), which must keep the masks and
+  the sequence boundaries and so give the same loss.
 
 SFTTrainer's settings are the ones matching ftbench's defaults: ``completion_only_loss`` (its default) for
 prompt-completion data, ``assistant_only_loss=True`` for conversations, gradient checkpointing off, fp32. TRL computes an
@@ -309,10 +310,12 @@ def trl_side(folder: Path, style: str, data: Path, row_format: str, seq_len: int
     dataset = datasets.load_from_disk(str(data))["train"]
     out = scratch / f"trl-{style}-{row_format}"
     out.mkdir(parents=True, exist_ok=True)
-    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, out)
+    # On the CPU as ftbench's side of the check is, on a machine with a GPU too: one device's fp32 arithmetic for both.
+    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, out, use_cpu=True)
     prepared = trl_rows(trainer)
     return {"rows": prepared, "loss": trl_first_loss(trainer),
-            "packed_loss": trl_first_batch_loss(sft_trainer(folder, dataset, row_format, seq_len, True, out))}
+            "packed_loss": trl_first_batch_loss(sft_trainer(folder, dataset, row_format, seq_len, True, out,
+                                                            use_cpu=True))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
