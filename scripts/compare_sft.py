@@ -8,9 +8,10 @@ prompt-completion), under two chat templates (ChatML as SmolLM2-Instruct renders
   against ftbench's prepared shards (the instruction family's ``prepare``, i.e. ``tasks.instruction_rows.encode_row``),
   position by position (the first position excluded: nothing predicts it, in either);
 - the first optimizer step's loss, in fp32, over one batch holding all those rows: SFTTrainer's own training step
-  against ftbench's own (``train.trainer.train_run`` on the prepared shards), both from the same checkpoint; and
-  again with packing (SFTTrainer ``packing=True``, best-fit decreasing and padding-free; ftbench ``batching: pack``),
-  which must keep the masks and the sequence boundaries and so give the same loss.
+  (``train()``) against ftbench's own (``train.trainer.train_run`` on the prepared shards), both from the same
+  checkpoint; and again with packing (SFTTrainer ``packing=True``, best-fit decreasing and padding-free: the loss its
+  step computes on its first packed batch; ftbench ``batching: pack``, its first step), which must keep the masks and
+  the sequence boundaries and so give the same loss.
 
 SFTTrainer's settings are the ones matching ftbench's defaults: ``completion_only_loss`` (its default) for
 prompt-completion data, ``assistant_only_loss=True`` for conversations, gradient checkpointing off, fp32. TRL computes an
@@ -289,17 +290,32 @@ def trl_first_loss(trainer) -> float:
     return losses[0]
 
 
+def trl_first_batch_loss(trainer) -> float:
+    """SFTTrainer's loss on its first batch as its training step computes it (its data loader, collator and
+    ``compute_loss``), without the step's update, which comes after the loss: the first-step loss at the cost of a
+    forward pass (a whole ``train()`` also pays a garbage collection of the process at its end)."""
+    import torch
+
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer.model.train()
+    with torch.no_grad():
+        return float(trainer.compute_loss(trainer.model, batch))
+
+
 def trl_side(folder: Path, style: str, data: Path, row_format: str, seq_len: int, scratch: Path) -> dict:
-    """SFTTrainer's prepared rows and its first-step loss, unpacked and packed, on the dataset folder's train split."""
+    """SFTTrainer's prepared rows and its first-step loss on the dataset folder's train split: unpacked through its
+    training loop (``train()``), packed through the same step's loss on its first packed batch."""
     import datasets
 
     dataset = datasets.load_from_disk(str(data))["train"]
     out = scratch / f"trl-{style}-{row_format}"
     out.mkdir(parents=True, exist_ok=True)
-    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, out)
+    # On the CPU as ftbench's side of the check is, on a machine with a GPU too: one device's fp32 arithmetic for both.
+    trainer = sft_trainer(folder, dataset, row_format, seq_len, False, out, use_cpu=True)
     prepared = trl_rows(trainer)
     return {"rows": prepared, "loss": trl_first_loss(trainer),
-            "packed_loss": trl_first_loss(sft_trainer(folder, dataset, row_format, seq_len, True, out))}
+            "packed_loss": trl_first_batch_loss(sft_trainer(folder, dataset, row_format, seq_len, True, out,
+                                                            use_cpu=True))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,15 +382,16 @@ def ftbench_first_loss(spec, prepared_dir: Path) -> float:
     return float(steps[0]["loss"])
 
 
-def ftbench_side(folder: Path, data: Path, row_format: str, seq_len: int, batch: int, scratch: Path,
+def ftbench_side(folder: Path, data: Path, row_format: str, seq_len: int, scratch: Path,
                  settings: dict | None = None) -> dict:
-    """ftbench's prepared rows and its first-step loss, unpacked (``batching: pad``) and packed (``pack``), with the
-    run ``settings`` given beside the check's."""
-    spec = ftbench_spec(folder, data, row_format, seq_len, batch, "pad", settings)
-    prepared_dir = ftbench_prepare(spec, scratch / f"prepared-{data.name}")
-    packed = ftbench_spec(folder, data, row_format, seq_len, batch, "pack", settings)
-    return {"rows": ftbench_rows(prepared_dir, spec), "loss": ftbench_first_loss(spec, prepared_dir),
-            "packed_loss": ftbench_first_loss(packed, prepared_dir)}
+    """ftbench's prepared rows and its first-step loss over one batch of all of them (the rows preparation kept),
+    unpacked (``batching: pad``) and packed (``pack``), with the run ``settings`` given beside the check's."""
+    spec = ftbench_spec(folder, data, row_format, seq_len, 1, "pad", settings)
+    prepared_dir = ftbench_prepare(spec, scratch / f"prepared-{data.name}")  # the same shards whatever the batch
+    rows = ftbench_rows(prepared_dir, spec)
+    losses = {key: ftbench_first_loss(ftbench_spec(folder, data, row_format, seq_len, len(rows), batching, settings),
+                                      prepared_dir) for key, batching in (("loss", "pad"), ("packed_loss", "pack"))}
+    return {"rows": rows, **losses}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -438,10 +455,11 @@ def check_format(folder: Path, style: str, row_format: str, seq_len: int, scratc
     rows = CHECK_ROWS[row_format]
     data = write_dataset(scratch / f"data-{style}-{row_format}", rows, CHECK_EVAL_ROWS[row_format])
     trl = trl_side(folder, style, data, row_format, seq_len, scratch)
-    ours = ftbench_side(folder, data, row_format, seq_len, len(rows), scratch, ftbench_settings)
+    ours = ftbench_side(folder, data, row_format, seq_len, scratch, ftbench_settings)
     compared = compare_rows(trl["rows"], ours["rows"])
-    same = (len(ours["rows"]) == len(rows) and all(row["same_ids"] and not row["mask_differs_at"] for row in compared))
-    return {"template": style, "format": row_format, "rows": len(rows), "masks_equal": same,
+    same = len(ours["rows"]) == len(trl["rows"]) and all(row["same_ids"] and not row["mask_differs_at"]
+                                                          for row in compared)
+    return {"template": style, "format": row_format, "rows": len(rows), "kept": len(trl["rows"]), "masks_equal": same,
             "tokens": sum(len(ids) for ids, _ in trl["rows"]), "trained": sum(sum(mask[1:]) for _, mask in trl["rows"]),
             "rows_compared": compared,
             "rows_trl": trl["rows"], "rows_ftbench": ours["rows"],
@@ -488,13 +506,13 @@ def check_passes(result: dict) -> bool:
 
 
 def print_check(results: list[dict]) -> None:
-    print(f"\n{'template':8} {'format':33} {'rows':>4} {'tokens':>6} {'trained':>7} {'masks':>6} {'TRL loss':>9} "
+    print(f"\n{'template':8} {'format':33} {'rows':>4} {'kept':>4} {'tokens':>6} {'trained':>7} {'masks':>6} {'TRL loss':>9} "
           f"{'ftbench':>9} {'|diff|':>8} {'TRL packed':>10} {'ftbench':>9} {'|diff|':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['template']:8} {r['format']:33} {r['error'][:300]}")
             continue
-        print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {r['tokens']:>6} {r['trained']:>7} "
+        print(f"{r['template']:8} {r['format']:33} {r['rows']:>4} {r['kept']:>4} {r['tokens']:>6} {r['trained']:>7} "
               f"{'equal' if r['masks_equal'] else 'DIFFER':>6} "
               f"{r['trl_loss']:9.5f} {r['ftbench_loss']:9.5f} {abs(r['trl_loss'] - r['ftbench_loss']):8.1e} "
               f"{r['trl_packed_loss']:10.5f} {r['ftbench_packed_loss']:9.5f} "
@@ -553,14 +571,16 @@ def speed_assets(folder: Path, shape: dict, seq_len: int, rows: int) -> tuple[Pa
     return tokenizer_dir, data_dir
 
 
-def mean_row_tokens(tokenizer_dir: Path, data_dir: Path) -> float:
-    """Mean tokens of a prepared row (prompt, completion, end-of-sequence): sizes ftbench's packed batch."""
+def mean_row_tokens(tokenizer_dir: Path, data_dir: Path, seq_len: int) -> float:
+    """Mean tokens of a prepared row (prompt, completion, end-of-sequence; cut to seq_len): sizes ftbench's packed
+    batch."""
     import datasets
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     rows = datasets.load_from_disk(str(data_dir))["train"]
-    lengths = [len(tokenizer(row["prompt"] + row["completion"] + tokenizer.eos_token)["input_ids"]) for row in rows]
+    lengths = [min(seq_len, len(tokenizer(row["prompt"] + row["completion"] + tokenizer.eos_token)["input_ids"]))
+               for row in rows]
     return sum(lengths) / len(lengths)
 
 
@@ -574,12 +594,13 @@ def speed(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
         steps = args.warmup + args.steps
-        # Enough rows for every step of either way: packed, a step takes batch x seq_len tokens.
-        rows = max(args.batch * steps, int(args.batch * steps * args.seq / (args.seq / 4)) + args.batch)
+        # Enough rows for every step of either way without a second epoch: a row averages about half of seq_len, so
+        # a packed step of batch x seq_len tokens takes about 2 x batch rows; 4 x batch leaves room.
+        rows = 4 * args.batch * steps
         tokenizer_dir, data_dir = speed_assets(scratch, shape, args.seq, rows)
-        mean = mean_row_tokens(tokenizer_dir, data_dir)
+        mean = mean_row_tokens(tokenizer_dir, data_dir, args.seq)
         # Packed, SFTTrainer's batch counts rows of seq_len, ftbench's the sequences packed into them (module docstring).
-        ftbench_batch = max(args.batch, int(args.batch * args.seq / mean)) if args.packing else args.batch
+        ftbench_batch = max(args.batch, round(args.batch * args.seq / mean)) if args.packing else args.batch
         for method in args.method.split(","):
             row = {"shape": args.shape, "method": method, "batch": args.batch, "seq": args.seq, "packing": args.packing,
                    "ftbench_batch": ftbench_batch, "mean_row_tokens": mean}

@@ -63,7 +63,7 @@ def test_sfttrainer_and_ftbench_train_the_same_tokens_with_the_same_first_step_l
 
     completion_only = next(r for r in results if (r["template"], r["format"]) == ("llama3", "prompt_completion"))
     every_token = compare_sft.ftbench_side(tmp_path / "model-llama3", tmp_path / "data-llama3-prompt_completion",
-                                           "prompt_completion", compare_sft.CHECK_SEQ_LEN, 4, tmp_path / "all",
+                                           "prompt_completion", compare_sft.CHECK_SEQ_LEN, tmp_path / "all",
                                            {"loss_on": "all"})
     assert all(row["mask_differs_at"] for row in compare_sft.compare_rows(completion_only["rows_trl"], every_token["rows"]))
     assert abs(every_token["loss"] - completion_only["trl_loss"]) > 10 * compare_sft.LOSS_TOLERANCE

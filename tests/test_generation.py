@@ -252,14 +252,18 @@ def test_the_time_asked_for_counts_generating_the_answers_of_every_evaluation():
                   dataset_def={"source": {"kind": "synthetic"}, "train_size": 100, "eval_size": 40})
     plain = resources.train_compute_seconds(run)
     generating = run.replace(answer_metric="exact_match", max_new_tokens=16)
-    # 40 prompts in 5 batches of 8, 16 steps each: at least GENERATION_STEP_S a step
-    assert resources.train_compute_seconds(generating) - plain >= 5 * 16 * resources.GENERATION_STEP_S
+    added = resources.train_compute_seconds(generating) - plain
+    # 40 prompts in 5 batches of 8, 16 steps each: at least GENERATION_STEP_S a step, and the prompts' prefill
+    params, rate = resources.model_params(run.model_def), resources.ACHIEVED_FLOPS["cpu"]
+    step_s = resources.GENERATION_STEP_S + 2 * params * 8 / rate
+    prefill_s = 2 * params * 40 * run.seq_len / rate
+    assert added == pytest.approx(prefill_s + 5 * 16 * step_s)
     longer = resources.train_compute_seconds(generating.replace(max_new_tokens=32)) - plain
-    assert longer == pytest.approx(2 * (resources.train_compute_seconds(generating) - plain))
+    assert longer - added == pytest.approx(5 * 16 * step_s)
     # the evaluation before training answers the same prompts again, unless the shared step did
     before = generating.replace(eval_before_training=True)
     assert (resources.train_compute_seconds(before) - resources.train_compute_seconds(before.replace(answer_metric="none"))
-            == pytest.approx(2 * (resources.train_compute_seconds(generating) - plain)))
+            == pytest.approx(2 * added))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_each_bad_row_class_is_named(tokenizer, reason):
     assert caught.value.reason == reason
 
 
-def test_bad_rows_are_dropped_and_counted_or_refused_in_one_line(tmp_path, tokenizer_dir):
+def test_bad_rows_are_dropped_and_counted_or_refused_in_one_line(tmp_path, tokenizer_dir, tokenizer):
     good = [{"prompt": f"Is review {i} positive?", "completion": " positive" if i % 2 else " negative"} for i in range(12)]
     bad = [{"prompt": "Is it positive?", "completion": ""}, {"prompt": "Is this review positive? " * 20, "completion": " yes"}]
     path = tmp_path / "rows.jsonl"
@@ -194,8 +194,10 @@ def test_bad_rows_are_dropped_and_counted_or_refused_in_one_line(tmp_path, token
     assert 0 < manifest["splits"]["train"]["trained_tokens"] < manifest["splits"]["train"]["tokens"]
     examples = (tmp_path / "prepared" / instruction.EXAMPLES_FILE).read_text()
     assert "[[" in examples and "positive" in examples
-    with pytest.raises(ConfigError, match=r"datasets\.rows: row \d+ of split '(train|eval)' .*(empty_completion|prompt_fills_seq_len)"):
-        registry.prepare("rows", {**dataset_def, "on_bad_row": "fail"}, model_def, 32, tmp_path / "again")
+    train, _, row_format, names = instruction.raw_splits("rows", dataset_def, {})
+    with pytest.raises(ConfigError, match=r"datasets\.rows: row \d+ of split 'train' .*(empty_completion|prompt_fills_seq_len)"):
+        instruction.encode_split(pd.concat([train, pd.DataFrame(bad)]), tokenizer, 32, row_format, names, None, {},
+                                 "fail", "datasets.rows", "train")
 
 
 # ---------------------------------------------------------------------------------------------------

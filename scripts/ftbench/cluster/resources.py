@@ -221,18 +221,20 @@ def train_compute_seconds(run: RunSpec, on_gpu: bool | None = None, base_eval_in
     flops += 2 * params * eval_examples_scored(run, examples, base_eval_in_job) * per_example
     on_gpu = run.uses_gpu if on_gpu is None else on_gpu
     rate = ACHIEVED_FLOPS[compute_dtype(run.precision)] if on_gpu else ACHIEVED_FLOPS["cpu"]
-    return flops / rate + generation_seconds(run, eval_examples_scored(run, examples, base_eval_in_job), params, rate)
+    answered = eval_examples_scored(run, examples, base_eval_in_job)
+    return flops / rate + generation_seconds(run, answered, params, rate, per_example)
 
 
-def generation_seconds(run: RunSpec, answered: int, params: float, rate: float) -> float:
+def generation_seconds(run: RunSpec, answered: int, params: float, rate: float, prompt_tokens: int = 0) -> float:
     """Seconds of generating answers to ``answered`` eval prompts (the rows the evaluations score, where the run's
-    answer_metric asks for answers): max_new_tokens decoding steps per batch of eval_batch_size (GENERATION_STEP_S
-    each, plus its FLOPs at ``rate``)."""
+    answer_metric asks for answers): each prompt's own forward pass (``prompt_tokens`` at most: the prefill that
+    fills the KV cache), then max_new_tokens decoding steps per batch of eval_batch_size (GENERATION_STEP_S each, plus
+    its FLOPs at ``rate``)."""
     if run.answer_metric in (None, "none") or answered == 0:
         return 0.0
     batches = math.ceil(answered / run.eval_batch_size)
     step_s = GENERATION_STEP_S + 2 * params * min(run.eval_batch_size, answered) / rate
-    return batches * run.max_new_tokens * step_s
+    return 2 * params * answered * prompt_tokens / rate + batches * run.max_new_tokens * step_s
 
 
 def eval_examples_scored(run: RunSpec, train_examples: int, base_eval_in_job: bool = True) -> int:

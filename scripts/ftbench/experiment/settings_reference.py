@@ -44,9 +44,15 @@ GROUPS: list[tuple[str, str, list[str]]] = [
     ("Measurement and evaluation", "", ["warmup_steps", "warmup_until_stable", "warmup_max_steps", "eval_batch_size",
                                         "max_eval_samples", "eval_before_training", "eval_every", "eval_subset",
                                         "stop_at_target", "gpu_sample_interval_s"]),
-    ("Answers generated", "Instruction data: what the model answers on the held-out prompts, scored against the "
-     "reference completion, at every evaluation (before, during and after training) and usable as the `target` "
-     "(`eval_generation_score`). A setting of the run, like the other evaluation settings; per dataset with "
+    ("Answers generated", "Instruction data (`task: instruction`): what the model answers to the held-out prompts, "
+     "by greedy decoding with the KV cache (`eval_batch_size` prompts at a time, left-padded, ending at the "
+     "end-of-sequence or the template's end-of-turn token), scored against the reference completion at every "
+     "evaluation (before, during and after training) beside eval loss and token accuracy on the completion tokens: "
+     "`eval_generation_score`, with a Wilson interval on the prompts answered (`eval_generation_rows`), read against "
+     "the model's score before training and the share of the most common reference answer (`eval_majority_class_rate`). "
+     "It is an instruction run's quality figure and may be the `target`. Generating is timed apart "
+     "(`eval_generation_s`, `eval_generated_tokens`), off the training clock like every evaluation and inside the "
+     "job's time limit. A setting of the run, like the other evaluation settings; per dataset with "
      "`overrides: [{when: {dataset: ...}, set: {answer_metric: ...}}]`.",
      ["answer_metric", "answer_regex", "max_new_tokens"]),
 ]
