@@ -1114,9 +1114,10 @@ def test_an_eval_subset_too_small_to_separate_anything_is_warned_naming_it(tiny_
 
 
 # Nullable settings whose null stands for something the parse cannot know (the model's or processor's own choice,
-# the data's size, the run's length): null and a value are two recipes as far as the experiment can tell.
+# the data's size, the run's length), or that no value spells (answer_regex: no pattern): null and a value are two
+# recipes as far as the experiment can tell.
 NULL_DECIDED_ELSEWHERE = {"model", "dataset", "max_steps", "attn_implementation", "warmup_max_steps", "image_size",
-                          "max_eval_samples", "eval_every", "eval_subset"}
+                          "max_eval_samples", "eval_every", "eval_subset", "answer_regex"}
 
 
 @pytest.mark.parametrize("setting, settings", [
