@@ -223,8 +223,9 @@ HEADER = """\
 #         residuals, each run predicted by a fit without it (log scale): sd_gpu_bound of the GPU's terms,
 #         sd_host_bound of the host's; a prediction's sd weighs them by the share of its step the host sets, and
 #         its 95% interval is x/ exp(1.96 sd).
-#   transfer_sd: the spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
-#         efficiencies), as a check across two GPU models measured it (scripts/check_predictions.py --transfer).
+#   transfer_sd: the log spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
+#         efficiencies): measured where the command above has --transfer-from (another GPU model's calibration
+#         predicting these runs from their datasheet), else the prior 0.3.
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
 #   uninformed: parameters no run here depends on (they keep their starting values); a prediction that depends on
 #         one takes its prior width into its interval.
@@ -487,3 +488,32 @@ def _term_spreads(residuals: list[tuple[float, float]], own: bool = True) -> dic
         if host_grid.size > 1:
             host_sd = host_grid[best_host] * correction
     return {"sd_gpu_bound": max(MIN_SD, float(gpu_sd)), "sd_host_bound": max(MIN_SD_HOST_BOUND, float(host_sd))}
+
+
+# --- the transfer: a calibration's datasheet-only predictions of runs on a GPU model it never measured ----------
+
+def datasheet_only(source: Calibration, samples: list[Sample]) -> list[Sample]:
+    """The runs on GPU models ``source`` measured no run on: the ones it predicts from their datasheet alone."""
+    return [sample for sample in samples if not source.calibrated(sample.gpu["name"])]
+
+
+def transfer_log_errors(source: Calibration, samples: list[Sample]) -> list[float]:
+    """log(predicted / measured tokens/s) of every run ``source`` predicts datasheet only (``datasheet_only``)."""
+    errors = []
+    for sample in datasheet_only(source, samples):
+        terms = step_time.step_terms(sample.workload, sample.gpu, source.params_for(sample.gpu["name"]), source.combine)
+        errors.append(math.log(sample.step_s / terms["step_s"]))
+    return errors
+
+
+def transfer_spread(source: Calibration, samples: list[Sample]) -> float:
+    """``transfer_sd`` measured: the root mean square of ``transfer_log_errors`` (about zero, as the interval is
+    centred on the prediction: a bias of the datasheet widens it as a scatter does). GPU- and host-bound runs
+    alike, as the datasheet-only interval takes one sd for both."""
+    errors = transfer_log_errors(source, samples)
+    if len(errors) < MIN_RUNS_FOR_SD:
+        names = sorted({sample.gpu["name"] for sample in samples})
+        raise FtbenchError(f"transfer from {source.source}: {len(errors)} runs on a GPU model it did not measure "
+                           f"(the runs are on {', '.join(names)}; it measured {', '.join(source.gpus) or 'none'}): "
+                           f"expected at least {MIN_RUNS_FOR_SD}")
+    return math.sqrt(sum(error * error for error in errors) / len(errors))
