@@ -34,14 +34,18 @@ FIXTURE_CALIBRATION = Path("tests/fixtures/calibration-synthetic.yaml")
 FIT = [sys.executable, "scripts/fit_calibration.py"]
 
 
-def fit_script():
-    """scripts/fit_calibration.py as a module, to call its main in this process."""
+def script(name: str):
+    """scripts/<name>.py as a module, to call its main in this process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fit_calibration", ROOT / "scripts" / "fit_calibration.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def fit_script():
+    return script("fit_calibration")
 
 
 def write_fixture(folder: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from ftbench import cli
 from ftbench.errors import FtbenchError
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment import config as ftbench_config
@@ -440,8 +441,6 @@ def test_a_measured_configuration_is_shown_as_measured_and_the_users_runs_calibr
 
 
 def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys):
-    from ftbench import cli
-
     models = {"big": llama(2048, 16, 5632, 32, 4, 32000)}
     path = experiment(tmp_path, models, {"method": ["full"]}, budget={"tokens": 1_000_000_000})
     cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet"), "--detail"])
@@ -574,6 +573,48 @@ def test_check_predictions_predicts_a_held_out_table_from_its_experiments_config
                              str(tmp_path / "h200" / "metrics.parquet"), "--heldout", str(table)],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 1 and result.stderr.startswith("ftbench: --heldout ") and "--heldout-config" in result.stderr
+
+
+def test_check_predictions_transfer_from_a_calibration_file_is_its_datasheet_only_error(tmp_path, monkeypatch, capsys):
+    """--transfer-from: a calibration fitted on the H200 alone predicts H100 runs from the H100's datasheet. The
+    H100 runs are measured with efficiencies 0.9 of the H200's, so a GPU-bound run reads pred/meas about 1/0.9 and a
+    host-bound one about 1 (a fit of the tables themselves would read 1 everywhere); the interval is the file's
+    transfer_sd; fit_calibration.py --transfer-from ships the root mean square of the same log ratios."""
+    models = {"small": llama(256, 4, 768, 4, 2, 8000), "mid": llama(1024, 12, 2816, 16, 4, 32000)}
+    runs = runs_of(experiment(tmp_path, models, {"method": ["full", "lora"], "batch_size": [2, 8], "seq_len": [512, 2048]}))
+    h100 = {name: 0.9 * value for name, value in TRUE_GPU["H200"].items()}
+    table = write_results(tmp_path / "h100", runs, H100, calibrations.Calibration(TRUE_GLOBAL, {"H100 SXM": h100}))
+    source = tmp_path / "h200.yaml"
+    from test_calibration_runs import fit_script, script
+
+    monkeypatch.chdir(ROOT)
+    check = script("check_predictions")
+    for transfer_sd in (0.3, 0.01):
+        calibrations.save(calibrations.Calibration(TRUE_GLOBAL, {"H200": dict(TRUE_GPU["H200"])}, transfer_sd=transfer_sd),
+                          source)
+        check.main([str(table), "--only", "transfer", "--transfer-from", str(source)])
+        stdout = capsys.readouterr().out
+        rows = [line.split() for line in stdout.splitlines() if line.startswith(("small-", "mid-"))]
+        assert len(rows) == len(runs) and all(" ".join(row[2:6]) == "datasheet only (from H200)" for row in rows)
+        ratios = {row[0]: float(row[8]) for row in rows}
+        host_bound = {row[0] for row in rows if "(host-bound)" in row[-1]}
+        assert host_bound and len(host_bound) < len(rows)
+        assert all(1.05 < ratios[run] < 1.12 for run in ratios if run not in host_bound), ratios
+        assert all(0.97 < ratios[run] < 1.05 for run in host_bound), ratios
+        gpu_bound_line = next(line for line in stdout.splitlines() if line.startswith("transfer: ") and "GPU-bound" in line)
+        inside = gpu_bound_line.split("inside 95% interval ")[1].split(",")[0]
+        assert inside == (f"{len(rows) - len(host_bound)}/{len(rows) - len(host_bound)}" if transfer_sd == 0.3
+                          else f"0/{len(rows) - len(host_bound)}"), gpu_bound_line
+    measured_sd = float(stdout.split("transfer_sd (fit_calibration.py --transfer-from): ")[1].split(",")[0])
+    assert measured_sd == pytest.approx(math.sqrt(np.mean(np.square(np.log(list(ratios.values()))))), abs=2e-4)
+    fit_script().main([str(table), "--transfer-from", str(source), "--out", str(tmp_path / "fitted.yaml")])
+    assert calibrations.load(tmp_path / "fitted.yaml").transfer_sd == pytest.approx(measured_sd, abs=1e-4)
+    # a source that measured the runs' GPU model has nothing to predict from a datasheet: one line saying so
+    calibrations.save(calibrations.Calibration(TRUE_GLOBAL, {"H100 SXM": h100}), source)
+    with pytest.raises(SystemExit) as stopped:
+        cli.run(check.main, [str(table), "--only", "transfer", "--transfer-from", str(source)])
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.startswith(f"ftbench: --transfer-from {source}: every run is on")
 
 
 def test_batch_shapes_from_the_data_and_from_a_measured_runs_steps(tmp_path):
