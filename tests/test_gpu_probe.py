@@ -111,24 +111,24 @@ def test_a_probe_maps_directly_to_the_parameters_it_stands_for():
 
 
 def test_a_probe_is_scaled_by_a_calibrated_gpus_probe_where_the_file_has_one():
-    """The H200 is calibrated (0.76 compute, 13 us per host unit) and probed at 0.70 and 10 us; an H100 probed at
-    0.77 and 12 us is predicted at 0.76 x 0.77 / 0.70 and 13 us x 1.2: what the probe measured differently, carried
+    """The H100 is calibrated (0.77 compute, 13 us per host unit) and probed at 0.70 and 10 us; an H200 probed at
+    0.77 and 12 us is predicted at 0.77 x 0.77 / 0.70 and 13 us x 1.2: what the probe measured differently, carried
     over onto what the fit to training runs learned."""
     shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
     width_half = shipped.params["width_half"]
-    h200 = probe_figures(0.70, 0.80, H200, width_half, kernel_s=3e-6, host_op_s=10e-6)
-    h100 = probe_figures(0.77, 0.88, H100, width_half, kernel_s=2.4e-6, host_op_s=12e-6)
-    merged = probes.with_probes(shipped, {"H200": h200, "H100 SXM": h100}, GPUS)
-    mine, theirs = merged.params_for("H100 SXM"), shipped.params_for("H200")
+    h100 = probe_figures(0.70, 0.80, H100, width_half, kernel_s=3e-6, host_op_s=10e-6)
+    h200 = probe_figures(0.77, 0.88, H200, width_half, kernel_s=2.4e-6, host_op_s=12e-6)
+    merged = probes.with_probes(shipped, {"H100 SXM": h100, "H200": h200}, GPUS)
+    mine, theirs = merged.params_for("H200"), shipped.params_for("H100 SXM")
     assert mine["compute_efficiency"] == pytest.approx(theirs["compute_efficiency"] * 0.77 / 0.70)
     assert mine["memory_efficiency"] == pytest.approx(theirs["memory_efficiency"] * 0.88 / 0.80)
     assert mine["host_op_s"] == pytest.approx(theirs["host_op_s"] * 1.2)
     assert mine["host_step_s"] == pytest.approx(theirs["host_step_s"] * 1.2)
     assert mine["gpu_op_s"] == pytest.approx(theirs["gpu_op_s"] * 0.8)
-    assert "H200" in merged.probed["H100 SXM"]["from_probe"]
-    # the calibrated H200 keeps its fitted parameters: measured runs take precedence over a probe
-    assert merged.params_for("H200") == shipped.params_for("H200")
-    assert prediction.basis("H200", merged) == "calibrated"
+    assert "H100 SXM" in merged.probed["H200"]["from_probe"]
+    # the calibrated H100 keeps its fitted parameters: measured runs take precedence over a probe
+    assert merged.params_for("H100 SXM") == shipped.params_for("H100 SXM")
+    assert prediction.basis("H100 SXM", merged) == "calibrated"
 
 
 def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width():
@@ -138,14 +138,14 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     # without a probe of a calibrated GPU model the probe is kept but not used: its direct figures predicted an
     # H100's runs worse than its datasheet did
     assert probes.with_probes(shipped, {"L4": figures}, GPUS).is_probed("L4") is False
-    assert "not used until the file also holds a probe of H200" in probes.reference_missing(shipped, {"L4": figures})
-    # with one: an H200 probed at its calibrated efficiencies and host terms carries the L4's figures over as they are
-    h200 = shipped.params_for("H200")
-    reference = probe_figures(h200["compute_efficiency"], h200["memory_efficiency"], H200, width_half,
-                              kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
-    figures = probe_figures(0.5, 0.6, L4, width_half, kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
-    merged = probes.with_probes(shipped, {"H200": reference, "L4": figures}, GPUS)
-    assert probes.reference_missing(shipped, {"H200": reference, "L4": figures}) is None
+    assert "not used until the file also holds a probe of H100 SXM" in probes.reference_missing(shipped, {"L4": figures})
+    # with one: an H100 probed at its calibrated efficiencies and host terms carries the L4's figures over as they are
+    h100 = shipped.params_for("H100 SXM")
+    reference = probe_figures(h100["compute_efficiency"], h100["memory_efficiency"], H100, width_half,
+                              kernel_s=h100["gpu_op_s"], host_op_s=h100["host_op_s"])
+    figures = probe_figures(0.5, 0.6, L4, width_half, kernel_s=h100["gpu_op_s"], host_op_s=h100["host_op_s"])
+    merged = probes.with_probes(shipped, {"H100 SXM": reference, "L4": figures}, GPUS)
+    assert probes.reference_missing(shipped, {"H100 SXM": reference, "L4": figures}) is None
     assert prediction.basis("L4", merged) == "probed"
     assert prediction.BASES["probed"] == "probed on this GPU model"
     assert prediction.basis("A100", merged) == "datasheet"
@@ -156,11 +156,11 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     assert merged.params_for("L4")["compute_efficiency"] == pytest.approx(0.5)
     assert shipped.params_for("L4")["compute_efficiency"] != pytest.approx(0.5)
     # a probe without a 16-bit matmul figure keeps the calibrated models' compute efficiency, its other figures its own
-    partial = probes.with_probes(shipped, {"H200": reference, "L4": {**figures, "matmul_tflops": {}}}, GPUS)
+    partial = probes.with_probes(shipped, {"H100 SXM": reference, "L4": {**figures, "matmul_tflops": {}}}, GPUS)
     assert partial.params_for("L4")["compute_efficiency"] == shipped.params_for("L4")["compute_efficiency"]
     assert partial.params_for("L4")["memory_efficiency"] == pytest.approx(0.6)
     # the user's own runs fitted over it keep the probe for the GPU models they did not run on
-    assert calibrations.Calibration(shipped.params, {"H100 SXM": dict(shipped.gpus["H200"])}).over(merged).is_probed("L4")
+    assert calibrations.Calibration(shipped.params, {"H200": dict(shipped.gpus["H100 SXM"])}).over(merged).is_probed("L4")
 
 
 def test_a_probe_file_round_trips_and_adds_a_gpu_the_table_lacks(tmp_path):
@@ -174,10 +174,10 @@ def test_a_probe_file_round_trips_and_adds_a_gpu_the_table_lacks(tmp_path):
     assert not report_prediction.with_probe_file(calibrations.priors(), GPUS, path)[0].is_probed("L4")  # no reference
     assert [gpu["name"] for gpu in added] == ["Blackwell X"]
     shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
-    probes.save(path, "H200", probe_figures(0.7, 0.8, H200, 110.0))
+    probes.save(path, "H100 SXM", probe_figures(0.7, 0.8, H100, 110.0))
     calibration, gpus = report_prediction.with_probe_file(shipped, GPUS, path)
     assert gpu_table.entry_for("NVIDIA Blackwell X (test)", gpus)["name"] == "Blackwell X"
-    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4") and not calibration.is_probed("H200")
+    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4") and not calibration.is_probed("H100 SXM")
     assert report_prediction.with_probe_file(calibrations.priors(), GPUS, tmp_path / "none.yaml")[1] == GPUS
     path.write_text(yaml.safe_dump({"probes": {"L4": {"device_name": "x"}}}), encoding="utf-8")
     with pytest.raises(FtbenchError, match="probes.L4: missing matmul_tflops"):

@@ -445,11 +445,10 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     path = experiment(tmp_path, models, {"method": ["full"]}, budget={"tokens": 1_000_000_000})
     cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet"), "--detail"])
     out = capsys.readouterr().out
-    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H200" in out  # the shipped calibration
-    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] in
-             {gpu["name"].split()[0] for gpu in GPUS}}
-    assert "calibrated on this GPU model" in lines["H200"] and "$" in lines["H200"]
-    assert "datasheet only (uncalibrated)" in lines["A100"]
+    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H100 SXM" in out  # the shipped calibration
+    lines = {gpu["name"]: line for gpu in GPUS for line in out.splitlines() if line.startswith(f"  {gpu['name']} ")}
+    assert "calibrated on this GPU model" in lines["H100 SXM"] and "$" in lines["H100 SXM"]
+    assert "datasheet only (uncalibrated)" in lines["A100"] and "datasheet only (uncalibrated)" in lines["H200"]
     (run,) = runs_of(path)
     table = report_prediction.priced_table([run], GPUS, calibrations.load(ROOT / "config" / "calibration.yaml"),
                                            cost.resolve({}), {"tokens": 1e9})
@@ -457,10 +456,10 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     best = fitting.loc[fitting["budget_cost"].idxmin()]
     assert f"cheapest that fits: {best['gpu']} (yes), {report_prediction.pages_money(best['budget_cost'])} [" in out
     # hours at the predicted rate, dollars at the table's price per GPU-hour
-    h200 = table.set_index("gpu").loc["H200"]
-    assert h200["budget_hours"] == pytest.approx(1e9 / h200["tokens_per_s"] / 3600)
-    assert h200["budget_cost"] == pytest.approx(h200["budget_hours"] * cost.resolve({}).per_device_hour["H200"])
-    assert h200["budget_cost_low"] < h200["budget_cost"] < h200["budget_cost_high"]
+    h100 = table.set_index("gpu").loc["H100 SXM"]
+    assert h100["budget_hours"] == pytest.approx(1e9 / h100["tokens_per_s"] / 3600)
+    assert h100["budget_cost"] == pytest.approx(h100["budget_hours"] * cost.resolve({}).per_device_hour["H100 SXM"])
+    assert h100["budget_cost_low"] < h100["budget_cost"] < h100["budget_cost_high"]
     # a GPU without a bf16 peak (V100) gets no prediction for a bf16 run
     assert "V100" not in set(table["gpu"])
 
