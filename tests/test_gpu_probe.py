@@ -150,8 +150,9 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     assert prediction.BASES["probed"] == "probed on this GPU model"
     assert prediction.basis("A100", merged) == "datasheet"
     assert prediction.basis("L4", merged, measured=True) == "measured"
-    # the spread a probe has earned is unmeasured: it keeps the datasheet prior's width
-    assert merged.spread("L4", 0.3) == merged.spread("A100", 0.3) == merged.transfer_sd
+    # the spread a probe has earned is unmeasured: it keeps the prior's width, the datasheet its measured transfer_sd
+    assert merged.spread("L4", 0.3) == calibrations.PROBED_SD == calibrations.DEFAULT_TRANSFER_SD
+    assert merged.spread("A100", 0.3) == merged.transfer_sd
     # and the probe moves the prediction: the L4's efficiencies are its own, not the calibrated models' median
     assert merged.params_for("L4")["compute_efficiency"] == pytest.approx(0.5)
     assert shipped.params_for("L4")["compute_efficiency"] != pytest.approx(0.5)
@@ -245,3 +246,43 @@ def test_the_kernel_floor_is_per_kernel_gpu_time(monkeypatch):
     gpu_probe.probe_kernel_floor(fake_torch, result, kernels=2000)
     assert result.kernel_s == pytest.approx(0.006 / 2000)
     assert cycles[1] == 4 * cycles[0]
+
+
+def test_the_shipped_reference_probe_makes_another_gpus_probe_move_its_prediction_and_label(tmp_path):
+    """config/calibration-probed.yaml ships a probe of the calibrated GPU model (the reference): a user's probe of
+    another GPU model added to it is used at once. An H200 probed with the reference's figures but matmuls 0.8x as
+    fast is predicted at 0.8x the H100's fitted compute efficiency (the two have the same dense peak), its GPU-bound
+    run slower than its datasheet-only prediction, labelled probed, with the prior's width (unmeasured)."""
+    from ftbench.report import cost
+
+    shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
+    (calibrated,) = shipped.gpus
+    reference, added = probes.load(ROOT / probes.DEFAULT_PROBES)
+    assert list(reference) == [calibrated] and added == []  # the calibrated model's probe, and nothing else
+    path = tmp_path / "probed.yaml"
+    path.write_text((ROOT / probes.DEFAULT_PROBES).read_text(encoding="utf-8"), encoding="utf-8")
+    figures = reference[calibrated]
+    slower = {dtype: {width: 0.8 * value for width, value in by_width.items()}
+              for dtype, by_width in figures["matmul_tflops"].items()}
+    probes.save(path, "H200", {**figures, "device_name": "NVIDIA H200", "matmul_tflops": slower,
+                               "bandwidth_gbs": {kernel: value * H200["memory_bandwidth_gbs"] / H100["memory_bandwidth_gbs"]
+                                                 for kernel, value in figures["bandwidth_gbs"].items()}})
+    merged, gpus = report_prediction.with_probe_file(shipped, GPUS, path)
+    assert H200["dense_tflops"]["bf16"] == H100["dense_tflops"]["bf16"]
+    assert merged.params_for("H200")["compute_efficiency"] == pytest.approx(
+        0.8 * shipped.params_for(calibrated)["compute_efficiency"], rel=1e-6)
+    runs = matrix_runs(tmp_path)
+    budget, prices = {"tokens": 1e9}, cost.resolve({})
+    before = report_prediction.priced_table(runs, GPUS, shipped, prices, budget).set_index("gpu").loc["H200"]
+    after = report_prediction.priced_table(runs, gpus, merged, prices, budget).set_index("gpu").loc["H200"]
+    assert before["basis"] == "datasheet only (uncalibrated)" and after["basis"] == "probed on this GPU model"
+    assert after["tokens_per_s"] < 0.9 * before["tokens_per_s"]  # GPU-bound: the slower matmuls count
+    assert merged.spread("H200", 0.0) == calibrations.PROBED_SD == 0.3  # the probed spread is unmeasured: the prior
+
+
+def matrix_runs(tmp_path):
+    """One GPU-bound run (a 1B Llama shape, full fine-tuning at 4 x 2048)."""
+    from test_prediction import experiment, llama, runs_of
+
+    return runs_of(experiment(tmp_path, {"big": llama(2048, 16, 5632, 32, 4, 32000)}, {"method": ["full"]},
+                              {"batch_size": 4, "seq_len": 2048}))

@@ -125,6 +125,9 @@ HOST_UNCALIBRATED_SD = 0.30
 MIN_INFORMING = 0.2
 SENSITIVITY_STEP = 0.01  # in the transformed space, for the numerical sensitivities
 DEFAULT_TRANSFER_SD = 0.30  # datasheet only: until a check across two GPU models measures it
+# A probed GPU model (no run on it): how far a probe carries over to training runs is unmeasured (no second GPU
+# model's runs were checked against its probe), so it keeps the prior width, not the datasheet's measured transfer_sd.
+PROBED_SD = DEFAULT_TRANSFER_SD
 HOST_BOUND = metrics.HOST_BOUND_BUSY_SHARE  # a predicted busy share below it: host-bound, as a measured one is
 Z95 = 1.96
 
@@ -175,11 +178,10 @@ class Calibration:
     def spread(self, gpu_name: str, host_share: float) -> float:
         """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
         the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it. A GPU model
-        no run calibrated takes ``transfer_sd``, probed or not: how far a probe's figures carry over to training
-        runs is unmeasured until a transfer check measures it, so a probe keeps the datasheet prior's width."""
+        no run calibrated takes ``transfer_sd`` (datasheet only), or PROBED_SD where a probe stands for it."""
         own = self.gpus.get(gpu_name)
         if own is None:
-            return self.transfer_sd
+            return PROBED_SD if self.is_probed(gpu_name) else self.transfer_sd
         gpu_sd = float(own.get("sd_gpu_bound") or DEFAULT_SD)
         host_sd = float(own.get("sd_host_bound") or HOST_UNCALIBRATED_SD)
         return math.hypot((1 - host_share) * gpu_sd, host_share * host_sd)
