@@ -42,7 +42,8 @@ DEFAULT_PROBES = Path("config/calibration-probed.yaml")
 # Why the direct mapping does not predict: an H100 SXM probed directly (compute_efficiency 0.54, host_op_s 21 us: a
 # bare matmul and a raw aten operation, not what the fit to training runs means by them) predicted the 20 runs of
 # config/examples/calibration.yaml on it at 0.83x (GPU-bound, median) and 0.68x (host-bound) of their measured
-# tokens/s; its datasheet with the H200's calibration at 0.92x and 1.05x.
+# tokens/s; its datasheet with the H200's calibration at 0.92x and 1.05x (python scripts/check_predictions.py
+# config/calibration-runs/*.csv --only transfer --transfer-from config/calibration-transfer/h200.yaml).
 DIRECT_MISS = {"GPU-bound": 0.83, "host-bound": 0.68}
 PROBED_GLOBALS = calibrations.PROBED_GLOBALS
 MATMUL_DTYPES = ("bf16", "fp16")  # the 16-bit matmuls set compute_efficiency: what the examples train in
