@@ -8,7 +8,10 @@ Splits (every one is run unless --only names some):
   ("calibrated family": batch, sequence length, method, precision, kernels varied). Target: within +-10%.
 - transfer: for each two GPU models of the results, calibrate on one and predict the other from its datasheet alone
   ("datasheet only"): the error an uncalibrated GPU model's prediction carries (no target; its spread is what
-  fit_calibration.py --transfer-sd takes).
+  fit_calibration.py --transfer-sd takes). With --transfer-from CALIBRATION the calibration is that file (fitted
+  on another GPU model's runs, e.g. config/calibration-transfer/h200.yaml), predicting every run of the tables and
+  of --heldout on a GPU model it measured none of; its last line is the log sd over every such run of the tables
+  (not --heldout's), the transfer_sd that fit_calibration.py --transfer-from ships.
 - heldout (with --heldout): calibrate on every run of the tables and predict the runs of another experiment's table,
   none of which the fit saw. A run of a model the tables hold (the same model definition) is a "calibrated family"
   run, any other an "unseen family" one.
@@ -22,6 +25,8 @@ printed is the prediction's 95% interval over the measurement (it contains 1 whe
     python scripts/check_predictions.py results/metrics.parquet --heldout other/results/metrics.parquet
     python scripts/check_predictions.py results/metrics.parquet --heldout other/metrics.parquet --heldout-config other.yaml
     python scripts/check_predictions.py h200/metrics.parquet h100/metrics.parquet --only transfer
+    python scripts/check_predictions.py config/calibration-runs/*.csv --only transfer \
+        --transfer-from config/calibration-transfer/h200.yaml                      # the H200 fit predicting H100 runs
     python scripts/check_predictions.py results/metrics.parquet --combine sum     # the other ways of combining terms
 
 Runs are read as scripts/fit_calibration.py reads them (a compact table of config/calibration-runs/, or a results
@@ -113,6 +118,18 @@ def transfer_split(samples, models, start, combine) -> list[dict]:
     return out
 
 
+def transfer_from_split(path: str, chosen: list[tuple[calibrations.Sample, str]]) -> list[dict]:
+    """--transfer-from: the runs on GPU models the calibration file at ``path`` measured none of, predicted by it
+    from their datasheet alone, as plan predicts such a GPU model (its interval from the file's transfer_sd)."""
+    source = calibrations.load(path)
+    kind = f"datasheet only (from {', '.join(source.gpus) or 'priors'})"
+    out = [outcome(s, m, kind, source, "transfer") for s, m in chosen if not source.calibrated(s.gpu["name"])]
+    if not out:
+        raise FtbenchError(f"--transfer-from {path}: every run is on a GPU model it measured "
+                           f"({', '.join(source.gpus)}): nothing to predict from a datasheet")
+    return out
+
+
 def heldout_split(samples, models, start, combine, heldout: list[tuple[calibrations.Sample, str, bool]]) -> list[dict]:
     """The runs of another table (sample, model, whether the tables hold its model definition), predicted with the
     calibration fitted on every run of the tables."""
@@ -148,7 +165,9 @@ def print_outcomes(outcomes: list[dict]) -> None:
 
 
 def summary(outcomes: list[dict]) -> list[str]:
-    """Per split, kind and bound: runs, how many met their target, median and largest |predicted / measured - 1|."""
+    """Per split, kind and bound: runs, how many met their target, pred/meas median and range, mean, median and
+    largest |predicted / measured - 1|, how many 95% intervals contain the measurement, the log ratios' root mean
+    square (what fit_calibration.py --transfer-from takes as transfer_sd, over GPU- and host-bound runs together)."""
     groups = defaultdict(list)
     for row in outcomes:
         groups[(row["split"], row["kind"], "host-bound" if row["host_bound"] else "GPU-bound")].append(row)
@@ -158,8 +177,11 @@ def summary(outcomes: list[dict]) -> list[str]:
         errors = np.abs(ratios - 1)
         met = [row["meets"] for row in rows if row["meets"] is not None]
         verdict = f"target met {sum(met)}/{len(met)}" if met else "no target"
-        lines.append(f"{split}: {kind}, {bound}: {len(rows)} runs, {verdict}, |pred/meas - 1| median "
-                     f"{np.median(errors):.3f}, max {errors.max():.3f}, log sd {np.sqrt(np.mean(np.log(ratios) ** 2)):.3f}")
+        inside = sum(row["contains"] for row in rows)
+        lines.append(f"{split}: {kind}, {bound}: {len(rows)} runs, {verdict}, pred/meas median {np.median(ratios):.3f} "
+                     f"({ratios.min():.3f}-{ratios.max():.3f}), |pred/meas - 1| mean {errors.mean():.3f}, median "
+                     f"{np.median(errors):.3f}, max {errors.max():.3f}, inside 95% interval {inside}/{len(rows)}, "
+                     f"log sd {np.sqrt(np.mean(np.log(ratios) ** 2)):.3f}")
     return lines
 
 
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                         "on every run of the tables (none of its runs fitted)")
     parser.add_argument("--heldout-config", default=None, help="the experiment config that made --heldout's table, "
                         "for a table copied without its runs' folders")
+    parser.add_argument("--transfer-from", metavar="CALIBRATION", default=None,
+                        help="transfer: predict the runs (the tables' and --heldout's) on GPU models this calibration "
+                        "file measured none of, from their datasheet, instead of fitting one GPU model of the tables")
     parser.add_argument("--folds", type=int, default=calibrations.FOLDS)
     parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth")
     args = parser.parse_args(argv)
@@ -185,17 +210,24 @@ def main(argv: list[str] | None = None) -> None:
     splits = args.only or ["family", "folds", "transfer"] + (["heldout"] if args.heldout else [])
     if "heldout" in splits and not args.heldout:
         raise FtbenchError("--only heldout: expected --heldout naming the results table to predict")
-    heldout = heldout_samples(args.heldout, args.heldout_config, gpus,
-                              [item.run.model_def for item in measured]) if "heldout" in splits else []
+    transfer_from = args.transfer_from if "transfer" in splits else None
+    heldout = heldout_samples(args.heldout, args.heldout_config, gpus, [item.run.model_def for item in measured]
+                              ) if args.heldout and ("heldout" in splits or transfer_from) else []
     start = calibrations.priors()
     outcomes = ((family_split(samples, models, start, args.combine) if "family" in splits else [])
                 + (fold_split(samples, models, start, args.combine, args.folds) if "folds" in splits else [])
-                + (transfer_split(samples, models, start, args.combine) if "transfer" in splits else [])
-                + (heldout_split(samples, models, start, args.combine, heldout) if heldout else []))
+                + (transfer_split(samples, models, start, args.combine) if "transfer" in splits and not transfer_from else [])
+                + (transfer_from_split(transfer_from, [*zip(samples, models), *((s, m) for s, m, _ in heldout)])
+                   if transfer_from else [])
+                + (heldout_split(samples, models, start, args.combine, heldout) if "heldout" in splits else []))
     print(f"{len(samples)} runs on {', '.join(sorted({s.gpu['name'] for s in samples}))}; combine {args.combine}"
           + (f"; {len(heldout)} held-out runs of {args.heldout}" if heldout else ""))
     print_outcomes(outcomes)
     print("\n".join(summary(outcomes)))
+    if transfer_from:
+        spread = calibrations.transfer_spread(calibrations.load(transfer_from), samples)
+        print(f"transfer_sd (fit_calibration.py --transfer-from): {spread:.4f}, the log sd over the tables' "
+              f"{len(calibrations.datasheet_only(calibrations.load(transfer_from), samples))} runs predicted datasheet only")
 
 
 if __name__ == "__main__":

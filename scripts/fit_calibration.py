@@ -6,7 +6,13 @@ tables named, this refits config/calibration.yaml from them, and the same tables
 (tests/test_calibration_runs.py checks the shipped one). A results folder becomes such a table with --add:
 
     python scripts/fit_calibration.py --add results/metrics.parquet --to config/calibration-runs/h200-a.csv
-    python scripts/fit_calibration.py --experiment config/examples/calibration.yaml      # config/calibration.yaml
+    python scripts/fit_calibration.py --experiment config/examples/calibration.yaml \
+        --transfer-from config/calibration-transfer/h200.yaml                         # config/calibration.yaml
+
+--transfer-from names a calibration of another GPU model (config/calibration-transfer/h200.yaml: an H200 fit whose
+tables are lost, kept as this input): transfer_sd, the spread of a datasheet-only prediction, is then the root mean
+square of log(predicted / measured) of that calibration predicting the tables' runs from their GPU's datasheet
+(calibrations.transfer_spread), so it is refitted from committed files like every other figure.
 
 Tables may also be results tables (results/metrics.parquet, with results/runs/<run_id>/metrics.json beside it for
 each run's spec), read in place; --add of a results table copied without its runs' folders takes the specs from
@@ -107,6 +113,18 @@ def add(metrics: str, to: str | None, gpus: list[dict], experiment: str | None) 
           f"refit with: python scripts/fit_calibration.py")
 
 
+def transfer_spread(source: str | None, given: float | None, samples: list[calibrations.Sample]) -> float | None:
+    """transfer_sd: given, or measured from ``source``'s datasheet-only predictions of ``samples``; else None."""
+    if source is None:
+        return given
+    if given is not None:
+        raise FtbenchError("--transfer-sd and --transfer-from: expected one of them (--transfer-from measures it)")
+    fitted = calibrations.transfer_spread(calibrations.load(source), samples)
+    print(f"transfer_sd {fitted:.4f}: the log spread of {source}'s datasheet-only predictions of "
+          f"{len(calibrations.datasheet_only(calibrations.load(source), samples))} runs")
+    return fitted
+
+
 def reproducing_command(argv: list[str]) -> str:
     """The command that rebuilds the file, for its header: this one without --out, which says only where it went."""
     kept, skip = [], False
@@ -130,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start", default=None, help="calibration to start from (default: the starting values)")
     parser.add_argument("--combine", choices=step_time.COMBINES, default="smooth", help="how the terms make a step")
     parser.add_argument("--transfer-sd", type=float, default=None,
-                        help="log spread of datasheet-only predictions, as check_predictions.py --transfer measured it")
+                        help="log spread of datasheet-only predictions, as check_predictions.py measured it")
+    parser.add_argument("--transfer-from", metavar="CALIBRATION", default=None,
+                        help="a calibration of another GPU model: transfer_sd is the spread of its datasheet-only "
+                        "predictions of the tables' runs (calibrations.transfer_spread)")
     parser.add_argument("--experiment", default=None, help="the experiment config that made the runs (for the header; "
                         "with --add, the runs' specs where the results have no runs/ folder beside them)")
     args = parser.parse_args(argv)
@@ -143,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         raise FtbenchError(f"no tables named and none in {calibration_runs.DEFAULT_FOLDER}/ (add one with --add)")
     samples, measured = measured_samples(tables, gpus)
     start = calibrations.load(args.start) if args.start else calibrations.priors()
-    if args.transfer_sd is not None:
-        start = dataclasses.replace(start, transfer_sd=args.transfer_sd)
+    transfer_sd = transfer_spread(args.transfer_from, args.transfer_sd, samples)
+    if transfer_sd is not None:
+        start = dataclasses.replace(start, transfer_sd=transfer_sd)
     source = f"{len(samples)} runs of {', '.join(str(Path(table)) for table in tables)}"
     fitted = calibrations.fit(samples, start, args.combine, source=source, host=prediction.hosts_of(measured))
     fitted = calibrations.held_out_spread(fitted, samples, start)

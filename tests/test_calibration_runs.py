@@ -4,9 +4,9 @@ calibration as a fit from the results, and the same tables always give the same 
 config/calibration.yaml from config/calibration-runs/, and a synthetic calibration from its fixture table.
 
 tests/fixtures/calibration-runs/synthetic-h200.csv is a TEST FIXTURE, not calibration data: the runs of
-config/examples/calibration.yaml "measured" at the step time the shipped calibration predicts on an H200, times a
-log-normal noise (sd 0.05), made by ``write_fixture`` (``python tests/test_calibration_runs.py`` writes it again,
-and the synthetic calibration fitted to it).
+config/examples/calibration.yaml "measured" at the step time an H200 calibration (config/calibration-transfer/h200.yaml)
+predicts on an H200, times a log-normal noise (sd 0.05), made by ``write_fixture`` (``python
+tests/test_calibration_runs.py`` writes it again, and the synthetic calibration fitted to it).
 """
 
 from __future__ import annotations
@@ -34,20 +34,25 @@ FIXTURE_CALIBRATION = Path("tests/fixtures/calibration-synthetic.yaml")
 FIT = [sys.executable, "scripts/fit_calibration.py"]
 
 
-def fit_script():
-    """scripts/fit_calibration.py as a module, to call its main in this process."""
+def script(name: str):
+    """scripts/<name>.py as a module, to call its main in this process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fit_calibration", ROOT / "scripts" / "fit_calibration.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def fit_script():
+    return script("fit_calibration")
+
+
 def write_fixture(folder: Path) -> None:
     """The fixture table (module docstring) and the calibration fitted to it, from the repository's root."""
     runs = matrix.expand_runs(ftbench_config.load_config(str(ROOT / "config/examples/calibration.yaml")))
-    metrics = write_results(folder, runs, H200, calibrations.load(ROOT / "config/calibration.yaml"), noise=0.05, seed=5)
+    metrics = write_results(folder, runs, H200, calibrations.load(ROOT / "config/calibration-transfer/h200.yaml"),
+                            noise=0.05, seed=5)
     rows = [{**row, "cpu": "none: synthetic test fixture, made by the step-time model", "host": "fixture",
              "collected": "2026-12-07"} for row in calibration_runs.from_results(metrics, GPUS)]
     calibration_runs.write(ROOT / FIXTURE, rows)
@@ -74,11 +79,12 @@ def test_a_refit_from_the_fixture_table_is_its_calibration_byte_for_byte(tmp_pat
 
 
 def test_the_shipped_calibration_is_the_refit_of_its_committed_tables(tmp_path):
-    """config/calibration.yaml is a pure function of config/calibration-runs/*.csv."""
-    if not calibration_runs.tables(ROOT / calibration_runs.DEFAULT_FOLDER):
-        pytest.skip("config/calibration-runs/ holds no table yet: the runs behind config/calibration.yaml were "
-                    "never committed; measure config/examples/calibration.yaml and add them (scripts/README.md)")
-    assert "config/calibration-runs/" in (ROOT / "config/calibration.yaml").read_text(encoding="utf-8")
+    """config/calibration.yaml is a pure function of config/calibration-runs/*.csv (and the transfer check's input
+    calibration its header's command names): never skipped, so a shipped file edited by hand or fitted to other
+    tables fails here."""
+    assert calibration_runs.tables(ROOT / calibration_runs.DEFAULT_FOLDER), "config/calibration-runs/ holds no table"
+    shipped = (ROOT / "config/calibration.yaml").read_text(encoding="utf-8")
+    assert "config/calibration-runs/" in shipped and "--transfer-from" in shipped
     refit_matches(Path("config/calibration.yaml"), tmp_path)
 
 

@@ -111,24 +111,24 @@ def test_a_probe_maps_directly_to_the_parameters_it_stands_for():
 
 
 def test_a_probe_is_scaled_by_a_calibrated_gpus_probe_where_the_file_has_one():
-    """The H200 is calibrated (0.76 compute, 13 us per host unit) and probed at 0.70 and 10 us; an H100 probed at
-    0.77 and 12 us is predicted at 0.76 x 0.77 / 0.70 and 13 us x 1.2: what the probe measured differently, carried
+    """The H100 is calibrated (0.77 compute, 13 us per host unit) and probed at 0.70 and 10 us; an H200 probed at
+    0.77 and 12 us is predicted at 0.77 x 0.77 / 0.70 and 13 us x 1.2: what the probe measured differently, carried
     over onto what the fit to training runs learned."""
     shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
     width_half = shipped.params["width_half"]
-    h200 = probe_figures(0.70, 0.80, H200, width_half, kernel_s=3e-6, host_op_s=10e-6)
-    h100 = probe_figures(0.77, 0.88, H100, width_half, kernel_s=2.4e-6, host_op_s=12e-6)
-    merged = probes.with_probes(shipped, {"H200": h200, "H100 SXM": h100}, GPUS)
-    mine, theirs = merged.params_for("H100 SXM"), shipped.params_for("H200")
+    h100 = probe_figures(0.70, 0.80, H100, width_half, kernel_s=3e-6, host_op_s=10e-6)
+    h200 = probe_figures(0.77, 0.88, H200, width_half, kernel_s=2.4e-6, host_op_s=12e-6)
+    merged = probes.with_probes(shipped, {"H100 SXM": h100, "H200": h200}, GPUS)
+    mine, theirs = merged.params_for("H200"), shipped.params_for("H100 SXM")
     assert mine["compute_efficiency"] == pytest.approx(theirs["compute_efficiency"] * 0.77 / 0.70)
     assert mine["memory_efficiency"] == pytest.approx(theirs["memory_efficiency"] * 0.88 / 0.80)
     assert mine["host_op_s"] == pytest.approx(theirs["host_op_s"] * 1.2)
     assert mine["host_step_s"] == pytest.approx(theirs["host_step_s"] * 1.2)
     assert mine["gpu_op_s"] == pytest.approx(theirs["gpu_op_s"] * 0.8)
-    assert "H200" in merged.probed["H100 SXM"]["from_probe"]
-    # the calibrated H200 keeps its fitted parameters: measured runs take precedence over a probe
-    assert merged.params_for("H200") == shipped.params_for("H200")
-    assert prediction.basis("H200", merged) == "calibrated"
+    assert "H100 SXM" in merged.probed["H200"]["from_probe"]
+    # the calibrated H100 keeps its fitted parameters: measured runs take precedence over a probe
+    assert merged.params_for("H100 SXM") == shipped.params_for("H100 SXM")
+    assert prediction.basis("H100 SXM", merged) == "calibrated"
 
 
 def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width():
@@ -138,29 +138,30 @@ def test_probed_sits_between_calibrated_and_datasheet_with_the_datasheets_width(
     # without a probe of a calibrated GPU model the probe is kept but not used: its direct figures predicted an
     # H100's runs worse than its datasheet did
     assert probes.with_probes(shipped, {"L4": figures}, GPUS).is_probed("L4") is False
-    assert "not used until the file also holds a probe of H200" in probes.reference_missing(shipped, {"L4": figures})
-    # with one: an H200 probed at its calibrated efficiencies and host terms carries the L4's figures over as they are
-    h200 = shipped.params_for("H200")
-    reference = probe_figures(h200["compute_efficiency"], h200["memory_efficiency"], H200, width_half,
-                              kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
-    figures = probe_figures(0.5, 0.6, L4, width_half, kernel_s=h200["gpu_op_s"], host_op_s=h200["host_op_s"])
-    merged = probes.with_probes(shipped, {"H200": reference, "L4": figures}, GPUS)
-    assert probes.reference_missing(shipped, {"H200": reference, "L4": figures}) is None
+    assert "not used until the file also holds a probe of H100 SXM" in probes.reference_missing(shipped, {"L4": figures})
+    # with one: an H100 probed at its calibrated efficiencies and host terms carries the L4's figures over as they are
+    h100 = shipped.params_for("H100 SXM")
+    reference = probe_figures(h100["compute_efficiency"], h100["memory_efficiency"], H100, width_half,
+                              kernel_s=h100["gpu_op_s"], host_op_s=h100["host_op_s"])
+    figures = probe_figures(0.5, 0.6, L4, width_half, kernel_s=h100["gpu_op_s"], host_op_s=h100["host_op_s"])
+    merged = probes.with_probes(shipped, {"H100 SXM": reference, "L4": figures}, GPUS)
+    assert probes.reference_missing(shipped, {"H100 SXM": reference, "L4": figures}) is None
     assert prediction.basis("L4", merged) == "probed"
     assert prediction.BASES["probed"] == "probed on this GPU model"
     assert prediction.basis("A100", merged) == "datasheet"
     assert prediction.basis("L4", merged, measured=True) == "measured"
-    # the spread a probe has earned is unmeasured: it keeps the datasheet prior's width
-    assert merged.spread("L4", 0.3) == merged.spread("A100", 0.3) == merged.transfer_sd
+    # the spread a probe has earned is unmeasured: it keeps the prior's width, the datasheet its measured transfer_sd
+    assert merged.spread("L4", 0.3) == calibrations.PROBED_SD == calibrations.DEFAULT_TRANSFER_SD
+    assert merged.spread("A100", 0.3) == merged.transfer_sd
     # and the probe moves the prediction: the L4's efficiencies are its own, not the calibrated models' median
     assert merged.params_for("L4")["compute_efficiency"] == pytest.approx(0.5)
     assert shipped.params_for("L4")["compute_efficiency"] != pytest.approx(0.5)
     # a probe without a 16-bit matmul figure keeps the calibrated models' compute efficiency, its other figures its own
-    partial = probes.with_probes(shipped, {"H200": reference, "L4": {**figures, "matmul_tflops": {}}}, GPUS)
+    partial = probes.with_probes(shipped, {"H100 SXM": reference, "L4": {**figures, "matmul_tflops": {}}}, GPUS)
     assert partial.params_for("L4")["compute_efficiency"] == shipped.params_for("L4")["compute_efficiency"]
     assert partial.params_for("L4")["memory_efficiency"] == pytest.approx(0.6)
     # the user's own runs fitted over it keep the probe for the GPU models they did not run on
-    assert calibrations.Calibration(shipped.params, {"H100 SXM": dict(shipped.gpus["H200"])}).over(merged).is_probed("L4")
+    assert calibrations.Calibration(shipped.params, {"H200": dict(shipped.gpus["H100 SXM"])}).over(merged).is_probed("L4")
 
 
 def test_a_probe_file_round_trips_and_adds_a_gpu_the_table_lacks(tmp_path):
@@ -174,10 +175,10 @@ def test_a_probe_file_round_trips_and_adds_a_gpu_the_table_lacks(tmp_path):
     assert not report_prediction.with_probe_file(calibrations.priors(), GPUS, path)[0].is_probed("L4")  # no reference
     assert [gpu["name"] for gpu in added] == ["Blackwell X"]
     shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
-    probes.save(path, "H200", probe_figures(0.7, 0.8, H200, 110.0))
+    probes.save(path, "H100 SXM", probe_figures(0.7, 0.8, H100, 110.0))
     calibration, gpus = report_prediction.with_probe_file(shipped, GPUS, path)
     assert gpu_table.entry_for("NVIDIA Blackwell X (test)", gpus)["name"] == "Blackwell X"
-    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4") and not calibration.is_probed("H200")
+    assert calibration.is_probed("Blackwell X") and calibration.is_probed("L4") and not calibration.is_probed("H100 SXM")
     assert report_prediction.with_probe_file(calibrations.priors(), GPUS, tmp_path / "none.yaml")[1] == GPUS
     path.write_text(yaml.safe_dump({"probes": {"L4": {"device_name": "x"}}}), encoding="utf-8")
     with pytest.raises(FtbenchError, match="probes.L4: missing matmul_tflops"):
@@ -245,3 +246,43 @@ def test_the_kernel_floor_is_per_kernel_gpu_time(monkeypatch):
     gpu_probe.probe_kernel_floor(fake_torch, result, kernels=2000)
     assert result.kernel_s == pytest.approx(0.006 / 2000)
     assert cycles[1] == 4 * cycles[0]
+
+
+def test_the_shipped_reference_probe_makes_another_gpus_probe_move_its_prediction_and_label(tmp_path):
+    """config/calibration-probed.yaml ships a probe of the calibrated GPU model (the reference): a user's probe of
+    another GPU model added to it is used at once. An H200 probed with the reference's figures but matmuls 0.8x as
+    fast is predicted at 0.8x the H100's fitted compute efficiency (the two have the same dense peak), its GPU-bound
+    run slower than its datasheet-only prediction, labelled probed, with the prior's width (unmeasured)."""
+    from ftbench.report import cost
+
+    shipped = calibrations.load(ROOT / "config" / "calibration.yaml")
+    (calibrated,) = shipped.gpus
+    reference, added = probes.load(ROOT / probes.DEFAULT_PROBES)
+    assert list(reference) == [calibrated] and added == []  # the calibrated model's probe, and nothing else
+    path = tmp_path / "probed.yaml"
+    path.write_text((ROOT / probes.DEFAULT_PROBES).read_text(encoding="utf-8"), encoding="utf-8")
+    figures = reference[calibrated]
+    slower = {dtype: {width: 0.8 * value for width, value in by_width.items()}
+              for dtype, by_width in figures["matmul_tflops"].items()}
+    probes.save(path, "H200", {**figures, "device_name": "NVIDIA H200", "matmul_tflops": slower,
+                               "bandwidth_gbs": {kernel: value * H200["memory_bandwidth_gbs"] / H100["memory_bandwidth_gbs"]
+                                                 for kernel, value in figures["bandwidth_gbs"].items()}})
+    merged, gpus = report_prediction.with_probe_file(shipped, GPUS, path)
+    assert H200["dense_tflops"]["bf16"] == H100["dense_tflops"]["bf16"]
+    assert merged.params_for("H200")["compute_efficiency"] == pytest.approx(
+        0.8 * shipped.params_for(calibrated)["compute_efficiency"], rel=1e-6)
+    runs = matrix_runs(tmp_path)
+    budget, prices = {"tokens": 1e9}, cost.resolve({})
+    before = report_prediction.priced_table(runs, GPUS, shipped, prices, budget).set_index("gpu").loc["H200"]
+    after = report_prediction.priced_table(runs, gpus, merged, prices, budget).set_index("gpu").loc["H200"]
+    assert before["basis"] == "datasheet only (uncalibrated)" and after["basis"] == "probed on this GPU model"
+    assert after["tokens_per_s"] < 0.9 * before["tokens_per_s"]  # GPU-bound: the slower matmuls count
+    assert merged.spread("H200", 0.0) == calibrations.PROBED_SD == 0.3  # the probed spread is unmeasured: the prior
+
+
+def matrix_runs(tmp_path):
+    """One GPU-bound run (a 1B Llama shape, full fine-tuning at 4 x 2048)."""
+    from test_prediction import experiment, llama, runs_of
+
+    return runs_of(experiment(tmp_path, {"big": llama(2048, 16, 5632, 32, 4, 32000)}, {"method": ["full"]},
+                              {"batch_size": 4, "seq_len": 2048}))

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from ftbench import cli
 from ftbench.errors import FtbenchError
 from ftbench.experiment import calibration as calibrations
 from ftbench.experiment import config as ftbench_config
@@ -458,11 +459,10 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     path = experiment(tmp_path, models, {"method": ["full"]}, budget={"tokens": 1_000_000_000})
     cli.plan([str(path), "--data-root", str(tmp_path / "data"), "--results", str(tmp_path / "none.parquet"), "--detail"])
     out = capsys.readouterr().out
-    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H200" in out  # the shipped calibration
-    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] in
-             {gpu["name"].split()[0] for gpu in GPUS}}
-    assert "calibrated on this GPU model" in lines["H200"] and "$" in lines["H200"]
-    assert "datasheet only (uncalibrated)" in lines["A100"]
+    assert "budget 1,000,000,000 tokens x 1 epochs" in out and "calibrated on: H100 SXM" in out  # the shipped calibration
+    lines = {gpu["name"]: line for gpu in GPUS for line in out.splitlines() if line.startswith(f"  {gpu['name']} ")}
+    assert "calibrated on this GPU model" in lines["H100 SXM"] and "$" in lines["H100 SXM"]
+    assert "datasheet only (uncalibrated)" in lines["A100"] and "datasheet only (uncalibrated)" in lines["H200"]
     (run,) = runs_of(path)
     table = report_prediction.priced_table([run], GPUS, calibrations.load(ROOT / "config" / "calibration.yaml"),
                                            cost.resolve({}), {"tokens": 1e9})
@@ -470,10 +470,10 @@ def test_plan_prices_every_gpu_and_names_the_cheapest_that_fits(tmp_path, capsys
     best = fitting.loc[fitting["budget_cost"].idxmin()]
     assert f"cheapest that fits: {best['gpu']} (yes), {pages.money(best['budget_cost'])} [" in out  # the report's dollars
     # hours at the predicted rate, dollars at the table's price per GPU-hour
-    h200 = table.set_index("gpu").loc["H200"]
-    assert h200["budget_hours"] == pytest.approx(1e9 / h200["tokens_per_s"] / 3600)
-    assert h200["budget_cost"] == pytest.approx(h200["budget_hours"] * cost.resolve({}).per_device_hour["H200"])
-    assert h200["budget_cost_low"] < h200["budget_cost"] < h200["budget_cost_high"]
+    h100 = table.set_index("gpu").loc["H100 SXM"]
+    assert h100["budget_hours"] == pytest.approx(1e9 / h100["tokens_per_s"] / 3600)
+    assert h100["budget_cost"] == pytest.approx(h100["budget_hours"] * cost.resolve({}).per_device_hour["H100 SXM"])
+    assert h100["budget_cost_low"] < h100["budget_cost"] < h100["budget_cost_high"]
     # a GPU without a bf16 peak (V100) gets no prediction for a bf16 run
     assert "V100" not in set(table["gpu"])
 
@@ -638,6 +638,48 @@ def test_check_predictions_predicts_a_held_out_table_from_its_experiments_config
                              str(tmp_path / "h200" / "metrics.parquet"), "--heldout", str(table)],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 1 and result.stderr.startswith("ftbench: --heldout ") and "--heldout-config" in result.stderr
+
+
+def test_check_predictions_transfer_from_a_calibration_file_is_its_datasheet_only_error(tmp_path, monkeypatch, capsys):
+    """--transfer-from: a calibration fitted on the H200 alone predicts H100 runs from the H100's datasheet. The
+    H100 runs are measured with efficiencies 0.9 of the H200's, so a GPU-bound run reads pred/meas about 1/0.9 and a
+    host-bound one about 1 (a fit of the tables themselves would read 1 everywhere); the interval is the file's
+    transfer_sd; fit_calibration.py --transfer-from ships the root mean square of the same log ratios."""
+    models = {"small": llama(256, 4, 768, 4, 2, 8000), "mid": llama(1024, 12, 2816, 16, 4, 32000)}
+    runs = runs_of(experiment(tmp_path, models, {"method": ["full", "lora"], "batch_size": [2, 8], "seq_len": [512, 2048]}))
+    h100 = {name: 0.9 * value for name, value in TRUE_GPU["H200"].items()}
+    table = write_results(tmp_path / "h100", runs, H100, calibrations.Calibration(TRUE_GLOBAL, {"H100 SXM": h100}))
+    source = tmp_path / "h200.yaml"
+    from test_calibration_runs import fit_script, script
+
+    monkeypatch.chdir(ROOT)
+    check = script("check_predictions")
+    for transfer_sd in (0.3, 0.01):
+        calibrations.save(calibrations.Calibration(TRUE_GLOBAL, {"H200": dict(TRUE_GPU["H200"])}, transfer_sd=transfer_sd),
+                          source)
+        check.main([str(table), "--only", "transfer", "--transfer-from", str(source)])
+        stdout = capsys.readouterr().out
+        rows = [line.split() for line in stdout.splitlines() if line.startswith(("small-", "mid-"))]
+        assert len(rows) == len(runs) and all(" ".join(row[2:6]) == "datasheet only (from H200)" for row in rows)
+        ratios = {row[0]: float(row[8]) for row in rows}
+        host_bound = {row[0] for row in rows if "(host-bound)" in row[-1]}
+        assert host_bound and len(host_bound) < len(rows)
+        assert all(1.05 < ratios[run] < 1.12 for run in ratios if run not in host_bound), ratios
+        assert all(0.97 < ratios[run] < 1.05 for run in host_bound), ratios
+        gpu_bound_line = next(line for line in stdout.splitlines() if line.startswith("transfer: ") and "GPU-bound" in line)
+        inside = gpu_bound_line.split("inside 95% interval ")[1].split(",")[0]
+        assert inside == (f"{len(rows) - len(host_bound)}/{len(rows) - len(host_bound)}" if transfer_sd == 0.3
+                          else f"0/{len(rows) - len(host_bound)}"), gpu_bound_line
+    measured_sd = float(stdout.split("transfer_sd (fit_calibration.py --transfer-from): ")[1].split(",")[0])
+    assert measured_sd == pytest.approx(math.sqrt(np.mean(np.square(np.log(list(ratios.values()))))), abs=2e-4)
+    fit_script().main([str(table), "--transfer-from", str(source), "--out", str(tmp_path / "fitted.yaml")])
+    assert calibrations.load(tmp_path / "fitted.yaml").transfer_sd == pytest.approx(measured_sd, abs=1e-4)
+    # a source that measured the runs' GPU model has nothing to predict from a datasheet: one line saying so
+    calibrations.save(calibrations.Calibration(TRUE_GLOBAL, {"H100 SXM": h100}), source)
+    with pytest.raises(SystemExit) as stopped:
+        cli.run(check.main, [str(table), "--only", "transfer", "--transfer-from", str(source)])
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.startswith(f"ftbench: --transfer-from {source}: every run is on")
 
 
 def test_batch_shapes_from_the_data_and_from_a_measured_runs_steps(tmp_path):

@@ -125,6 +125,9 @@ HOST_UNCALIBRATED_SD = 0.30
 MIN_INFORMING = 0.2
 SENSITIVITY_STEP = 0.01  # in the transformed space, for the numerical sensitivities
 DEFAULT_TRANSFER_SD = 0.30  # datasheet only: until a check across two GPU models measures it
+# A probed GPU model (no run on it): how far a probe carries over to training runs is unmeasured (no second GPU
+# model's runs were checked against its probe), so it keeps the prior width, not the datasheet's measured transfer_sd.
+PROBED_SD = DEFAULT_TRANSFER_SD
 HOST_BOUND = metrics.HOST_BOUND_BUSY_SHARE  # a predicted busy share below it: host-bound, as a measured one is
 Z95 = 1.96
 
@@ -175,11 +178,10 @@ class Calibration:
     def spread(self, gpu_name: str, host_share: float) -> float:
         """Log-scale standard deviation of a prediction for this GPU model, of a run whose step time moves with
         the host term by ``host_share`` (step_time.step_terms): the two terms' spreads weighed by it. A GPU model
-        no run calibrated takes ``transfer_sd``, probed or not: how far a probe's figures carry over to training
-        runs is unmeasured until a transfer check measures it, so a probe keeps the datasheet prior's width."""
+        no run calibrated takes ``transfer_sd`` (datasheet only), or PROBED_SD where a probe stands for it."""
         own = self.gpus.get(gpu_name)
         if own is None:
-            return self.transfer_sd
+            return PROBED_SD if self.is_probed(gpu_name) else self.transfer_sd
         gpu_sd = float(own.get("sd_gpu_bound") or DEFAULT_SD)
         host_sd = float(own.get("sd_host_bound") or HOST_UNCALIBRATED_SD)
         return math.hypot((1 - host_share) * gpu_sd, host_share * host_sd)
@@ -223,8 +225,9 @@ HEADER = """\
 #         residuals, each run predicted by a fit without it (log scale): sd_gpu_bound of the GPU's terms,
 #         sd_host_bound of the host's; a prediction's sd weighs them by the share of its step the host sets, and
 #         its 95% interval is x/ exp(1.96 sd).
-#   transfer_sd: the spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
-#         efficiencies), as a check across two GPU models measured it (scripts/check_predictions.py --transfer).
+#   transfer_sd: the log spread of a prediction for a GPU model not listed (datasheet only, the listed models' median
+#         efficiencies): measured where the command above has --transfer-from (another GPU model's calibration
+#         predicting these runs from their datasheet), else the prior 0.3.
 #   host: the CPU the host terms were measured with; another host's launch speed differs.
 #   uninformed: parameters no run here depends on (they keep their starting values); a prediction that depends on
 #         one takes its prior width into its interval.
@@ -487,3 +490,32 @@ def _term_spreads(residuals: list[tuple[float, float]], own: bool = True) -> dic
         if host_grid.size > 1:
             host_sd = host_grid[best_host] * correction
     return {"sd_gpu_bound": max(MIN_SD, float(gpu_sd)), "sd_host_bound": max(MIN_SD_HOST_BOUND, float(host_sd))}
+
+
+# --- the transfer: a calibration's datasheet-only predictions of runs on a GPU model it never measured ----------
+
+def datasheet_only(source: Calibration, samples: list[Sample]) -> list[Sample]:
+    """The runs on GPU models ``source`` measured no run on: the ones it predicts from their datasheet alone."""
+    return [sample for sample in samples if not source.calibrated(sample.gpu["name"])]
+
+
+def transfer_log_errors(source: Calibration, samples: list[Sample]) -> list[float]:
+    """log(predicted / measured tokens/s) of every run ``source`` predicts datasheet only (``datasheet_only``)."""
+    errors = []
+    for sample in datasheet_only(source, samples):
+        terms = step_time.step_terms(sample.workload, sample.gpu, source.params_for(sample.gpu["name"]), source.combine)
+        errors.append(math.log(sample.step_s / terms["step_s"]))
+    return errors
+
+
+def transfer_spread(source: Calibration, samples: list[Sample]) -> float:
+    """``transfer_sd`` measured: the root mean square of ``transfer_log_errors`` (about zero, as the interval is
+    centred on the prediction: a bias of the datasheet widens it as a scatter does). GPU- and host-bound runs
+    alike, as the datasheet-only interval takes one sd for both."""
+    errors = transfer_log_errors(source, samples)
+    if len(errors) < MIN_RUNS_FOR_SD:
+        names = sorted({sample.gpu["name"] for sample in samples})
+        raise FtbenchError(f"transfer from {source.source}: {len(errors)} runs on a GPU model it did not measure "
+                           f"(the runs are on {', '.join(names)}; it measured {', '.join(source.gpus) or 'none'}): "
+                           f"expected at least {MIN_RUNS_FOR_SD}")
+    return math.sqrt(sum(error * error for error in errors) / len(errors))

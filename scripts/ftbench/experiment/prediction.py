@@ -8,8 +8,8 @@ A pure function of the run's settings, its model's config, a GPU's row of config
   prediction (the report and the plan take it from results/metrics.parquet);
 - calibrated on this GPU model: the calibration holds runs measured on it (the user's own take precedence);
 - probed on this GPU model: no run calibrated it, but a probe of it did (``python -m ftbench probe-gpu``,
-  experiment/probes.py): its own matmul, bandwidth, kernel and host figures, with the datasheet-only interval (how
-  well a probe carries over to training runs is unmeasured until a check on its runs measures it);
+  experiment/probes.py): its own matmul, bandwidth, kernel and host figures, with the prior's interval (how well a
+  probe carries over to training runs is unmeasured until a check on its runs measures it: calibration.PROBED_SD);
 - datasheet only (uncalibrated): its datasheet peak and bandwidth with the calibrated models' efficiencies, and a
   wider interval (the calibration's ``transfer_sd``).
 The interval is the calibration's residual spread for the GPU model, its GPU's and host's parts weighed by how much

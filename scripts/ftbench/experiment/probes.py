@@ -2,9 +2,9 @@
 figures of measure/gpu_probe.py per GPU model) and the parameters of the step-time model each probe stands for.
 
 Precedence, per GPU model: runs measured on it (the shipped calibration, your own results) > a probe of it > its
-datasheet alone. A probed GPU model's prediction reads "probed on this GPU model"; its interval keeps the datasheet
-prior's width (``transfer_sd``): how well a probe's figures carry over to training runs is unmeasured until runs on
-a probed GPU model are checked against it (scripts/check_predictions.py --transfer on runs of two GPU models).
+datasheet alone. A probed GPU model's prediction reads "probed on this GPU model"; its interval keeps the prior's
+width (calibration.PROBED_SD, 0.3 in log): how well a probe's figures carry over to training runs is unmeasured until
+runs on a probed GPU model are checked against it (no GPU model but the calibrated one has been probed).
 
 From figures to parameters (``probed_params``):
 - directly (``probed_params`` without a reference; printed by the probe, not used to predict): ``compute_efficiency`` = the median over widths of the 16-bit matmul's achieved share of the dense
@@ -42,7 +42,8 @@ DEFAULT_PROBES = Path("config/calibration-probed.yaml")
 # Why the direct mapping does not predict: an H100 SXM probed directly (compute_efficiency 0.54, host_op_s 21 us: a
 # bare matmul and a raw aten operation, not what the fit to training runs means by them) predicted the 20 runs of
 # config/examples/calibration.yaml on it at 0.83x (GPU-bound, median) and 0.68x (host-bound) of their measured
-# tokens/s; its datasheet with the H200's calibration at 0.92x and 1.05x.
+# tokens/s; its datasheet with the H200's calibration at 0.92x and 1.05x (python scripts/check_predictions.py
+# config/calibration-runs/*.csv --only transfer --transfer-from config/calibration-transfer/h200.yaml).
 DIRECT_MISS = {"GPU-bound": 0.83, "host-bound": 0.68}
 PROBED_GLOBALS = calibrations.PROBED_GLOBALS
 MATMUL_DTYPES = ("bf16", "fp16")  # the 16-bit matmuls set compute_efficiency: what the examples train in
@@ -55,7 +56,10 @@ HEADER = """\
 # where a GPU model config/gpus.yaml lacks was added with its datasheet peak (gpus). `python -m ftbench plan` and the
 # report read this file beside config/calibration.yaml: a GPU model probed here and measured by no run is predicted
 # from its probe ("probed on this GPU model"; scripts/ftbench/experiment/probes.py says how the figures become
-# the step-time model's parameters), with the datasheet-only interval until a check on its runs measures one.
+# the step-time model's parameters), with the prior's interval until a check on its runs measures one.
+# A probe of a GPU model the calibration measured runs on is the reference every other probe is scaled by: the
+# shipped file holds the H100 SXM's (config/calibration.yaml's GPU model, probed on the host of its calibration runs);
+# keep it when you add yours (probe-gpu keeps the other models' probes).
 """
 
 

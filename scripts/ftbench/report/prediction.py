@@ -315,7 +315,7 @@ def plan_heading(calibration: calibrations.Calibration, prices: cost.Prices, bud
             f" x {budget.get('epochs') or 1} epochs")
     return (f"speed and cost per GPU ({what}; training steps only, no evaluation or start-up; prices {prices.label} "
             f"from {prices.table_path}; calibration {calibration.source}, calibrated on: {calibrated}; "
-            + (f"probed: {probed} (their interval the datasheet-only width: unmeasured); " if probed else "") +
+            + (f"probed: {probed} (their interval the prior's width: unmeasured); " if probed else "") +
             f"[95%]: the calibration's residual spread, wider where it rests on a parameter no run calibrated)")
 
 

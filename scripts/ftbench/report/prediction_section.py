@@ -4,6 +4,7 @@ GPU that fits each configuration, the host-bound runs named, and the budget-cost
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -32,10 +33,11 @@ def calibration_notes(calibration: calibrations.Calibration) -> list[str]:
     """What the predictions rest on."""
     calibrated = ", ".join(f"{name} ({entry.get('runs', '?')} runs)" for name, entry in sorted(calibration.gpus.items()))
     probed = ", ".join(sorted(name for name in calibration.probed if calibration.is_probed(name)))
-    width = f"x{pow(2.718281828, 1.96 * calibration.transfer_sd):.2f} either way"
+    width = f"x{math.exp(calibrations.Z95 * calibration.transfer_sd):.2f} either way"
+    probed_width = f"x{math.exp(calibrations.Z95 * calibrations.PROBED_SD):.2f} either way"
     return [f"Calibration: {calibration.source}; calibrated GPU models: {calibrated or 'none'}. "
             + (f"Probed GPU models ({probed}): predicted from their probe's figures; how well a probe carries over to "
-               f"training runs is unmeasured, so their interval keeps the datasheet-only width ({width}). " if probed else "")
+               f"training runs is unmeasured, so their interval keeps the prior's width ({probed_width}). " if probed else "")
             + f"Other GPU models are datasheet only: their interval is wider ({width}).",
             "Predicted hours and dollars cover the budget's training steps only (no evaluation or job start-up)."]
 
