@@ -48,17 +48,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from ftbench.tasks.instruction_rows import FORMATS, common_prefix_length  # the installed package (pip install -e .)
 
-from ftbench.tasks.instruction_rows import FORMATS  # noqa: E402  (torch-free: the formats, as TRL names them)
+ROOT = Path(__file__).resolve().parents[1]
 
 TEMPLATES = ("chatml", "llama3")
 LOSS_TOLERANCE = 1e-3  # fp32: the two ways' first-step losses must agree this closely
@@ -429,23 +427,14 @@ def compare_rows(trl: list[tuple[list[int], list[int]]], ftbench: list[tuple[lis
     for index, (ids, mask) in enumerate(trl):
         other = theirs.get(tuple(ids))
         if other is None:
-            nearest = max(ftbench, key=lambda row: _shared_prefix(row[0], ids))[0] if ftbench else []
-            compared.append({"row": index, "same_ids": False, "ids_part_at": _shared_prefix(nearest, ids),
+            nearest = max(ftbench, key=lambda row: common_prefix_length(row[0], ids))[0] if ftbench else []
+            compared.append({"row": index, "same_ids": False, "ids_part_at": common_prefix_length(nearest, ids),
                              "trl_length": len(ids), "ftbench_length": len(nearest)})
             continue
         differ = [position for position in range(1, len(ids)) if mask[position] != other[position]]
         compared.append({"row": index, "same_ids": True, "mask_differs_at": differ,
                          "trained": sum(mask[1:]), "ftbench_trained": sum(other[1:])})
     return compared
-
-
-def _shared_prefix(ids: list[int], other: list[int]) -> int:
-    count = 0
-    for a, b in zip(ids, other):
-        if a != b:
-            break
-        count += 1
-    return count
 
 
 def check_format(folder: Path, style: str, row_format: str, seq_len: int, scratch: Path,
@@ -737,9 +726,7 @@ def ftbench_speed(args) -> dict:
         data, out = ftbench_prepare(spec, Path(folder) / "data"), Path(folder) / "run" / "metrics.json"
         out.parent.mkdir()
         subprocess.run([sys.executable, "-m", "ftbench", "train", "--spec", spec.to_json(), "--data", str(data),
-                        "--out", str(out)], check=True, cwd=ROOT, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
-                                                                                       os.environ.get("PYTHONPATH")]))})
+                        "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
         metrics = json.loads(out.read_text())["metrics"]
     if metrics["status"] != "ok":
         raise SystemExit(f"ftbench run {metrics['status']}: {metrics.get('status_reason')}")

@@ -281,12 +281,7 @@ def train_and_eval(tables: dict[str, pd.DataFrame], dataset_def: dict, where: st
     stratified by ``label`` where the rows have one (each class in both splits)."""
     if "eval_split" not in dataset_def:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
-        train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
-        eval_size = dataset_def.get("eval_size", len(frame) - train_size)
-        if train_size + eval_size > len(frame):
-            raise ConfigError(f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} but only "
-                              f"{len(frame)} usable rows remain")
-        return prepared.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+        return prepared.seeded_split(frame, dataset_def, where)
     for key in ("train_split", "eval_split"):
         split = dataset_def.get(key, "train")
         if split not in tables:

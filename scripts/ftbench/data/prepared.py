@@ -142,14 +142,7 @@ def _seeded_split(tables: dict, counts: dict, dataset_def: dict, where: str):
     name = dataset_def.get("train_split", "train")
     name = name if name in tables else next(iter(tables))
     frame = tables[name]
-    train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
-    eval_size = dataset_def.get("eval_size", len(frame) - train_size)
-    if train_size + eval_size > len(frame):
-        raise ConfigError(
-            f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} "
-            f"but only {len(frame)} usable rows remain after filtering and deduplication"
-        )
-    train, evaluation = stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+    train, evaluation = seeded_split(frame, dataset_def, where, "usable rows remain after filtering and deduplication")
     for split, part, key in (("train", train, "train_size"), ("eval", evaluation, "eval_size")):
         if part.empty:
             raise ConfigError(f"config key {where}.{key}: the {split} part would have no rows ({len(frame)} usable "
@@ -267,6 +260,18 @@ def _clean(frame: pd.DataFrame, labels: list | None, deduplicate: bool) -> tuple
         frame = frame.drop_duplicates(subset="text", keep="first")
         dropped["duplicates"] = before - len(frame)
     return frame.reset_index(drop=True), dropped
+
+
+def seeded_split(frame: pd.DataFrame, dataset_def: dict, where: str, rows_left: str = "usable rows remain"):
+    """(train, eval): the dataset's train_size and eval_size rows of one table (80/20 by default), seeded by its
+    split_seed and stratified by label; too few rows are refused naming train_size (``rows_left`` says which rows
+    were counted)."""
+    train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
+    eval_size = dataset_def.get("eval_size", len(frame) - train_size)
+    if train_size + eval_size > len(frame):
+        raise ConfigError(f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} but only "
+                          f"{len(frame)} {rows_left}")
+    return stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
 
 
 def stratified_split(frame: pd.DataFrame, train_size: int, eval_size: int, seed: int):

@@ -188,12 +188,7 @@ def raw_splits(dataset_name: str, dataset_def: dict, dropped: dict) -> tuple[pd.
             evaluation = evaluation[~seen].reset_index(drop=True)
     else:
         frame = tables.get(dataset_def.get("train_split", "train"), next(iter(tables.values())))
-        train_size = dataset_def.get("train_size", int(len(frame) * 0.8))
-        eval_size = dataset_def.get("eval_size", len(frame) - train_size)
-        if train_size + eval_size > len(frame):
-            raise ConfigError(f"config key {where}.train_size: train_size + eval_size = {train_size + eval_size} but "
-                              f"only {len(frame)} rows remain after building and deduplication")
-        train, evaluation = prepared.stratified_split(frame, train_size, eval_size, dataset_def.get("split_seed", 0))
+        train, evaluation = prepared.seeded_split(frame, dataset_def, where, "rows remain after building and deduplication")
     return train, evaluation, row_format, names
 
 
