@@ -44,7 +44,7 @@ def test_lora_on_a_gguf_decoder(tmp_path):
         "matrix": {"model": ["smollm2"], "dataset": ["rt"]},
     }
     write_config(tmp_path, config)
-    result = run_snakemake(tmp_path)
+    result = run_snakemake(tmp_path, timeout=600)  # 183 s alone on 2 cores: the GGUF is dequantised per job
     assert result.returncode == 0, result.stderr[-2000:]
     row = pd.read_parquet(tmp_path / "results" / "metrics.parquet").iloc[0]
     assert row["status"] == "ok"
